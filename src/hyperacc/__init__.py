@@ -1,0 +1,3 @@
+"""hyperacc: fast and predictable synchronous distributed PyTorch training."""
+
+__version__ = "0.1.0"

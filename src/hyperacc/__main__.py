@@ -1,0 +1,3 @@
+from hyperacc.cli import main
+
+main()

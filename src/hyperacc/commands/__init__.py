@@ -1,0 +1,1 @@
+"""Click commands of the ``hyperacc`` CLI, one module each, loaded only when invoked."""
