@@ -1,0 +1,388 @@
+"""Seeded, reproducible fault injection into a running training job.
+
+Configured from Python (``Chaos(config)``) or, for a script that was not written for hyperacc, from the
+environment variable ``HYPERACC_CHAOS`` holding the same JSON (``install_from_env()``, which
+``python -m hyperacc.bootstrap`` calls). Example::
+
+    {"seed": 1, "faults": [
+        {"kind": "slowdown",    "ranks": [2],   "factor": 0.15},
+        {"kind": "spike",       "ranks": "all", "rate": 0.01, "ms": 40, "dist": "exp"},
+        {"kind": "data_stall",  "ranks": [1],   "rate": 0.03, "ms": 60},
+        {"kind": "gc_pressure", "ranks": [3],   "live": 300000, "garbage": 20000},
+        {"kind": "cold_read",   "ranks": [0],   "rate": 0.05, "mb": 8}]}
+
+What each kind does:
+
+- ``slowdown``: the rank's compute takes ``factor`` longer. It really burns CPU (a busy loop holding
+  the GIL), so it competes for cores as a slow host would. Explicit mode burns ``factor`` x the compute
+  time measured between ``compute_begin`` and ``compute_end``; automatic mode burns after the outermost
+  module's forward, ``factor`` x forward time x ``(1 + backward_ratio)`` (backward ~ 2 x forward).
+- ``spike``: with probability ``rate`` per step, an extra ``ms`` of burnt CPU (``dist``: ``fixed``,
+  ``exp`` (mean ``ms``) or ``lognormal`` (median ``ms``, ``sigma``)), inside the compute.
+- ``data_stall``: with probability ``rate`` per step, the next batch is ``ms`` late (a sleep in the
+  loader path, as a blocked read would be).
+- ``gc_pressure``: builds ``live`` long-lived container objects once, then each step creates ``garbage``
+  objects in reference cycles that survive a few steps, so automatic generation-2 collections fire and
+  pause for a time proportional to the live set. Every collection of 1 ms or more is recorded.
+- ``cold_read``: with probability ``rate`` per step, evicts a private ``mb`` MB file from the page cache
+  (``posix_fadvise(DONTNEED)``) and reads it back from storage.
+
+Randomness is counter-based (seed, rank, fault index, step), so the same configuration injects exactly
+the same faults whatever else the job does. Every injection is appended to the ground-truth file
+``RUN_DIR/chaos/rank-XXXXX.jsonl`` (one JSON object per line: rank, node, step, kind, magnitude_ms,
+detail), which detection benchmarks score against.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import gc
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hyperacc.schema import chaos_path
+
+log = logging.getLogger(__name__)
+
+ENV = "HYPERACC_CHAOS"
+KINDS = ("slowdown", "spike", "data_stall", "gc_pressure", "cold_read")
+_DISTS = ("fixed", "exp", "lognormal")
+
+
+class ChaosConfigError(ValueError):
+    """An impossible or unknown chaos setting; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    kind: str
+    ranks: tuple[int, ...] | None  # None: every rank
+    rate: float = 1.0
+    ms: float = 0.0
+    factor: float = 0.0
+    dist: str = "fixed"
+    sigma: float = 0.5
+    live: int = 0
+    garbage: int = 0
+    mb: float = 8.0
+    backward_ratio: float = 2.0
+
+    def applies_to(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+
+_FAULT_KEYS = {f.name for f in dataclasses.fields(Fault)}
+
+
+def parse_config(config: Mapping[str, Any] | str) -> tuple[int, list[Fault], str | None]:
+    """Validate a chaos configuration; returns (seed, faults, run_dir)."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as exc:
+            raise ChaosConfigError(f"{ENV} is not valid JSON ({exc}); see hyperacc.chaos for the format") from None
+    if not isinstance(config, Mapping):
+        raise ChaosConfigError("chaos configuration must be a JSON object with 'seed' and 'faults'")
+    unknown = set(config) - {"seed", "faults", "run_dir"}
+    if unknown:
+        raise ChaosConfigError(f"unknown chaos option(s) {sorted(unknown)}; allowed: seed, faults, run_dir")
+    seed = int(config.get("seed", 0))
+    faults = []
+    for i, raw in enumerate(config.get("faults", [])):
+        if not isinstance(raw, Mapping) or raw.get("kind") not in KINDS:
+            raise ChaosConfigError(f"fault #{i}: 'kind' must be one of {', '.join(KINDS)} (got {raw!r})")
+        bad = set(raw) - _FAULT_KEYS
+        if bad:
+            raise ChaosConfigError(f"fault #{i} ({raw['kind']}): unknown option(s) {sorted(bad)}")
+        ranks = raw.get("ranks", "all")
+        ranks_t = None if ranks == "all" else tuple(int(r) for r in (ranks if isinstance(ranks, Sequence) else [ranks]))
+        fault = Fault(**{**raw, "ranks": ranks_t})
+        if not 0.0 <= fault.rate <= 1.0:
+            raise ChaosConfigError(f"fault #{i} ({fault.kind}): rate must be in [0, 1] (got {fault.rate})")
+        if fault.ms < 0 or fault.factor < 0 or fault.mb <= 0 or fault.live < 0 or fault.garbage < 0:
+            raise ChaosConfigError(f"fault #{i} ({fault.kind}): sizes and durations must be non-negative")
+        if fault.dist not in _DISTS:
+            raise ChaosConfigError(f"fault #{i}: dist must be one of {', '.join(_DISTS)} (got {fault.dist!r})")
+        faults.append(fault)
+    return seed, faults, config.get("run_dir")
+
+
+def burn_ns(duration_ns: int) -> None:
+    """Busy-wait holding the GIL: real CPU work, as a slow host or a compute spike would be."""
+    end = time.perf_counter_ns() + int(duration_ns)
+    x = 0
+    while time.perf_counter_ns() < end:
+        x += 1
+
+
+class _Garbage:
+    __slots__ = ("ref", "payload")
+
+    def __init__(self) -> None:
+        self.ref: Any = None
+        self.payload = None
+
+
+class Chaos:
+    """Injects the configured faults into one rank. Explicit calls or ``install()`` for automatic hooks."""
+
+    def __init__(
+        self,
+        config: Mapping[str, Any] | str,
+        *,
+        rank: int | None = None,
+        node: int | None = None,
+        run_dir: str | os.PathLike | None = None,
+    ) -> None:
+        self.seed, faults, cfg_run_dir = parse_config(config)
+        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        self.node = int(os.environ.get("GROUP_RANK", "0")) if node is None else node
+        self.faults = [(i, f) for i, f in enumerate(faults) if f.applies_to(self.rank)]
+        run_dir = run_dir or cfg_run_dir or os.environ.get("HYPERACC_RUN_DIR")
+        self.truth_path = chaos_path(run_dir, self.rank) if run_dir else None
+        self._pending: list[str] = []
+        self._step = 0
+        self._compute_t0 = time.perf_counter_ns()
+        self._garbage: deque[list[_Garbage]] = deque(maxlen=3)
+        self._live: list[list[int]] = []
+        self._cold_file: Path | None = None
+        self._hooks: list[Any] = []
+        self._orig_next: Any = None
+        self._gc_t0 = 0
+        self._in_gc = False
+        self._closed = False
+        for i, f in self.faults:
+            if f.kind == "slowdown":
+                self._record(0, "slowdown", 0.0, {"factor": f.factor})
+            if f.kind == "gc_pressure" and f.live:
+                self._live = [[j] for j in range(f.live)]  # tracked containers: gen-2 pauses scale with them
+        if any(f.kind == "gc_pressure" for _, f in self.faults):
+            gc.callbacks.append(self._on_gc)
+        atexit.register(self.close)
+        from hyperacc import harness
+
+        harness.at_finish(self.close)
+
+    # ------------------------------------------------------------ randomness and ground truth
+
+    def _rng(self, index: int, step: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, self.rank, index, step])
+
+    def _magnitude_ms(self, fault: Fault, rng: np.random.Generator) -> float:
+        if fault.dist == "exp":
+            return float(rng.exponential(fault.ms))
+        if fault.dist == "lognormal":
+            return float(fault.ms * np.exp(fault.sigma * rng.standard_normal()))
+        return fault.ms
+
+    def _record(self, step: int, kind: str, magnitude_ms: float, detail: Mapping[str, Any] | None = None) -> None:
+        if self.truth_path is None:
+            return
+        row = {"rank": self.rank, "node": self.node, "step": step, "kind": kind, "magnitude_ms": round(magnitude_ms, 4)}
+        if detail:
+            row["detail"] = dict(detail)
+        self._pending.append(json.dumps(row))
+        if len(self._pending) >= 64 and not self._in_gc:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.truth_path is None or not self._pending:
+            return
+        # Take the lines first: a GC callback may record (never flush) while this writes.
+        lines, self._pending = self._pending, []
+        try:
+            self.truth_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.truth_path.open("a") as fh:
+                fh.write("\n".join(lines) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            log.warning("chaos: cannot write ground truth to %s (%s); recording switched off", self.truth_path, exc)
+            self.truth_path = None
+
+    def _on_gc(self, phase: str, info: Mapping[str, Any]) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter_ns()
+            return
+        pause_ms = (time.perf_counter_ns() - self._gc_t0) / 1e6
+        if pause_ms >= 1.0:
+            self._in_gc = True
+            try:
+                self._record(self._step, "gc_pause", pause_ms, {"generation": info.get("generation")})
+            finally:
+                self._in_gc = False
+
+    # ------------------------------------------------------------ explicit API
+
+    def step_begin(self, step: int) -> None:
+        """Call at the start of each step (before loading its batch)."""
+        self._step = step
+        for i, f in self.faults:
+            if f.kind == "gc_pressure" and f.garbage:
+                batch = [_Garbage() for _ in range(f.garbage)]
+                for a, b in zip(batch, batch[1:] + batch[:1]):
+                    a.ref = b  # a cycle: only the cyclic collector can free it
+                self._garbage.append(batch)
+                self._record(step, "gc_pressure", 0.0, {"objects": f.garbage})
+            elif f.kind == "cold_read" and self._rng(i, step).random() < f.rate:
+                t0 = time.perf_counter_ns()
+                self._cold_read(f)
+                self._record(step, "cold_read", (time.perf_counter_ns() - t0) / 1e6, {"mb": f.mb})
+        self._compute_t0 = time.perf_counter_ns()
+
+    def data(self, step: int | None = None) -> None:
+        """Call in the loader path (``__getitem__`` or the iterator): injects data stalls."""
+        step = self._step if step is None else step
+        for i, f in self.faults:
+            if f.kind == "data_stall" and self._rng(i, step).random() < f.rate:
+                ms = self._magnitude_ms(f, self._rng(i + 1000, step))
+                time.sleep(ms / 1e3)
+                self._record(step, "data_stall", ms)
+
+    def compute_begin(self) -> None:
+        self._compute_t0 = time.perf_counter_ns()
+
+    def compute_end(self, step: int | None = None, compute_ns: int | None = None) -> None:
+        """Call after the step's compute (explicit mode): burns the slowdown share and any spike."""
+        step = self._step if step is None else step
+        if compute_ns is None:
+            compute_ns = time.perf_counter_ns() - self._compute_t0
+        for i, f in self.faults:
+            if f.kind == "slowdown" and f.factor > 0:
+                burn_ns(int(f.factor * compute_ns))
+            elif f.kind == "spike" and self._rng(i, step).random() < f.rate:
+                ms = self._magnitude_ms(f, self._rng(i + 1000, step))
+                burn_ns(int(ms * 1e6))
+                self._record(step, "spike", ms)
+
+    def _cold_read(self, fault: Fault) -> None:
+        nbytes = int(fault.mb * 2**20)
+        if self._cold_file is None:
+            base = self.truth_path.parent if self.truth_path else Path(tempfile.gettempdir())
+            base.mkdir(parents=True, exist_ok=True)
+            self._cold_file = base / f"cold-read-rank{self.rank}.bin"
+            with self._cold_file.open("wb") as fh:
+                fh.write(np.random.default_rng(self.rank).bytes(nbytes))
+                fh.flush()
+                os.fsync(fh.fileno())
+        fd = os.open(self._cold_file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            while os.read(fd, 1 << 20):
+                pass
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ automatic mode
+
+    def install(self) -> Chaos:
+        """Inject through global hooks, for a script that was not written for hyperacc.
+
+        Step boundaries come from the optimizer's global step hooks, compute from the outermost
+        module's forward, data stalls from the DataLoader iterator.
+        """
+        import torch
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.utils.data import dataloader
+
+        # "fired": only the step's first outermost forward counts (a loss module is outermost too).
+        state = {"depth": 0, "t0": 0, "optimizer": None, "fired": False}
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            if state["depth"] == 0:
+                state["t0"] = time.perf_counter_ns()
+            state["depth"] += 1
+
+        def post(module: torch.nn.Module, args: Any, output: Any) -> None:
+            state["depth"] -= 1
+            if state["depth"] == 0 and torch.is_grad_enabled() and not state["fired"]:
+                state["fired"] = True
+                forward_ns = time.perf_counter_ns() - state["t0"]
+                ratio = max((f.backward_ratio for _, f in self.faults if f.kind == "slowdown"), default=2.0)
+                self.compute_end(self._step, int(forward_ns * (1 + ratio)))
+
+        def step_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if state["optimizer"] is None:
+                state["optimizer"] = id(optimizer)
+            if state["optimizer"] == id(optimizer):  # several optimizers: count steps of the first
+                state["fired"] = False
+                self.step_begin(self._step + 1)
+
+        self._hooks = [
+            register_module_forward_pre_hook(pre),
+            register_module_forward_hook(post),
+            register_optimizer_step_post_hook(step_post),
+        ]
+        if any(f.kind == "data_stall" for _, f in self.faults):
+            orig = dataloader._BaseDataLoaderIter.__next__
+            chaos = self
+
+            def __next__(it: Any) -> Any:
+                chaos.data()
+                return orig(it)
+
+            self._orig_next = orig
+            dataloader._BaseDataLoaderIter.__next__ = __next__
+        self.step_begin(0)
+        return self
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._orig_next is not None:
+            from torch.utils.data import dataloader
+
+            dataloader._BaseDataLoaderIter.__next__ = self._orig_next
+            self._orig_next = None
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        self._garbage.clear()
+        self.flush()
+        if self._cold_file is not None:
+            self._cold_file.unlink(missing_ok=True)
+
+
+_installed: Chaos | None = None
+
+
+def from_env(**kwargs: Any) -> Chaos | None:
+    """The Chaos configured by ``HYPERACC_CHAOS``, or None when it is unset or empty."""
+    raw = os.environ.get(ENV, "").strip()
+    return Chaos(raw, **kwargs) if raw else None
+
+
+def install_from_env(**kwargs: Any) -> Chaos | None:
+    """Install the environment's chaos once per process (a second call returns the first one)."""
+    global _installed
+    if _installed is None:
+        chaos = from_env(**kwargs)
+        _installed = chaos.install() if chaos else None
+    return _installed
+
+
+def read_ground_truth(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Every injection recorded under ``RUN_DIR/chaos``, in file order (rank by rank)."""
+    rows = []
+    for path in sorted((Path(run_dir) / "chaos").glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    log.warning("skipping a truncated ground-truth line in %s", path)
+    return rows
