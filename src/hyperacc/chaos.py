@@ -161,7 +161,7 @@ class Chaos:
         self._gc_t0 = 0
         self._in_gc = False
         self._closed = False
-        for i, f in self.faults:
+        for _i, f in self.faults:
             if f.kind == "slowdown":
                 self._record(0, "slowdown", 0.0, {"factor": f.factor})
             if f.kind == "gc_pressure" and f.live:
@@ -230,7 +230,7 @@ class Chaos:
         for i, f in self.faults:
             if f.kind == "gc_pressure" and f.garbage:
                 batch = [_Garbage() for _ in range(f.garbage)]
-                for a, b in zip(batch, batch[1:] + batch[:1]):
+                for a, b in zip(batch, batch[1:] + batch[:1], strict=False):
                     a.ref = b  # a cycle: only the cyclic collector can free it
                 self._garbage.append(batch)
                 self._record(step, "gc_pressure", 0.0, {"objects": f.garbage})

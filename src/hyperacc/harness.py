@@ -84,11 +84,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill the agent's process group and every descendant (torchrun starts ranks in new sessions)."""
+    import psutil
+
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        descendants = []
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(descendants, timeout=10)
 
 
 def launch(
@@ -158,7 +171,7 @@ def launch(
                 break
     finally:
         for proc in procs:
-            _kill_group(proc)
+            _kill_tree(proc)
         for proc in procs:
             try:
                 proc.wait(timeout=10)

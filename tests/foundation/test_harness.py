@@ -1,0 +1,58 @@
+"""The harness really runs ranks through torchrun, survives gloo's exit crash and leaves nothing behind."""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from hyperacc import harness
+
+SCRIPTS = Path(__file__).parent / "scripts"
+pytestmark = pytest.mark.multirank
+
+
+def test_four_ranks_with_gloo_report_their_results():
+    job = harness.launch(SCRIPTS / "exit_crash.py", nproc=4, timeout=120)
+    assert job.ok, job.explain()
+    assert [r["rank"] for r in job.results()] == [0, 1, 2, 3]
+    assert all(r["sum"] == 1 + 2 + 3 + 4 and r["world"] == 4 for r in job.results())
+
+
+def test_two_agents_on_one_machine_are_two_nodes():
+    job = harness.launch(SCRIPTS / "exit_crash.py", nproc=2, nnodes=2, timeout=120)
+    assert job.ok, job.explain()
+    assert [r["group_rank"] for r in job.results()] == [0, 0, 1, 1]
+    assert job.ranks[3].node == 1
+
+
+def test_twenty_runs_survive_the_exit_time_abort():
+    # half the runs die with SIGABRT after writing their results, as gloo does at interpreter exit
+    def one(i: int) -> harness.JobResult:
+        return harness.launch(SCRIPTS / "exit_crash.py", ["abort"] if i % 2 else [], nproc=2, timeout=180)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        jobs = list(pool.map(one, range(20)))
+    for job in jobs:
+        assert job.ok, job.explain()
+    assert any(code != 0 for job in jobs for code in job.returncodes)  # the aborts really happened
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    job = harness.launch(SCRIPTS / "hang.py", nproc=2, timeout=15, workdir=tmp_path)
+    assert job.timed_out and not job.ok
+    pids = [int(p.read_text()) for p in (tmp_path / "results").glob("pid-*")]
+    assert len(pids) == 2
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        # a zombie already reaped by init is gone; anything else alive is a leak
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2] if Path(f"/proc/{pid}/stat").exists() else "X"
+        assert state in ("Z", "X"), f"rank process {pid} left behind"
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="nproc"):
+        harness.launch(SCRIPTS / "exit_crash.py", nproc=0)
