@@ -5,9 +5,16 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup demo test bench lint clean
+.PHONY: setup browser demo test bench lint clean
 
 setup: $(STAMP)
+
+# Debian's Chromium renders the HTML report in the browser tests; installed once, skipped if present.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the report's browser test"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	  || echo "chromium could not be installed: the browser test will be skipped"; }
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +26,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m hyperacc.demo
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest -q
 
 bench: setup
