@@ -1,0 +1,44 @@
+"""``hyperacc report RUN_DIR``: one self-contained HTML page of a run (opens offline)."""
+
+from __future__ import annotations
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+
+from hyperacc.store import RunDirError
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+              help="Where to write the HTML (default: RUN_DIR/report.html).")  # fmt: skip
+@click.option("--max-ranks", default=64, show_default=True, type=click.IntRange(1),
+              help="Most ranks drawn one by one (flagged first, then the spikiest, then the slowest).")  # fmt: skip
+@click.option("--step-bins", default=600, show_default=True, type=click.IntRange(10),
+              help="Most step columns in the heatmap and timeline (longer runs are binned).")  # fmt: skip
+def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int) -> None:
+    """Write a self-contained HTML report of RUN_DIR and print its path: verdict, heatmap of self-time,
+    step time with spikes by cause, distributions, spike rates, time lost per cause, projection,
+    stabilizer and pacing events.
+
+    Example: hyperacc report runs/job1 -o job1.html
+    """
+    from hyperacc.present.diagnosis import diagnosis_of
+    from hyperacc.present.report import ReportError, build_report
+
+    console = Console(stderr=True)
+    try:
+        with Progress(
+            TextColumn("{task.description:<24}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
+            console=console, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("analysing", total=1.0)
+            diagnosis = diagnosis_of(run_dir)
+            result = build_report(
+                run_dir, output, diagnosis=diagnosis, step_bins=step_bins, max_ranks=max_ranks,
+                progress=lambda stage, done: bar.update(task, description=stage, completed=done),
+            )  # fmt: skip
+    except (ReportError, RunDirError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{result.path}  ({result.bytes / 1e6:.1f} MB, {result.ranks} ranks, {result.steps} steps)")

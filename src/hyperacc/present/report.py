@@ -1,0 +1,691 @@
+"""One self-contained HTML report of a run directory (plotly, with the library embedded: opens offline).
+
+Sections (docs/presentation.md, "HTML report"): verdict, evidence and next step; rank x step heatmap of
+self-time with spikes marked; step time over time with spikes annotated by cause; per-rank and
+per-node distributions with the flagged ones highlighted; spike-rate table with intervals; time lost per
+cause; projection curve; stabilizer and pacing events; CUDA runtime API latency (Kineto imports).
+
+Scale: the run is read one rank at a time (``analysis.columns.read_rank``) and reduced on the way:
+steps are binned to at most ``step_bins`` columns, the heatmap and the per-rank boxes show at most
+``max_ranks`` ranks (stragglers first, then the spikiest, then the slowest), per-node distributions come
+from merged log-spaced histograms. Memory and file size therefore depend on the bins, not on
+ranks x steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import html
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from hyperacc import store, theory
+from hyperacc.analysis.columns import discover, read_rank, step_bounds
+
+STEP_BINS = 600  # most heatmap / timeline columns
+MAX_RANKS = 64  # most ranks drawn one by one (heatmap rows, boxes)
+TOP_SPIKES = 300  # most spike markers
+_HIST_EDGES = np.geomspace(1e3, 1e12, 4001)  # 1 us .. 1000 s, 0.5 % wide bins (node quantiles)
+_CAUSE_COLOURS = {
+    "data": "#1f77b4",
+    "gc": "#d62728",
+    "allocator": "#9467bd",
+    "host": "#8c564b",
+    "communication": "#ff7f0e",
+    "compute": "#2ca02c",
+    "unknown": "#7f7f7f",
+}
+_COLUMNS = ("step", "node", "step_ns", "self_ns", "comm_wait_ns", "gc_ns", "pace_on", "pace_delay_ns")
+_QUIET_EVENT_KINDS = frozenset({"collective", "memory_peak"})  # profiler detail, shown in the export
+
+
+class ReportError(ValueError):
+    """The report cannot be written; the message says why and what to do."""
+
+
+@dataclasses.dataclass
+class ReportResult:
+    path: Path
+    bytes: int
+    ranks: int
+    steps: int
+    ranks_drawn: int
+    step_bin: int  # steps per heatmap/timeline column
+
+
+@dataclasses.dataclass
+class _RankSummary:
+    rank: int
+    node: int
+    n: int
+    q: tuple[float, float, float, float, float]  # lower whisker, q1, median, q3, upper whisker (ns)
+    mean: float
+    mad: float
+    outliers: int
+
+
+def build_report(
+    run_dir: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    *,
+    diagnosis: Mapping[str, Any] | None = None,
+    step_bins: int = STEP_BINS,
+    max_ranks: int = MAX_RANKS,
+    progress: Callable[[str, float], None] | None = None,
+) -> ReportResult:
+    """Writes the report of ``run_dir`` to ``out`` (default ``RUN_DIR/report.html``).
+
+    ``diagnosis`` is ``Diagnosis.to_dict()`` (``None``: sections that need it say so).
+    ``progress(stage, fraction_done)`` is called as the work advances.
+    """
+    say = progress or (lambda _stage, _f: None)
+    layout = discover(run_dir)
+    if not layout.sources:
+        raise store.RunDirError(f"{run_dir} holds no step records; nothing to report")
+    ranks = sorted(layout.sources)
+    bounds = [b for r in ranks if (b := step_bounds(layout.sources[r].segments))]
+    if not bounds:
+        raise store.RunDirError(f"no segment under {Path(run_dir) / 'steps'} could be read")
+    first, last = min(b[0] for b in bounds), max(b[1] for b in bounds)
+    n_steps = last - first + 1
+    width = max(1, math.ceil(n_steps / max(1, step_bins)))
+    n_bins = math.ceil(n_steps / width)
+
+    # ---- one pass over the ranks, reducing as we go
+    bin_mean = np.full((len(ranks), n_bins), np.nan, dtype=np.float32)
+    bin_max = np.full((len(ranks), n_bins), np.nan, dtype=np.float32)
+    step_max = np.full(n_steps, np.nan)  # cluster step time (slowest rank's step) per step
+    pace_bins = np.zeros((3, n_bins))  # rows pacing, rows with a pacing value, delay sum
+    node_hist: dict[int, np.ndarray] = {}
+    summaries: list[_RankSummary] = []
+    metric = "self_ns"
+    for i, r in enumerate(ranks):
+        cols = read_rank(layout.sources[r].segments, _COLUMNS)
+        meta = layout.metas.get(r)
+        node = meta.node if meta else (int(cols["node"][0]) if cols["node"].size else 0)
+        if i == 0 and not np.isfinite(cols["self_ns"]).any():
+            metric = "step_ns"  # no self-time measured (e.g. a CPU-only profiler import)
+        values = cols[metric]
+        pos = cols["step"] - first
+        b = pos // width
+        ok = np.isfinite(values)
+        if ok.any():
+            sums = np.bincount(b[ok], weights=values[ok], minlength=n_bins)
+            cnt = np.bincount(b[ok], minlength=n_bins)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                bin_mean[i] = np.where(cnt > 0, sums / cnt, np.nan)
+            mx = np.full(n_bins, -np.inf)
+            np.maximum.at(mx, b[ok], values[ok])
+            bin_max[i] = np.where(np.isfinite(mx), mx, np.nan)
+            summaries.append(_summarise(r, node, values[ok]))
+            hist = node_hist.setdefault(node, np.zeros(len(_HIST_EDGES) - 1, dtype=np.int64))
+            hist += np.histogram(values[ok], _HIST_EDGES)[0]
+        st = cols["step_ns"]
+        sok = np.isfinite(st)
+        np.fmax.at(step_max, pos[sok], st[sok])
+        pace = cols["pace_on"]
+        pok = np.isfinite(pace)
+        if pok.any():
+            pace_bins[0] += np.bincount(b[pok], weights=pace[pok], minlength=n_bins)
+            pace_bins[1] += np.bincount(b[pok], minlength=n_bins)
+            delay = np.nan_to_num(cols["pace_delay_ns"][pok])
+            pace_bins[2] += np.bincount(b[pok], weights=delay, minlength=n_bins)
+        say(f"reading rank {r}", 0.8 * (i + 1) / len(ranks))
+
+    say("drawing", 0.85)
+    diag = dict(diagnosis) if diagnosis else None
+    flagged = {int(s["rank"]): s for s in (diag or {}).get("stragglers", []) if s.get("active", True)}
+    chosen = _choose_ranks(ranks, summaries, diag, flagged, max_ranks)
+    row_of = {r: i for i, r in enumerate(ranks)}
+    x_bins = first + np.arange(n_bins) * width
+    spikes = sorted((diag or {}).get("spikes", {}).get("events", []) or [], key=lambda e: -(e.get("excess_ns") or 0))
+    spikes = spikes[:TOP_SPIKES]
+    events = _events(run_dir)
+    runtime = _runtime(run_dir)
+    metric_word = "self-time" if metric == "self_ns" else "step time"
+
+    figs: list[tuple[str, str, dict, str]] = []  # (section id, title, figure, note)
+    figs.append(("heatmap", f"Rank x step: {metric_word}", _heatmap(bin_mean, bin_max, [row_of[r] for r in chosen], chosen,
+                 x_bins, width, spikes, flagged, metric_word), _heatmap_note(len(ranks), len(chosen), width)))  # fmt: skip
+    figs.append(("steptime", "Step time over time", _step_time(step_max, first, width, spikes), ""))
+    by_rank = {s.rank: s for s in summaries}
+    figs.append(("ranks", f"Per-rank {metric_word}", _rank_boxes([by_rank[r] for r in chosen if r in by_rank], flagged,
+                 metric_word), _subset_note(len(ranks), len(chosen))))  # fmt: skip
+    figs.append(("nodes", f"Per-node {metric_word}", _node_boxes(node_hist, flagged, summaries, metric_word), ""))
+    if diag:
+        figs.append(("causes", "Time lost per cause", _causes(diag), ""))
+        proj = _projection(diag, summaries, step_max)
+        if proj is not None:
+            figs.append(("projection", "Projection to larger clusters", proj[0], proj[1]))
+    pacing = _pacing(pace_bins, x_bins)
+    if pacing is not None:
+        figs.append(("pacing", "Pacing", pacing, "share of ranks pacing and mean delay per step bin"))
+    if events is not None and events.num_rows:
+        figs.append(("events", "Stabilizer and pacing events", _event_timeline(events, first, width), ""))
+
+    say("writing", 0.95)
+    page = _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runtime, summaries, metric_word)
+    path = Path(out) if out else Path(run_dir) / "report.html"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, path)
+    say("done", 1.0)
+    return ReportResult(path, path.stat().st_size, len(ranks), n_steps, len(chosen), width)
+
+
+# ------------------------------------------------------------------------------------ reductions
+
+
+def _summarise(rank: int, node: int, v: np.ndarray) -> _RankSummary:
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    iqr = q3 - q1
+    inside = v[(v >= q1 - 1.5 * iqr) & (v <= q3 + 1.5 * iqr)]
+    lo, hi = (float(inside.min()), float(inside.max())) if inside.size else (float(q1), float(q3))
+    return _RankSummary(
+        rank=rank,
+        node=node,
+        n=int(v.size),
+        q=(lo, float(q1), float(med), float(q3), hi),
+        mean=float(v.mean()),
+        mad=float(np.median(np.abs(v - med))),
+        outliers=int(v.size - inside.size),
+    )
+
+
+def _hist_quantiles(counts: np.ndarray, qs: tuple[float, ...]) -> list[float]:
+    cum = np.cumsum(counts)
+    total = cum[-1]
+    mids = np.sqrt(_HIST_EDGES[:-1] * _HIST_EDGES[1:])
+    return [float(mids[min(int(np.searchsorted(cum, q * total)), len(mids) - 1)]) for q in qs]
+
+
+def _choose_ranks(ranks, summaries, diag, flagged, k: int) -> list[int]:
+    if len(ranks) <= k:
+        return list(ranks)
+    order: list[int] = sorted(flagged)
+    per_rank = (diag or {}).get("spikes", {}).get("per_rank", []) or []
+    order += [int(p["rank"]) for p in sorted(per_rank, key=lambda p: -(p.get("spikes") or 0)) if p.get("spikes")][: k // 3]
+    order += [s.rank for s in sorted(summaries, key=lambda s: -s.q[2])]
+    seen: list[int] = []
+    for r in order:
+        if r not in seen:
+            seen.append(r)
+        if len(seen) >= k:
+            break
+    return sorted(seen)
+
+
+def _events(run_dir) -> pa.Table | None:
+    table = store.read_events(run_dir)
+    if table.num_rows == 0:
+        return None
+    keep = pc.invert(pc.is_in(table.column("kind"), value_set=pa.array(sorted(_QUIET_EVENT_KINDS))))
+    return table.filter(keep)
+
+
+def _runtime(run_dir) -> pa.Table | None:
+    from hyperacc.present.kineto import read_runtime_api, runtime_api_outliers
+
+    table = read_runtime_api(run_dir)
+    return runtime_api_outliers(table) if table is not None and table.num_rows else None
+
+
+# ------------------------------------------------------------------------------------ figures
+
+
+def _ms(v):
+    return np.round(np.asarray(v, dtype=np.float64) / 1e6, 4)
+
+
+def _base_layout(**kw) -> dict:
+    lay = {"margin": {"l": 70, "r": 30, "t": 30, "b": 50}, "template": "plotly_white", "height": 420}
+    lay.update(kw)
+    return lay
+
+
+def _heatmap(bin_mean, bin_max, rows, chosen, x_bins, width, spikes, flagged, metric_word) -> dict:
+    sub = bin_mean[rows].astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        col_median = np.nanmedian(bin_mean.astype(np.float64), axis=0)
+        ratio = sub / col_median[None, :]
+    ylabels = [f"rank {r}" + (" *" if r in flagged else "") for r in chosen]
+    hover = np.char.add(np.char.add(np.round(_ms(sub), 2).astype(str), " ms, max "), np.round(_ms(bin_max[rows]), 2).astype(str))
+    data = [
+        {
+            "type": "heatmap",
+            "z": np.round(ratio, 3).tolist(),
+            "x": x_bins.tolist(),
+            "y": ylabels,
+            "text": hover.tolist(),
+            "hovertemplate": "%{y}, step %{x}: %{text} (%{z:.2f}x the cluster median)<extra></extra>",
+            "colorscale": "RdBu",
+            "zmid": 1.0,
+            "zmin": 0.5,
+            "zmax": 1.5,
+            "colorbar": {"title": {"text": "x cluster<br>median"}},
+        }
+    ]
+    shown = set(chosen)
+    sp = [e for e in spikes if int(e.get("rank", -1)) in shown]
+    for cause in sorted({e.get("cause") or "unknown" for e in sp}):
+        pts = [e for e in sp if (e.get("cause") or "unknown") == cause]
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": f"spike: {cause}",
+                "x": [int(e["step"]) for e in pts],
+                "y": [f"rank {int(e['rank'])}" + (" *" if int(e["rank"]) in flagged else "") for e in pts],
+                "text": [f"+{(e.get('excess_ns') or 0) / 1e6:.1f} ms ({e.get('phase') or '-'})" for e in pts],
+                "hovertemplate": "%{y}, step %{x}: spike %{text}<extra>" + cause + "</extra>",
+                "marker": {"symbol": "x", "size": 9, "color": _CAUSE_COLOURS.get(cause, "#000"),
+                           "line": {"width": 1, "color": "#000"}},
+            }
+        )  # fmt: skip
+    height = min(1200, max(320, 16 * len(chosen) + 120))
+    return {
+        "data": data,
+        "layout": _base_layout(
+            height=height,
+            xaxis={"title": {"text": "step" + (f" (bins of {width})" if width > 1 else "")}},
+            yaxis={"autorange": "reversed", "type": "category"},
+            legend={"orientation": "h", "y": 1.06},
+            title={"text": f"{metric_word} per rank and step, relative to the cluster median (* flagged)", "font": {"size": 13}},
+        ),
+    }
+
+
+def _heatmap_note(n_ranks: int, drawn: int, width: int) -> str:
+    parts = []
+    if drawn < n_ranks:
+        parts.append(f"{drawn} of {n_ranks} ranks drawn: the flagged ones, the spikiest and the slowest")
+    if width > 1:
+        parts.append(f"each column is the mean over {width} steps")
+    return "; ".join(parts)
+
+
+def _subset_note(n_ranks: int, drawn: int) -> str:
+    return f"{drawn} of {n_ranks} ranks drawn" if drawn < n_ranks else ""
+
+
+def _step_time(step_max, first, width, spikes) -> dict:
+    n = step_max.size
+    data: list[dict] = []
+    if width == 1:
+        x = (first + np.arange(n)).tolist()
+        data.append({"type": "scattergl" if n > 2000 else "scatter", "mode": "lines", "name": "step time (slowest rank)",
+                     "x": x, "y": _ms(step_max).tolist(), "line": {"width": 1, "color": "#444"}})  # fmt: skip
+    else:
+        pad = (-n) % width
+        grid = np.concatenate([step_max, np.full(pad, np.nan)]).reshape(-1, width)
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN bins stay NaN
+            mean = np.nanmean(grid, axis=1)
+            top = np.nanmax(grid, axis=1)
+        x = (first + np.arange(grid.shape[0]) * width).tolist()
+        data.append({"type": "scatter", "mode": "lines", "name": f"max over {width} steps", "x": x, "y": _ms(top).tolist(),
+                     "line": {"width": 1, "color": "#bbb"}})  # fmt: skip
+        data.append({"type": "scatter", "mode": "lines", "name": f"mean over {width} steps", "x": x,
+                     "y": _ms(mean).tolist(), "line": {"width": 1.5, "color": "#444"}})  # fmt: skip
+    by_step: dict[int, list[dict]] = {}
+    for e in spikes:
+        by_step.setdefault(int(e["step"]), []).append(e)
+    for cause in sorted({e.get("cause") or "unknown" for e in spikes}):
+        steps = sorted(s for s, es in by_step.items() if (max(es, key=lambda e: e.get("excess_ns") or 0).get("cause") or "unknown") == cause)
+        ys = [float(step_max[s - first]) / 1e6 if 0 <= s - first < n and np.isfinite(step_max[s - first]) else None for s in steps]
+        text = [", ".join(f"rank {e['rank']} +{(e.get('excess_ns') or 0) / 1e6:.1f} ms" for e in by_step[s][:3]) for s in steps]
+        data.append({"type": "scatter", "mode": "markers", "name": f"spike: {cause}", "x": steps, "y": ys, "text": text,
+                     "hovertemplate": "step %{x}: %{y:.1f} ms<br>%{text}<extra>" + cause + "</extra>",
+                     "marker": {"size": 9, "color": _CAUSE_COLOURS.get(cause, "#000"), "line": {"width": 1, "color": "#000"}}})  # fmt: skip
+    return {"data": data, "layout": _base_layout(xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "ms"}},
+                                                 legend={"orientation": "h", "y": 1.1})}  # fmt: skip
+
+
+def _box(name: str, q, colour: str, n: int) -> dict:
+    lo, q1, med, q3, hi = (float(v) / 1e6 for v in q)
+    return {"type": "box", "name": name, "q1": [q1], "median": [med], "q3": [q3], "lowerfence": [lo],
+            "upperfence": [hi], "x": [name], "marker": {"color": colour}, "line": {"color": colour},
+            "fillcolor": colour + "55", "showlegend": False, "hoverinfo": "y+name", "text": [f"{n} steps"]}  # fmt: skip
+
+
+def _rank_boxes(summaries: list[_RankSummary], flagged, metric_word) -> dict:
+    data = [_box(f"rank {s.rank}", s.q, "#d62728" if s.rank in flagged else "#1f77b4", s.n) for s in summaries]
+    return {"data": data, "layout": _base_layout(yaxis={"title": {"text": f"{metric_word} (ms)"}},
+                                                 xaxis={"type": "category", "tickangle": -60 if len(data) > 24 else 0})}  # fmt: skip
+
+
+def _node_boxes(node_hist, flagged, summaries, metric_word) -> dict:
+    flagged_nodes = {int(s.get("node", -1)) for s in flagged.values()}
+    data = []
+    for node in sorted(node_hist):
+        counts = node_hist[node]
+        if counts.sum() == 0:
+            continue
+        q1, med, q3 = _hist_quantiles(counts, (0.25, 0.5, 0.75))
+        lo_q, hi_q = _hist_quantiles(counts, (0.01, 0.99))
+        colour = "#d62728" if node in flagged_nodes else "#2ca02c"
+        data.append(_box(f"node {node}", (lo_q, q1, med, q3, hi_q), colour, int(counts.sum())))
+    return {"data": data, "layout": _base_layout(height=360, yaxis={"title": {"text": f"{metric_word} (ms)"}},
+                                                 xaxis={"type": "category"})}  # fmt: skip
+
+
+def _causes(diag) -> dict:
+    causes = diag.get("causes") or []
+    x = [c["cause"] for c in causes]
+    return {
+        "data": [{"type": "bar", "x": x, "y": [c["time_lost_ns"] / 1e6 for c in causes],
+                  "text": [f"{c['spikes']} spikes, {100 * c['share']:.0f} %" for c in causes], "textposition": "auto",
+                  "marker": {"color": [_CAUSE_COLOURS.get(c, "#7f7f7f") for c in x]}}],
+        "layout": _base_layout(height=340, yaxis={"title": {"text": "time lost (ms)"}}),
+    }  # fmt: skip
+
+
+def _projection(diag, summaries, step_max) -> tuple[dict, str] | None:
+    proj = diag.get("projection") or {}
+    p_rank = proj.get("p_rank")
+    if p_rank is None:
+        return None
+    rpn = int(proj.get("ranks_per_node") or 1)
+    p_node = float(proj.get("p_node") or 0.0)
+    target = float(proj.get("target") or theory.DEFAULT_TARGET)
+    nodes = np.unique(np.round(np.geomspace(1, 4096, 60)).astype(int))
+    p = [theory.cluster_spike_probability(p_rank, ranks_per_node=rpn, nodes=int(n), p_node=p_node) for n in nodes]
+    data: list[dict] = [
+        {"type": "scatter", "mode": "lines", "name": "P(cluster step spikes)", "x": nodes.tolist(), "y": p,
+         "line": {"color": "#d62728"}},
+        {"type": "scatter", "mode": "lines", "name": f"target {100 * target:.0f} %", "x": [1, 4096], "y": [target, target],
+         "line": {"dash": "dot", "color": "#555"}},
+    ]  # fmt: skip
+    cur = proj.get("current") or {}
+    if cur.get("measured") is not None:
+        data.append({"type": "scatter", "mode": "markers", "name": "measured here", "x": [cur.get("nodes")],
+                     "y": [cur["measured"]], "marker": {"size": 11, "color": "#000", "symbol": "diamond"}})  # fmt: skip
+    note = (f"per-rank spike rate {100 * p_rank:.3g} %, {rpn} ranks per node"
+            + (f", per-node rate {100 * p_node:.3g} %" if p_node else ""))  # fmt: skip
+    # Expected cluster step time: the theory's order-statistics model, anchored at the measured median.
+    finite = step_max[np.isfinite(step_max)]
+    spikes = (diag.get("spikes") or {}).get("events") or []
+    if summaries and finite.size:
+        noise_ns = 1.4826 * float(np.median([s.mad for s in summaries]))
+        size_ns = float(np.mean([e.get("excess_ns") or 0 for e in spikes])) if spikes else 0.0
+        try:
+            model = theory.ClusterStepModel(base=0.0, noise=noise_ns / 1e6, p_rank=float(p_rank), spike_size=size_ns / 1e6,
+                                            ranks_per_node=rpn, p_node=p_node, grid_points=4001)  # fmt: skip
+            cur_nodes = int(cur.get("nodes") or diag.get("nodes") or 1)
+            offset = float(np.median(finite)) / 1e6 - model.stats(cur_nodes).p50
+            sizes = [int(n) for n in np.unique(np.round(np.geomspace(1, 4096, 14)).astype(int))]
+            stats = [model.stats(n) for n in sizes]
+            data.append({"type": "scatter", "mode": "lines+markers", "name": "expected step time (ms)", "x": sizes,
+                         "y": [offset + s.mean for s in stats], "yaxis": "y2", "line": {"color": "#1f77b4"}})  # fmt: skip
+            data.append({"type": "scatter", "mode": "lines", "name": "p99 step time (ms)", "x": sizes,
+                         "y": [offset + s.p99 for s in stats], "yaxis": "y2", "line": {"color": "#1f77b4", "dash": "dash"}})  # fmt: skip
+            note += (f"; step time: median {np.median(finite) / 1e6:.3g} ms here, rank noise {noise_ns / 1e6:.3g} ms, "
+                     f"spike size {size_ns / 1e6:.3g} ms (hyperacc.theory.ClusterStepModel)")  # fmt: skip
+        except theory.TheoryError:
+            pass
+    layout = _base_layout(
+        xaxis={"type": "log", "title": {"text": "nodes"}},
+        yaxis={"title": {"text": "P(cluster step spikes)"}, "range": [0, 1.02]},
+        yaxis2={"title": {"text": "step time (ms)"}, "overlaying": "y", "side": "right"},
+        legend={"orientation": "h", "y": 1.12},
+    )
+    return {"data": data, "layout": layout}, note
+
+
+def _pacing(pace_bins, x_bins) -> dict | None:
+    have = pace_bins[1] > 0
+    if not have.any():
+        return None
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = np.where(have, pace_bins[0] / pace_bins[1], np.nan)
+        delay = np.where(have, pace_bins[2] / pace_bins[1] / 1e6, np.nan)
+    return {
+        "data": [
+            {"type": "scatter", "mode": "lines", "name": "share of ranks pacing", "x": x_bins.tolist(),
+             "y": np.round(share, 4).tolist(), "line": {"color": "#9467bd"}},
+            {"type": "scatter", "mode": "lines", "name": "mean pacing delay (ms)", "x": x_bins.tolist(),
+             "y": np.round(delay, 4).tolist(), "yaxis": "y2", "line": {"color": "#ff7f0e"}},
+        ],
+        "layout": _base_layout(height=320, xaxis={"title": {"text": "step"}}, yaxis={"range": [0, 1.02]},
+                               yaxis2={"overlaying": "y", "side": "right", "title": {"text": "ms"}},
+                               legend={"orientation": "h", "y": 1.15}),
+    }  # fmt: skip
+
+
+def _event_timeline(events: pa.Table, first: int, width: int) -> dict:
+    kinds = events.column("kind").to_numpy(zero_copy_only=False)
+    steps = events.column("step").cast(pa.float64()).to_numpy(zero_copy_only=False)
+    durs = events.column("duration_ns").cast(pa.float64()).to_numpy(zero_copy_only=False)
+    data = []
+    for kind in sorted(set(kinds.tolist())):
+        sel = (kinds == kind) & np.isfinite(steps)
+        if not sel.any():
+            continue
+        s = steps[sel].astype(np.int64)
+        b = (s - first) // width
+        uniq, counts = np.unique(b, return_counts=True)
+        cost = np.bincount(np.searchsorted(uniq, b), weights=np.nan_to_num(durs[sel]), minlength=uniq.size)
+        data.append({"type": "scatter", "mode": "markers", "name": kind, "x": (first + uniq * width).tolist(),
+                     "y": [kind] * uniq.size, "text": [f"{c} events, {t / 1e6:.2f} ms" for c, t in zip(counts, cost, strict=True)],
+                     "hovertemplate": "step %{x}: %{text}<extra>%{y}</extra>",
+                     "marker": {"size": (4 + 6 * np.log10(counts.clip(1))).round(1).tolist()}})  # fmt: skip
+    return {"data": data, "layout": _base_layout(height=max(220, 60 + 40 * len(data)), showlegend=False,
+                                                 xaxis={"title": {"text": "step"}}, yaxis={"type": "category"})}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ the page
+
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:0;color:#222;background:#fafafa}
+header{background:#1d2733;color:#fff;padding:18px 32px}header h1{margin:0;font-size:22px}
+header .meta{opacity:.8;font-size:13px;margin-top:4px}
+main{padding:8px 32px 40px;max-width:1400px}
+section{background:#fff;border:1px solid #e3e3e3;border-radius:6px;margin:18px 0;padding:14px 20px}
+h2{font-size:17px;margin:4px 0 10px}.note{color:#666;font-size:12px;margin:4px 0}
+.verdict{font-size:17px;font-weight:600;margin:6px 0 12px}
+.kpis{display:flex;gap:28px;flex-wrap:wrap;margin:6px 0}.kpi b{display:block;font-size:20px}
+.kpi span{color:#666;font-size:12px}
+table{border-collapse:collapse;font-size:13px;margin:8px 0}td,th{padding:3px 10px;border-bottom:1px solid #eee;
+text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
+tr.flag td{color:#b00;font-weight:600}ul{margin:4px 0 8px 18px;padding:0}li{margin:3px 0}
+#js-errors{color:#b00}
+"""
+
+
+def _fmt_pct(p) -> str:
+    if p is None:
+        return "-"
+    return f"{100 * p:.2f} %" if p >= 1e-4 or p == 0 else f"{100 * p:.1e} %"
+
+
+def _table(headers: list[str], rows: list[list[Any]], flag_rows: set[int] | None = None) -> str:
+    flag_rows = flag_rows or set()
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = []
+    for i, row in enumerate(rows):
+        cls = ' class="flag"' if i in flag_rows else ""
+        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runtime, summaries, metric_word) -> str:
+    from plotly.offline import get_plotlyjs
+
+    e = html.escape
+    nodes = len({s.node for s in summaries}) or 1
+    meds = [s.q[2] for s in summaries]
+    parts: list[str] = []
+    generated = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+    source = sorted({m.source for m in layout.metas.values()}) or ["tracer"]
+    parts.append(
+        f"<header><h1>hyperacc report</h1><div class='meta'>{e(str(run_dir))} &middot; {len(ranks)} ranks on {nodes} "
+        f"node(s) &middot; steps {first}-{last} &middot; source: {e(', '.join(source))} &middot; generated {generated}"
+        "</div></header><main>"
+    )
+    # ---- verdict, evidence, next step
+    sec = ["<section id='verdict'><h2>Verdict</h2>"]
+    if diag:
+        sec.append(f"<p class='verdict'>{e(diag.get('verdict') or '')}</p>")
+        cl = (diag.get("spikes") or {}).get("cluster") or {}
+        kpis = [
+            (f"{len(ranks)}", "ranks"), (f"{n_steps}", "steps"),
+            (f"{np.median(meds) / 1e6:.3g} ms" if meds else "-", f"median {metric_word}"),
+            (_fmt_pct(cl.get("rate")), "steps with a spike (cluster)"),
+            (f"{len(diag.get('stragglers') or [])}", "stragglers"),
+        ]  # fmt: skip
+        sec.append("<div class='kpis'>" + "".join(f"<div class='kpi'><b>{e(v)}</b><span>{e(k)}</span></div>" for v, k in kpis) + "</div>")
+        if diag.get("evidence"):
+            sec.append("<h3>Evidence</h3><ul>" + "".join(f"<li>{e(x)}</li>" for x in diag["evidence"]) + "</ul>")
+        if diag.get("next_step"):
+            sec.append("<h3>Next step</h3><ul>" + "".join(f"<li>{e(x)}</li>" for x in diag["next_step"]) + "</ul>")
+        if diag.get("missing_ranks"):
+            sec.append(f"<p class='note'>ranks without records: {e(str(diag['missing_ranks']))}</p>")
+        strag = diag.get("stragglers") or []
+        if strag:
+            rows = [[s["rank"], s["node"], s["kind"], s.get("metric", ""), f"{s['slowdown']:.2f}x" if s.get("slowdown") else "-",
+                     s.get("since_step", "-"), f"{s.get('windows_flagged', '-')}/{s.get('windows_seen', '-')}"] for s in strag]  # fmt: skip
+            sec.append("<h3>Stragglers</h3>" + _table(["rank", "node", "kind", "metric", "slowdown", "since step", "windows"],
+                                                       rows, set(range(len(rows)))))  # fmt: skip
+    else:
+        sec.append("<p class='note'>The analysis module is not available in this installation: the plots below show "
+                   "the step records only (no verdict, spikes, causes or projection).</p>")  # fmt: skip
+    sec.append("</section>")
+    parts.append("".join(sec))
+
+    plot_ids = []
+    fig_json = {}
+    for sid, title, fig, note in figs:
+        pid = f"plot-{sid}"
+        plot_ids.append(pid)
+        fig_json[pid] = fig
+        block = f"<section id='{sid}'><h2>{e(title)}</h2>"
+        if note:
+            block += f"<p class='note'>{e(note)}</p>"
+        block += f"<div id='{pid}' class='plot'></div>"
+        block += "</section>"
+        parts.append(block)
+        if sid == "nodes" and diag:
+            parts.append(_spike_tables(diag))
+
+    if events is not None and events.num_rows:
+        parts.append(_event_table(events))
+    if runtime is not None:
+        parts.append(_runtime_table(runtime))
+    parts.append("<pre id='js-errors'></pre></main>")
+
+    payload = json.dumps(_finite(fig_json), allow_nan=False, separators=(",", ":"))
+    payload = payload.replace("</", "<\\/")
+    script = (
+        "<script>(function(){var figs=" + payload + ";var n=0;"
+        "for(var id in figs){var f=figs[id];Plotly.newPlot(id,f.data,f.layout,{responsive:true,displaylogo:false});n++;}"
+        "document.body.setAttribute('data-plots-rendered',String(n));})();</script>"
+    )
+    guard = (
+        "<script>window.__hyperaccErrors=[];window.addEventListener('error',function(ev){"
+        "window.__hyperaccErrors.push(String(ev.message));var el=document.getElementById('js-errors');"
+        "if(el){el.textContent='JavaScript error: '+window.__hyperaccErrors.join('; ');}});</script>"
+    )
+    head = (
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
+        f"<title>hyperacc report: {e(Path(str(run_dir)).name)}</title><style>{_CSS}</style>{guard}"
+        f"<script>{get_plotlyjs()}</script></head><body data-plots='{len(plot_ids)}'>"
+    )
+    return head + "".join(parts) + script + "</body></html>"
+
+
+def _spike_tables(diag) -> str:
+    spikes = diag.get("spikes") or {}
+    per_rank = sorted(spikes.get("per_rank") or [], key=lambda p: (-(p.get("rate") or 0), p["rank"]))
+    shown = per_rank[:30]
+    flagged = {int(s["rank"]) for s in diag.get("stragglers") or []}
+    rows = [[p["rank"], p["node"], p["steps"], p["spikes"], _fmt_pct(p["rate"]),
+             f"{_fmt_pct(p['ci_low'])} - {_fmt_pct(p['ci_high'])}", p.get("cause") or "-"] for p in shown]  # fmt: skip
+    out = ["<section id='spike-rates'><h2>Spike rates</h2>"]
+    cl = spikes.get("cluster") or {}
+    if cl:
+        out.append(f"<p>Cluster: {cl.get('spike_steps')} of {cl.get('steps')} steps had a spike on at least one rank "
+                   f"({_fmt_pct(cl.get('rate'))}).</p>")  # fmt: skip
+    note = f" (the {len(shown)} highest of {len(per_rank)} ranks)" if len(shown) < len(per_rank) else ""
+    out.append(f"<h3>Per rank{note}</h3><p class='note'>rate with its 95 % Wilson interval</p>")
+    out.append(_table(["rank", "node", "steps", "spikes", "rate", "95 % interval", "main cause"], rows,
+                      {i for i, p in enumerate(shown) if int(p["rank"]) in flagged}))  # fmt: skip
+    per_node = sorted(spikes.get("per_node") or [], key=lambda p: (-(p.get("rate") or 0), p["node"]))[:30]
+    if per_node:
+        rows = [[p["node"], p["steps"], p["spikes"], _fmt_pct(p["rate"]), f"{_fmt_pct(p['ci_low'])} - {_fmt_pct(p['ci_high'])}"]
+                for p in per_node]  # fmt: skip
+        out.append("<h3>Per node</h3>" + _table(["node", "steps", "spikes", "rate", "95 % interval"], rows))
+    out.append("</section>")
+    return "".join(out)
+
+
+def _event_table(events: pa.Table) -> str:
+    kinds = events.column("kind").to_numpy(zero_copy_only=False)
+    steps = events.column("step").cast(pa.float64()).to_numpy(zero_copy_only=False)
+    durs = events.column("duration_ns").cast(pa.float64()).to_numpy(zero_copy_only=False)
+    ranks = events.column("rank").to_numpy(zero_copy_only=False)
+    rows = []
+    for kind in sorted(set(kinds.tolist())):
+        sel = kinds == kind
+        s = steps[sel][np.isfinite(steps[sel])]
+        d = durs[sel][np.isfinite(durs[sel])]
+        rows.append([kind, int(sel.sum()), len(np.unique(ranks[sel])), f"{d.sum() / 1e6:.2f}" if d.size else "-",
+                     f"{np.median(d) / 1e6:.3g}" if d.size else "-",
+                     f"{int(s.min())}-{int(s.max())}" if s.size else "-"])  # fmt: skip
+    return ("<section id='event-table'><h2>What the stabilizers and pacing did</h2>"
+            + _table(["event", "count", "ranks", "total ms", "median ms", "steps"], rows) + "</section>")  # fmt: skip
+
+
+def _runtime_table(runtime: pa.Table) -> str:
+    from hyperacc.present.kineto import KEY_RUNTIME_APIS
+
+    rows_all = runtime.to_pylist()
+    key = [r for r in rows_all if r["api"] in KEY_RUNTIME_APIS]
+    key.sort(key=lambda r: (KEY_RUNTIME_APIS.index(r["api"]), r["rank"]))
+    flagged = [r for r in rows_all if r["outlier"]]
+    shown = key[:200]
+    rows = [[r["api"], r["rank"], r["calls"], f"{r['median_ns'] / 1e3:.2f}", f"{r['p99_ns'] / 1e3:.2f}",
+             "-" if r["z"] is None or not math.isfinite(r["z"]) else f"{r['z']:.1f}",
+             "-" if r["excess"] is None or not math.isfinite(r["excess"]) else f"{100 * r['excess']:+.0f} %",
+             "OUTLIER" if r["outlier"] else ""] for r in shown]  # fmt: skip
+    out = ["<section id='runtime-api'><h2>CUDA runtime API latency (from the profiler traces)</h2>"]
+    if flagged:
+        out.append("<p class='verdict'>" + html.escape("; ".join(
+            f"rank {r['rank']}: {r['api']} median {r['median_ns'] / 1e3:.2f} us, {100 * r['excess']:+.0f} % vs the other ranks"
+            for r in flagged[:10])) + "</p>")  # fmt: skip
+    out.append("<p class='note'>cross-rank test on each API's median: modified z &gt; 3.5 and above Q3 + 1.5 IQR and "
+               "10 % over the median (docs/presentation.md)</p>")  # fmt: skip
+    out.append(_table(["API", "rank", "calls", "median us", "p99 us", "z", "vs median", ""], rows,
+                      {i for i, r in enumerate(shown) if r["outlier"]}))  # fmt: skip
+    out.append("</section>")
+    return "".join(out)
+
+
+def _finite(o):
+    """JSON-ready copy: numpy scalars and arrays as Python values, NaN and infinities as null (a gap)."""
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    if isinstance(o, np.ndarray):
+        return _finite(o.tolist())
+    if isinstance(o, (float, np.floating)):
+        f = float(o)
+        return f if math.isfinite(f) else None
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.bool_):
+        return bool(o)
+    return o

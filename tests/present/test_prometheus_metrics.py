@@ -1,0 +1,123 @@
+"""Prometheus metrics from step records, scraped over loopback."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from present_inputs import synthetic_run
+from prometheus_client.parser import text_string_to_metric_families
+
+from hyperacc.analysis import diagnose
+from hyperacc.harness import free_port
+from hyperacc.present.metrics import MetricsSink, RunDirFollower, serve
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def total(samples: dict, name: str, **labels) -> float:
+    want = set(labels.items())
+    return sum(v for (n, lab), v in samples.items() if n == name and want <= set(lab))
+
+
+def feed_like_a_tracer(sink: MetricsSink, table: pa.Table, rows_per_flush: int = 37) -> None:
+    """Each rank's records in flush-sized pieces, ranks interleaved, as flusher threads deliver them."""
+    ranks = table.column("rank").to_numpy()
+    per_rank = [table.filter(pa.array(ranks == r)) for r in np.unique(ranks)]
+    n = per_rank[0].num_rows
+    for a in range(0, n, rows_per_flush):
+        for t in per_rank:
+            sink(t.slice(a, rows_per_flush))
+
+
+def test_sink_metrics_agree_with_the_offline_diagnosis(tmp_path):
+    spikes = {1: [100, 150, 200, 250, 300], 4: [120, 260]}
+    table = synthetic_run(tmp_path / "run", ranks=6, steps=400, straggler=3, gc_spikes=spikes)
+    sink = MetricsSink(world_size=6, nodes=3)
+    server = serve(sink, port := free_port())
+    try:
+        feed_like_a_tracer(sink, table)
+        m = scrape(port)
+    finally:
+        server.shutdown()
+    assert sink.enabled
+    for r in range(6):
+        assert m[("hyperacc_step_seconds_count", (("rank", str(r)),))] == 400
+    step_sum = table.column("step_ns").to_numpy().sum() / 1e9
+    assert total(m, "hyperacc_step_seconds_sum") == pytest.approx(step_sum, rel=1e-9)
+    fwd = table.column("forward_ns").to_numpy().sum() / 1e9
+    assert total(m, "hyperacc_phase_seconds_total", phase="forward") == pytest.approx(fwd, rel=1e-9)
+    assert total(m, "hyperacc_gc_collections_total", rank="1") == 5
+    assert total(m, "hyperacc_gc_pause_seconds_total", rank="4") == pytest.approx(0.12)
+
+    # spikes and their causes: the same as `hyperacc analyze` finds in the written run
+    diag = diagnose(tmp_path / "run").to_dict()
+    offline = {(e["rank"], e["cause"]) for e in diag["spikes"]["events"]}
+    assert offline == {(1, "gc"), (4, "gc")}
+    for row in diag["spikes"]["per_rank"]:
+        assert total(m, "hyperacc_spikes_total", rank=str(row["rank"])) == row["spikes"]
+    assert total(m, "hyperacc_spikes_total", cause="gc") == 7
+    assert total(m, "hyperacc_spike_seconds_total", cause="gc") == pytest.approx(
+        sum(c["time_lost_ns"] for c in diag["causes"]) / 1e9, rel=0.05
+    )
+    # the straggler the analysis confirms is flagged, with its kind; nobody else
+    assert [(s["rank"], s["kind"]) for s in diag["stragglers"]] == [(3, "compute")]
+    flagged = {lab for (n, lab), v in m.items() if n == "hyperacc_straggler" and v == 1}
+    assert flagged == {(("kind", "compute"), ("rank", "3"))}
+    # in-band culprit view: rank 3 arrives last in (nearly) every step
+    assert m[("hyperacc_culprit_share", (("rank", "3"),))] > 0.9
+
+
+def test_sink_counts_stabilizer_and_pacing_actions():
+    sink = MetricsSink()
+    events = pa.table(
+        {
+            "rank": pa.array([0, 0, 0, 1], pa.int32()),
+            "step": pa.array([10, 20, 30, 30], pa.int64()),
+            "t_ns": pa.array([1, 2, 3, 4], pa.int64()),
+            "kind": ["gc_collect", "gc_collect", "pace_on", "collective"],
+            "duration_ns": pa.array([2_000_000, 3_000_000, None, 5], pa.int64()),
+            "value": pa.array([None, None, None, None], pa.float64()),
+            "detail": pa.array([None, None, None, None], pa.string()),
+        }
+    )
+    sink.observe_events(events)
+    reg = sink.registry
+    assert reg.get_sample_value("hyperacc_stabilizer_actions_total", {"rank": "0", "action": "gc_collect"}) == 2
+    assert reg.get_sample_value("hyperacc_stabilizer_seconds_total", {"rank": "0", "action": "gc_collect"}) == 0.005
+    assert reg.get_sample_value("hyperacc_stabilizer_actions_total", {"rank": "0", "action": "pace_on"}) == 1
+    assert reg.get_sample_value("hyperacc_stabilizer_actions_total", {"rank": "1", "action": "collective"}) is None
+
+
+def test_an_internal_error_switches_the_sink_off_without_raising(caplog):
+    sink = MetricsSink()
+    sink(pa.table({"rank": pa.array([0], pa.int32()), "no_step_column": [1]}))
+    assert not sink.enabled
+    assert sum("metrics switched off" in r.message for r in caplog.records) == 1
+    sink(pa.table({"rank": pa.array([0], pa.int32())}))  # ignored, no second line
+    assert sum("metrics switched off" in r.message for r in caplog.records) == 1
+
+
+def test_follower_aggregates_every_rank_from_the_run_dir(tmp_path):
+    table = synthetic_run(tmp_path / "run", ranks=4, steps=120, segment_steps=40)
+    sink = MetricsSink()
+    follower = RunDirFollower(tmp_path / "run", sink)
+    assert follower.poll() == 12  # 4 ranks x 3 segments
+    assert follower.poll() == 0  # each segment once
+    (tmp_path / "run" / "steps" / "rank-00001" / "seg-000099.parquet").write_bytes(b"not parquet")
+    assert follower.poll() == 0 and follower.poll() == 0  # unreadable: retried, then skipped
+    reg = sink.registry
+    for r in range(4):
+        assert reg.get_sample_value("hyperacc_step_seconds_count", {"rank": str(r)}) == 120
+    assert reg.get_sample_value("hyperacc_last_step", {"rank": "2"}) == 119
+    assert table.num_rows == 480
