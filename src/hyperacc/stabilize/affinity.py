@@ -1,0 +1,515 @@
+"""NUMA / CPU binding: which cores each local rank and each of its DataLoader workers runs on.
+
+A rank that the scheduler moves across sockets, or whose loader workers fight its main thread for a
+core, runs slower on some steps than others: a per-rank disturbance that the all-reduce turns into a
+cluster spike. The plan reads the machine from sysfs (a root parameter lets tests use fake trees):
+
+    GPU PCI bus id -> /sys/bus/pci/devices/<id>/numa_node -> /sys/devices/system/node/node<N>/cpulist
+
+splits each NUMA node's cores among the local ranks placed on it, and inside a rank's share gives each
+DataLoader worker its own core. An affinity the process inherited (``torchrun --numa-binding``,
+``numactl``, ``taskset``, a container cpuset) is planned inside, never widened. Reading sysfs never
+initialises CUDA. Rules and defaults: docs/stabilizers.md, "NUMA / CPU binding".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+GPU_VENDORS = {"0x10de": "nvidia", "0x1002": "amd"}
+DISPLAY_CLASS_PREFIX = "0x03"  # PCI base class 03: display controllers (VGA, 3D, other)
+
+
+# ------------------------------------------------------------------ cpulist text
+
+
+def parse_cpulist(text: str) -> list[int]:
+    """``"0-3,8,10-11"`` -> ``[0, 1, 2, 3, 8, 10, 11]`` (the kernel's list format)."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        if sep:
+            out.extend(range(int(lo), int(hi) + 1))
+        else:
+            out.append(int(lo))
+    return sorted(set(out))
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """The inverse of :func:`parse_cpulist`: ``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    items = sorted(set(cpus))
+    parts: list[str] = []
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        parts.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+# ------------------------------------------------------------------ topology
+
+
+@dataclasses.dataclass(frozen=True)
+class GPUInfo:
+    index: int  # visible device index (what cuda:<index> means)
+    bus_id: str  # PCI address, e.g. 0000:18:00.0
+    numa_node: int  # -1 when the firmware does not say
+    vendor: str = "nvidia"
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    numa_nodes: dict[int, tuple[int, ...]]  # node -> its online CPUs
+    core_of: dict[int, int]  # cpu -> its core (lowest CPU among its hyperthread siblings)
+    gpus: tuple[GPUInfo, ...]
+    online: tuple[int, ...]
+    container_cpus: tuple[int, ...] | None  # cgroup cpuset of this process, when readable
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def _visible_indices(visible: str | None, count: int) -> list[int] | None:
+    """CUDA_VISIBLE_DEVICES as indices into the bus-ordered GPU list; None when it names GPUs by UUID."""
+    if visible is None:
+        return list(range(count))
+    out = []
+    for item in visible.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if not item.lstrip("-").isdigit():
+            return None
+        idx = int(item)
+        if idx < 0:
+            break  # CUDA stops at the first invalid index
+        if idx < count:
+            out.append(idx)
+    return out
+
+
+def read_topology(sysfs_root: str | os.PathLike = "/sys", *, visible_devices: str | None = None) -> Topology:
+    """Read NUMA nodes, CPU cores and GPUs from ``sysfs_root``. GPUs are display-class PCI devices of
+    NVIDIA or AMD, in PCI bus order (``CUDA_DEVICE_ORDER=PCI_BUS_ID``), filtered by ``visible_devices``
+    (the value of ``CUDA_VISIBLE_DEVICES``; pass None for all)."""
+    root = Path(sysfs_root)
+    online_text = _read(root / "devices/system/cpu/online")
+    nodes: dict[int, tuple[int, ...]] = {}
+    node_dir = root / "devices/system/node"
+    if node_dir.is_dir():
+        for d in sorted(node_dir.glob("node[0-9]*")):
+            text = _read(d / "cpulist")
+            if text is not None:
+                nodes[int(d.name[4:])] = tuple(parse_cpulist(text))
+    online = parse_cpulist(online_text) if online_text else sorted({c for cs in nodes.values() for c in cs})
+    if not online:
+        raise ValueError(
+            f"no CPUs found under {root} (neither devices/system/cpu/online nor node cpulists); "
+            "pass the sysfs root of a Linux machine (default /sys)"
+        )
+    online_set = set(online)
+    nodes = {n: tuple(c for c in cs if c in online_set) for n, cs in nodes.items()}
+    nodes = {n: cs for n, cs in nodes.items() if cs}  # memory-only nodes hold no CPUs
+    if not nodes:
+        nodes = {0: tuple(online)}
+    core_of: dict[int, int] = {}
+    for cpu in online:
+        topo = root / f"devices/system/cpu/cpu{cpu}/topology"
+        text = _read(topo / "thread_siblings_list") or _read(topo / "core_cpus_list")
+        siblings = [c for c in parse_cpulist(text) if c in online_set] if text else []
+        core_of[cpu] = min(siblings) if siblings else cpu
+    gpus: list[GPUInfo] = []
+    pci = root / "bus/pci/devices"
+    if pci.is_dir():
+        found = []
+        for dev in sorted(pci.iterdir()):
+            cls, vendor = _read(dev / "class"), _read(dev / "vendor")
+            if cls and vendor in GPU_VENDORS and cls.startswith(DISPLAY_CLASS_PREFIX):
+                numa = _read(dev / "numa_node")
+                found.append((dev.name, int(numa) if numa and numa.lstrip("-").isdigit() else -1, vendor))
+        indices = _visible_indices(visible_devices, len(found))
+        if indices is None:
+            log.warning(
+                "hyperacc.stabilize: CUDA_VISIBLE_DEVICES names GPUs by UUID; cannot map them to PCI "
+                "devices from sysfs, so all %d GPUs are planned in bus order",
+                len(found),
+            )
+            indices = list(range(len(found)))
+        for visible_index, idx in enumerate(indices):
+            bus, numa, vendor = found[idx]
+            gpus.append(GPUInfo(visible_index, bus, numa, GPU_VENDORS[vendor]))
+    container = None
+    cg = _read(root / "fs/cgroup/cpuset.cpus.effective")
+    if cg:
+        container = tuple(c for c in parse_cpulist(cg) if c in online_set) or None
+    return Topology(nodes, core_of, tuple(gpus), tuple(online), container)
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclasses.dataclass(frozen=True)
+class RankBinding:
+    local_rank: int
+    gpu: GPUInfo | None
+    numa_node: int | None  # node whose memory the rank should prefer; None when unknown
+    cpus: tuple[int, ...]  # the rank's whole share: main process + workers
+    main_cpus: tuple[int, ...]  # where the rank's main process (and its intra-op threads) runs
+    worker_cpus: tuple[tuple[int, ...], ...]  # one entry per DataLoader worker
+    threads: int  # torch.set_num_threads for the main process (physical cores of main_cpus)
+    shared: bool = False  # the share overlaps another rank's (more ranks than cores)
+    source: str = "plan"  # "plan" | "inherited" (the launcher's per-process mask kept as the share)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "local_rank": self.local_rank,
+            "gpu": None if self.gpu is None else dataclasses.asdict(self.gpu),
+            "numa_node": self.numa_node,
+            "cpus": format_cpulist(self.cpus),
+            "main_cpus": format_cpulist(self.main_cpus),
+            "worker_cpus": [format_cpulist(w) for w in self.worker_cpus],
+            "threads": self.threads,
+            "shared": self.shared,
+            "source": self.source,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class AffinityPlan:
+    nproc: int
+    workers_per_rank: int
+    allowed: tuple[int, ...]
+    inherited: str  # "none" | "cpuset" (container, same for every rank) | "per-process" (launcher)
+    ranks: tuple[RankBinding, ...]
+    warnings: tuple[str, ...]
+    numa_nodes: dict[int, tuple[int, ...]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "nproc": self.nproc,
+            "workers_per_rank": self.workers_per_rank,
+            "allowed": format_cpulist(self.allowed),
+            "inherited": self.inherited,
+            "numa_nodes": {str(n): format_cpulist(c) for n, c in self.numa_nodes.items()},
+            "ranks": [r.to_dict() for r in self.ranks],
+            "warnings": list(self.warnings),
+        }
+
+
+Core = tuple[int, ...]  # the allowed CPUs of one physical core
+
+
+def _cores(cpus: Iterable[int], core_of: dict[int, int]) -> list[Core]:
+    groups: dict[int, list[int]] = {}
+    for c in sorted(cpus):
+        groups.setdefault(core_of.get(c, c), []).append(c)
+    return [tuple(g) for _, g in sorted(groups.items(), key=lambda kv: kv[1][0])]
+
+
+def _flat(cores: Sequence[Core]) -> tuple[int, ...]:
+    return tuple(sorted({c for core in cores for c in core}))
+
+
+def _split_share(
+    share: Sequence[Core], workers: int, main_cores: int | None, warnings: list[str], local_rank: int
+) -> tuple[list[Core], list[list[Core]]]:
+    """Main cores first, then one or more distinct cores per worker; sharing only when short."""
+    n = len(share)
+    if workers == 0:
+        return list(share), []
+    if main_cores is not None and 1 <= main_cores < n:
+        main, rest = list(share[:main_cores]), list(share[main_cores:])
+    elif n > workers:
+        main, rest = list(share[: n - workers]), list(share[n - workers :])
+    elif n == 1:
+        warnings.append(
+            f"local rank {local_rank}: 1 core for the main process and {workers} workers; they share it"
+        )
+        return list(share), [list(share) for _ in range(workers)]
+    else:
+        main, rest = list(share[:1]), list(share[1:])
+    if len(rest) >= workers:
+        per = len(rest) // workers
+        return main, [rest[w * per : (w + 1) * per] for w in range(workers)]
+    warnings.append(f"local rank {local_rank}: {workers} workers on {len(rest)} cores; workers share cores")
+    return main, [[rest[w % len(rest)]] for w in range(workers)]
+
+
+def _classify(allowed: set[int], topo: Topology) -> str:
+    container = set(topo.container_cpus) if topo.container_cpus else set(topo.online)
+    if allowed >= container:
+        return "cpuset" if container != set(topo.online) else "none"
+    return "per-process"
+
+
+def plan_affinity(
+    nproc: int,
+    workers_per_rank: int = 0,
+    *,
+    sysfs_root: str | os.PathLike = "/sys",
+    topology: Topology | None = None,
+    allowed: Iterable[int] | None = None,
+    main_cores: int | None = None,
+    visible_devices: str | None = None,
+) -> AffinityPlan:
+    """The binding of every local rank of this node.
+
+    ``allowed`` is the CPU set to plan inside (default: this process's affinity when ``sysfs_root`` is
+    the real /sys, else every online CPU of the tree). ``visible_devices`` defaults to
+    ``CUDA_VISIBLE_DEVICES`` for the real /sys."""
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1 (got {nproc}); pass the number of ranks on this node")
+    if workers_per_rank < 0:
+        raise ValueError(f"workers_per_rank must be >= 0 (got {workers_per_rank})")
+    real = Path(sysfs_root).resolve() == Path("/sys").resolve()
+    if topology is None:
+        visible = visible_devices if visible_devices is not None else (
+            os.environ.get("CUDA_VISIBLE_DEVICES") if real else None
+        )  # fmt: skip
+        topology = read_topology(sysfs_root, visible_devices=visible)
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if real and hasattr(os, "sched_getaffinity") else topology.online
+    allowed_set = set(allowed) & set(topology.online)
+    if not allowed_set:
+        raise ValueError("the allowed CPU set has no online CPU of this topology")
+    warnings: list[str] = []
+    inherited = _classify(allowed_set, topology)
+    pools = {n: [c for c in cs if c in allowed_set] for n, cs in topology.numa_nodes.items()}
+    pools = {n: cs for n, cs in pools.items() if cs}
+
+    # Which NUMA node (pool) each local rank is placed on.
+    gpus = topology.gpus
+    rank_gpu: list[GPUInfo | None] = [None] * nproc
+    if gpus:
+        if nproc > len(gpus):
+            warnings.append(f"{nproc} ranks but {len(gpus)} GPUs visible; ranks share GPUs")
+        rank_gpu = [gpus[i % len(gpus)] for i in range(nproc)]
+        unknown = sorted(
+            {g.bus_id for g in rank_gpu if g is not None and g.numa_node not in topology.numa_nodes}
+        )
+        if unknown:
+            warnings.append(
+                f"GPU(s) {', '.join(unknown)} report no NUMA node (numa_node -1): binding by CPU share "
+                "only, without NUMA locality"
+            )
+            pools = {-1: sorted(allowed_set)}
+            rank_node = [-1] * nproc
+        else:
+            rank_node = [g.numa_node for g in rank_gpu]  # type: ignore[union-attr]
+            outside = [r for r in range(nproc) if rank_node[r] not in pools]
+            order = sorted(pools)
+            for j, r in enumerate(outside):
+                warnings.append(
+                    f"local rank {r}: its GPU's NUMA node {rank_node[r]} has no allowed CPU; "
+                    f"placed on node {order[j % len(order)]}"
+                )
+                rank_node[r] = order[j % len(order)]
+    else:
+        order = sorted(pools)
+        rank_node = [order[i * len(order) // nproc] for i in range(nproc)]
+
+    shares: dict[int, list[Core]] = {}
+    shared: dict[int, bool] = {}
+    for node, cpus in pools.items():
+        ranks_here = [r for r in range(nproc) if rank_node[r] == node]
+        if not ranks_here:
+            continue
+        cores = _cores(cpus, topology.core_of)
+        k, c = len(ranks_here), len(cores)
+        if c >= k:
+            for j, r in enumerate(ranks_here):
+                shares[r] = cores[j * c // k : (j + 1) * c // k]
+                shared[r] = False
+        else:
+            label = "the allowed CPUs" if node == -1 else f"NUMA node {node}"
+            warnings.append(f"{k} ranks on {c} cores of {label}; ranks share cores")
+            for j, r in enumerate(ranks_here):
+                shares[r] = [cores[j % c]]
+                shared[r] = True
+
+    bindings = []
+    for r in range(nproc):
+        main, workers = _split_share(shares[r], workers_per_rank, main_cores, warnings, r)
+        bindings.append(
+            RankBinding(
+                local_rank=r,
+                gpu=rank_gpu[r],
+                numa_node=None if rank_node[r] == -1 else rank_node[r],
+                cpus=_flat(shares[r]),
+                main_cpus=_flat(main),
+                worker_cpus=tuple(_flat(w) for w in workers),
+                threads=max(1, len(main)),
+                shared=shared[r],
+            )
+        )
+    return AffinityPlan(
+        nproc, workers_per_rank, tuple(sorted(allowed_set)), inherited, tuple(bindings), tuple(warnings),
+        dict(topology.numa_nodes),
+    )  # fmt: skip
+
+
+def binding_for_rank(
+    local_rank: int,
+    nproc: int,
+    workers_per_rank: int = 0,
+    *,
+    sysfs_root: str | os.PathLike = "/sys",
+    topology: Topology | None = None,
+    allowed: Iterable[int] | None = None,
+    main_cores: int | None = None,
+    visible_devices: str | None = None,
+) -> tuple[RankBinding, AffinityPlan]:
+    """This rank's binding, composing with a launcher that already bound it.
+
+    Without a per-process mask (none, or a container cpuset every rank shares) the plan is made
+    inside the allowed CPUs. With a per-process mask (narrower than the container): when it contains
+    the share planned for this rank (``torchrun --numa-binding=node`` or ``socket``), that share is
+    used; when it is no larger than a fair share of the rank's NUMA node and lies inside it
+    (``--numa-binding=exclusive`` or ``core-complex``, ``numactl --physcpubind``), the launcher's choice
+    is kept whole; otherwise the rank is planned inside the mask, with a warning."""
+    if not 0 <= local_rank < nproc:
+        raise ValueError(f"local_rank {local_rank} is outside 0..{nproc - 1}")
+    real = Path(sysfs_root).resolve() == Path("/sys").resolve()
+    if topology is None:
+        visible = visible_devices if visible_devices is not None else (
+            os.environ.get("CUDA_VISIBLE_DEVICES") if real else None
+        )  # fmt: skip
+        topology = read_topology(sysfs_root, visible_devices=visible)
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if real and hasattr(os, "sched_getaffinity") else topology.online
+    allowed_set = set(allowed) & set(topology.online)
+    if _classify(allowed_set, topology) != "per-process":
+        plan = plan_affinity(
+            nproc, workers_per_rank, topology=topology, allowed=allowed_set, main_cores=main_cores
+        )
+        return plan.ranks[local_rank], plan
+    # The launcher bound this process. Plan as if unbound (what every rank computes alike), then
+    # keep the planned share when the mask contains it, or take the launcher's choice.
+    container = set(topology.container_cpus or topology.online)
+    free = plan_affinity(nproc, workers_per_rank, topology=topology, allowed=container, main_cores=main_cores)
+    plan = dataclasses.replace(free, allowed=tuple(sorted(allowed_set)), inherited="per-process")
+    mine = free.ranks[local_rank]
+    if set(mine.cpus) <= allowed_set:
+        return mine, plan
+    same_pool = [r for r in free.ranks if r.numa_node == mine.numa_node]
+    pool_cores = _cores({c for r in same_pool for c in r.cpus}, topology.core_of)
+    fair = math.ceil(len(pool_cores) / max(1, len(same_pool)))
+    pool_cpus = {c for core in pool_cores for c in core}
+    warn: list[str] = []
+    if len(_cores(allowed_set, topology.core_of)) <= fair and allowed_set <= pool_cpus:
+        share = _cores(allowed_set, topology.core_of)  # the launcher's exclusive share: keep it whole
+    else:
+        share = _cores(set(mine.cpus) & allowed_set or allowed_set, topology.core_of)
+        warn.append(
+            f"local rank {local_rank}: inherited mask {format_cpulist(allowed_set)} does not contain the "
+            f"planned share {format_cpulist(mine.cpus)}; planned inside the mask"
+        )
+    main, workers = _split_share(share, workers_per_rank, main_cores, warn, local_rank)
+    binding = dataclasses.replace(
+        mine,
+        cpus=_flat(share),
+        main_cpus=_flat(main),
+        worker_cpus=tuple(_flat(w) for w in workers),
+        threads=max(1, len(main)),
+        shared=False,
+        source="inherited",
+    )
+    return binding, dataclasses.replace(plan, warnings=plan.warnings + tuple(warn))
+
+
+# ------------------------------------------------------------------ applying it (side effects)
+
+
+def set_process_affinity(cpus: Iterable[int]) -> None:
+    """Bind every existing thread of this process (threads created later inherit it)."""
+    cpus = set(cpus)
+    os.sched_setaffinity(0, cpus)
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = []
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except (ProcessLookupError, PermissionError):
+            pass  # the thread ended meanwhile, or is not ours to move
+
+
+def thread_affinities() -> dict[int, set[int]]:
+    """The CPU mask of every thread of this process (for checks and reports)."""
+    out = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            out[int(t)] = set(os.sched_getaffinity(int(t)))
+        except (ProcessLookupError, OSError):
+            pass
+    return out
+
+
+def bind_memory(node: int | None) -> str:
+    """Prefer ``node`` for this thread's and its future threads' allocations (libnuma's
+    ``numa_set_preferred``: falls back to other nodes instead of failing). Returns what was done."""
+    if node is None:
+        return "memory not bound (NUMA node unknown)"
+    name = ctypes.util.find_library("numa") or "libnuma.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return "memory not bound (libnuma not installed; `apt-get install libnuma1` or use numactl)"
+    if lib.numa_available() < 0:
+        return "memory not bound (kernel reports no NUMA support)"
+    lib.numa_set_preferred.argtypes = [ctypes.c_int]
+    lib.numa_set_preferred.restype = None
+    lib.numa_set_preferred(int(node))
+    return f"memory prefers NUMA node {node}"
+
+
+def apply_binding(binding: RankBinding, *, set_threads: bool = True, memory: bool = True) -> dict[str, Any]:
+    """Pin this process to ``binding.main_cpus``, size torch's intra-op pool, prefer the node's memory."""
+    set_process_affinity(binding.main_cpus)
+    done: dict[str, Any] = {"main_cpus": format_cpulist(binding.main_cpus)}
+    if set_threads:
+        import torch
+
+        torch.set_num_threads(binding.threads)
+        done["threads"] = binding.threads
+    if memory:
+        done["memory"] = bind_memory(binding.numa_node)
+    return done
+
+
+def format_plan(plan: AffinityPlan) -> str:
+    """A plain-text table of the plan (the CLI prints a richer one)."""
+    lines = [
+        f"nproc={plan.nproc} workers_per_rank={plan.workers_per_rank} allowed={format_cpulist(plan.allowed)} "
+        f"inherited={plan.inherited}"
+    ]
+    for r in plan.ranks:
+        gpu = f"gpu{r.gpu.index}@{r.gpu.bus_id}" if r.gpu else "-"
+        workers = " ".join(format_cpulist(w) for w in r.worker_cpus) or "-"
+        lines.append(
+            f"rank {r.local_rank}: {gpu} node={r.numa_node if r.numa_node is not None else '?'} "
+            f"main={format_cpulist(r.main_cpus)} threads={r.threads} workers={workers}"
+        )
+    lines.extend(f"warning: {w}" for w in plan.warnings)
+    return "\n".join(lines)

@@ -1,0 +1,435 @@
+"""Stabilizer parts in one process: configuration, GC schedule, memory release, allocator settings,
+sync audit patching."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import inspect
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset
+
+from hyperacc import stabilize as S
+from hyperacc.stabilize import allocator, memory
+from hyperacc.stabilize.gc_schedule import GCSchedule
+
+
+@pytest.fixture(autouse=True)
+def restore_gc():
+    enabled = gc.isenabled()
+    yield
+    gc.unfreeze()
+    if enabled:
+        gc.enable()
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_defaults_and_parts_on_off() -> None:
+    cfg = S.config_from_dict({})
+    assert cfg.gc is not None and cfg.gc.interval == 400 and cfg.gc.generation == 2
+    assert cfg.memory is not None and cfg.allocator is not None
+    assert cfg.affinity is None and cfg.sync_audit is None
+    cfg = S.config_from_dict({"gc": {"interval": 50, "generation": 1}, "memory": False, "affinity": True,
+                              "sync_audit": {"enabled": False}})  # fmt: skip
+    assert cfg.gc.interval == 50 and cfg.gc.generation == 1
+    assert cfg.memory is None and cfg.affinity is not None and cfg.sync_audit is None
+
+
+def test_bad_configuration_is_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['gcc'\]"):
+        S.config_from_dict({"gcc": True})
+    with pytest.raises(ValueError, match=r"unknown gc option\(s\) \['every'\]"):
+        S.config_from_dict({"gc": {"every": 5}})
+    with pytest.raises(ValueError, match="gc.interval must be >= 1"):
+        S.config_from_dict({"gc": {"interval": 0}})
+    with pytest.raises(ValueError, match="gc.workers must be one of"):
+        S.config_from_dict({"gc": {"workers": "never"}})
+
+
+def test_config_files(tmp_path: Path) -> None:
+    toml = tmp_path / "stab.toml"
+    toml.write_text("[stabilize.gc]\ninterval = 200\ngeneration = 1\n\n[stabilize.memory]\nenabled = false\n")
+    values = S.load_config(toml)
+    cfg = S.config_from_dict(values)
+    assert cfg.gc.interval == 200 and cfg.gc.generation == 1 and cfg.memory is None
+    js = tmp_path / "stab.json"
+    js.write_text(json.dumps({"gc": {"interval": 30}, "sync_audit": True}))
+    cfg = S.config_from_dict(S.load_config(js))
+    assert cfg.gc.interval == 30 and cfg.sync_audit is not None
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[gc\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        S.load_config(bad)
+    with pytest.raises(ValueError, match="cannot read stabilizer config"):
+        S.load_config(tmp_path / "missing.toml")
+
+
+def test_from_env(tmp_path: Path) -> None:
+    assert S.from_env({}) is None
+    assert S.from_env({S.ENV_VAR: "0"}) is None
+    stab = S.from_env({S.ENV_VAR: json.dumps({"gc": {"interval": 7, "valve": False}, "memory": False})})
+    try:
+        assert stab.config.gc.interval == 7 and stab.config.memory is None
+        assert not gc.isenabled()
+    finally:
+        stab.close()
+    assert gc.isenabled()
+    with pytest.raises(ValueError, match="HYPERACC_STABILIZE is not valid JSON"):
+        S.from_env({S.ENV_VAR: "{gc: 1}"})
+    with pytest.raises(ValueError, match="neither JSON"):
+        S.from_env({S.ENV_VAR: str(tmp_path / "nope.toml")})
+    path = tmp_path / "s.toml"
+    path.write_text("[gc]\ninterval = 11\nvalve = false\n")
+    stab = S.from_env({S.ENV_VAR: str(path)})
+    try:
+        assert stab.config.gc.interval == 11
+    finally:
+        stab.close()
+
+
+def test_launch_env_round_trips() -> None:
+    env = S.launch_env(gc={"interval": 123}, affinity={"workers_per_rank": 2})
+    assert env["TCMALLOC_RELEASE_RATE"] == "0"
+    assert "expandable_segments:True" in env["PYTORCH_ALLOC_CONF"]
+    assert env["PYTORCH_ALLOC_CONF"] == env["PYTORCH_CUDA_ALLOC_CONF"]
+    cfg = S.config_from_dict(json.loads(env[S.ENV_VAR]))
+    assert cfg.gc.interval == 123 and cfg.affinity.workers_per_rank == 2
+
+
+# ------------------------------------------------------------------ allocator settings
+
+
+def test_alloc_conf_parse_and_merge() -> None:
+    text = "roundup_power2_divisions:[256:1,512:2,>:4],expandable_segments:False"
+    assert allocator.parse_alloc_conf(text) == {
+        "roundup_power2_divisions": "[256:1,512:2,>:4]",
+        "expandable_segments": "False",
+    }
+    value, notes = allocator.merged_alloc_conf({}, {"expandable_segments": "True"})
+    assert value == "expandable_segments:True" and notes == []
+    value, notes = allocator.merged_alloc_conf(
+        {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}, {"expandable_segments": "True"}
+    )
+    assert value == "max_split_size_mb:256,expandable_segments:True"
+    value, notes = allocator.merged_alloc_conf({"PYTORCH_ALLOC_CONF": text}, {"expandable_segments": "True"})
+    assert "expandable_segments:False" in value and any("kept the user's" in n for n in notes)
+    value, notes = allocator.merged_alloc_conf(
+        {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64,backend:native"},
+        {"expandable_segments": "True"},
+    )  # fmt: skip
+    assert value == "max_split_size_mb:128,backend:native,expandable_segments:True"
+    assert any("differ" in n for n in notes)
+    with pytest.raises(ValueError, match="PYTORCH_ALLOC_CONF='garbage'"):
+        allocator.merged_alloc_conf({"PYTORCH_ALLOC_CONF": "garbage"}, {})
+
+
+def test_configure_writes_both_variables_and_counters_are_empty_on_cpu() -> None:
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}
+    done = allocator.configure(env)
+    assert env["PYTORCH_ALLOC_CONF"] == env["PYTORCH_CUDA_ALLOC_CONF"] == done["value"]
+    assert done["too_late"] is False
+    if not torch.cuda.is_available():
+        assert allocator.stall_counters() == {}
+        assert allocator.StallCounterDeltas().delta() == {}
+
+
+# ------------------------------------------------------------------ memory release
+
+
+def test_host_allocator_detection() -> None:
+    alloc = memory.detect_host_allocator()
+    libc = ctypes.CDLL(None)
+    if hasattr(libc, "gnu_get_libc_version") and not os.environ.get("LD_PRELOAD"):
+        assert alloc.name == "glibc"
+    assert memory.release(alloc) >= 0
+    none = memory.detect_host_allocator(types.SimpleNamespace())  # a symbol table without any allocator
+    assert none.name == "none" and memory.release(none) == 0
+    assert memory.hold_freed_memory(none).startswith("no known allocator")
+    assert memory.rss_bytes() > 0
+
+
+RELEASE_PROBE = textwrap.dedent(
+    """
+    import json
+    from hyperacc.stabilize import memory
+    alloc = memory.detect_host_allocator()
+    held = memory.hold_freed_memory(alloc)
+    blocks = [bytearray(64 * 1024) for _ in range(4000)]  # ~256 MB in heap-sized blocks
+    for b in blocks:
+        b[::4096] = b"x" * len(b[::4096])
+    peak = memory.rss_bytes()
+    del blocks
+    held_rss = memory.rss_bytes()
+    ns = memory.release(alloc)
+    print(json.dumps({"name": alloc.name, "held": held, "peak": peak, "held_rss": held_rss,
+                      "after": memory.rss_bytes(), "ns": ns}))
+    """
+)
+
+
+def _probe(env: dict[str, str] | None = None) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, timeout=60,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_glibc_holds_freed_memory_until_the_scheduled_release() -> None:
+    res = _probe()
+    if res["name"] != "glibc":
+        pytest.skip(f"host allocator is {res['name']}")
+    mb = 2**20
+    assert res["peak"] - res["held_rss"] < 64 * mb, res  # freed memory stays resident (held) ...
+    assert res["held_rss"] - res["after"] > 128 * mb, res  # ... until the release returns it
+
+
+def test_gperftools_tcmalloc_is_detected_and_released() -> None:
+    lib = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+    if lib is None:
+        pytest.skip("gperftools tcmalloc not installed (apt-get install libtcmalloc-minimal4)")
+    path = next(
+        (
+            p
+            for p in (f"/usr/lib/x86_64-linux-gnu/{lib}", f"/lib/x86_64-linux-gnu/{lib}")
+            if os.path.exists(p)
+        ),
+        lib,
+    )
+    res = _probe({"LD_PRELOAD": path, "TCMALLOC_RELEASE_RATE": "0"})
+    assert res["name"] == "tcmalloc-gperftools"
+    assert "release rate 0" in res["held"]
+    assert res["held_rss"] - res["after"] > 64 * 2**20, res
+
+
+# ------------------------------------------------------------------ deterministic GC
+
+
+def run_steps(stab: S.Stabilizer, steps: range, pause: float = 0.0) -> None:
+    for step in steps:
+        stab.step(step)
+        if pause:
+            time.sleep(pause)
+
+
+def test_scheduled_collections_at_multiples_of_the_interval() -> None:
+    stab = S.stabilize(gc={"interval": 10, "generation": 1, "valve": False}, memory={"interval": 15})
+    try:
+        assert not gc.isenabled()
+        run_steps(stab, range(0, 36))
+        assert gc.get_freeze_count() > 0
+    finally:
+        summary = stab.close()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    kinds = [(r["kind"], r["step"]) for r in stab.records if r["step"] >= 0]
+    assert kinds[0] == ("gc_freeze", 0)
+    assert [s for k, s in kinds if k == "gc_collect"] == [10, 20, 30]
+    assert [s for k, s in kinds if k == "memory_release"] == [15, 30]
+    assert all(r["detail"] == "scheduled gen=1" for r in stab.records if r["kind"] == "gc_collect")
+    assert summary["gc"]["scheduled"] == 3 and summary["gc"]["scheduled_ms_max"] >= 0
+
+
+def test_resumed_run_keeps_the_global_alignment() -> None:
+    stab = S.stabilize(gc={"interval": 100, "freeze": False, "valve": False}, memory=False)
+    try:
+        run_steps(stab, range(1234, 1420))
+    finally:
+        stab.close()
+    assert [r["step"] for r in stab.records if r["kind"] == "gc_collect"] == [1300, 1400]
+
+
+def test_valve_collects_early_when_garbage_piles_up() -> None:
+    stab = S.stabilize(
+        gc={"interval": 10_000, "valve_objects": 20_000, "valve_rss_mb": None, "valve_poll_s": 0.02,
+            "valve_lead_steps": 2, "valve_lead_s": 0.0},
+        memory=False,
+    )  # fmt: skip
+    keep = []
+    try:
+        for step in range(2000):  # stops as soon as the valve collected
+            if step == 5:
+                for _ in range(30_000):
+                    a: list = []
+                    a.append(a)
+            stab.step(step)
+            time.sleep(0.005)
+            if any(r["kind"] == "gc_collect" for r in stab.records):
+                break
+        keep.append(gc.get_count())
+    finally:
+        stab.close()
+    valve = [r for r in stab.records if r["kind"] == "gc_collect"]
+    assert valve and valve[0]["detail"].startswith("valve proposer=0"), stab.records
+    assert valve[0]["value"] >= 29_000  # it collected the cycles (the last one is still referenced)
+    proposed = [r for r in stab.records if r["kind"] == "gc_valve_proposed"][0]
+    assert proposed["step"] >= 5
+    # collected at the proposed step, or (a thread descheduled on a loaded machine) one step later, said so
+    assert valve[0]["step"] == proposed["value"] or "late" in valve[0]["detail"]
+
+
+def test_forked_children_get_automatic_gc_back() -> None:
+    def child_gc_state(policy: str) -> bool:
+        stab = S.stabilize(gc={"workers": policy, "valve": False}, memory=False, allocator=False)
+        try:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - child
+                os.write(w, b"1" if gc.isenabled() else b"0")
+                os._exit(0)
+            os.close(w)
+            state = os.read(r, 1)
+            os.close(r)
+            os.waitpid(pid, 0)
+            return state == b"1"
+        finally:
+            stab.close()
+
+    assert child_gc_state("enable") is True
+    assert child_gc_state("inherit") is False
+
+
+class GCProbe(Dataset):
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> tuple[bool, bool]:
+        return gc.isenabled(), bool(os.environ.get("HYPERACC_TEST_USER_INIT"))
+
+
+def mark_user_init(worker_id: int) -> None:
+    os.environ["HYPERACC_TEST_USER_INIT"] = "1"
+
+
+def test_dataloader_workers_compose_with_the_users_init() -> None:
+    stab = S.stabilize(gc={"valve": False}, memory=False, allocator=False)
+    try:
+        loader = DataLoader(GCProbe(), batch_size=None, num_workers=2, worker_init_fn=mark_user_init,
+                            multiprocessing_context="fork")  # fmt: skip
+        stab.attach(loader)
+        assert isinstance(loader.worker_init_fn, S.WorkerInit)
+        got = list(loader)
+    finally:
+        stab.close()
+    assert [list(g) for g in got] == [[True, True]] * 4  # GC on in every worker, user init ran
+    # spawn/forkserver workers receive the worker_init_fn pickled
+    clone = pickle.loads(pickle.dumps(loader.worker_init_fn))
+    assert clone.user_fn is mark_user_init and clone.gc_policy == "enable"
+
+
+def test_internal_error_switches_the_part_off_with_one_line(monkeypatch, caplog) -> None:
+    def broken(self, step, reason):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(GCSchedule, "collect", broken)
+    stab = S.stabilize(gc={"interval": 2, "freeze": False, "valve": False}, memory={"interval": 3})
+    with caplog.at_level(logging.WARNING, logger="hyperacc"):
+        run_steps(stab, range(0, 12))
+    summary = stab.close()
+    assert list(summary["disabled"]) == ["gc"]
+    assert gc.isenabled()  # the switched-off part gave automatic GC back
+    lines = [r for r in caplog.records if "switched off" in r.getMessage()]
+    assert len(lines) == 1 and "gc" in lines[0].getMessage()
+    assert [r["step"] for r in stab.records if r["kind"] == "memory_release"] == [3, 6, 9]  # the rest goes on
+
+
+def test_records_are_written_as_events(tmp_path: Path) -> None:
+    from hyperacc.store import read_events
+
+    (tmp_path / "meta").mkdir()  # a run directory (the tracer writes meta/ and steps/ beside the events)
+    stab = S.stabilize(gc={"interval": 3, "valve": False}, memory=False, run_dir=str(tmp_path))
+    run_steps(stab, range(0, 7))
+    stab.close()
+    events = read_events(tmp_path).to_pylist()
+    assert [(e["kind"], e["step"]) for e in events if e["kind"] == "gc_collect"] == [
+        ("gc_collect", 3),
+        ("gc_collect", 6),
+    ]
+    assert all(e["rank"] == 0 for e in events)
+
+
+# ------------------------------------------------------------------ sync audit (one process)
+
+
+def test_audit_counts_host_syncs_with_file_and_line_and_unpatches() -> None:
+    original_item, original_barrier = torch.Tensor.item, dist.barrier
+    stab = S.stabilize(gc=False, memory=False, allocator=False, sync_audit=True)
+    x = torch.ones(3)
+    try:
+        for step in range(5):
+            x.sum().item()
+            line = inspect.currentframe().f_lineno - 1
+            if x.sum() > 0:
+                pass
+            stab.step(step)
+        report = stab.audit_report()
+    finally:
+        stab.close()
+    sites = {(s["kind"], s["site"]): s for s in report["sites"]}
+    here = __file__
+    assert sites[("host_sync", f"{here}:{line}")]["calls"] == 5
+    assert sites[("host_sync", f"{here}:{line + 2}")]["calls"] == 5  # bool(tensor)
+    assert report["steps"] == 5
+    assert torch.Tensor.item is original_item and "item" not in vars(torch.Tensor)
+    assert dist.barrier is original_barrier
+    recorded = [r["detail"] for r in stab.records if r["kind"] == "sync_site"]
+    assert any(f"host_sync {here}:{line} calls=5" in d for d in recorded)  # the report lands in the events
+
+
+def test_only_one_audit_at_a_time() -> None:
+    stab = S.stabilize(gc=False, memory=False, allocator=False, sync_audit=True)
+    try:
+        other = S.stabilize(gc=False, memory=False, allocator=False, sync_audit=True)
+        assert "sync_audit" in other.disabled
+        other.close()
+    finally:
+        stab.close()
+
+
+def test_records_go_through_an_active_tracer_once(tmp_path: Path) -> None:
+    from hyperacc.store import read_events
+    from hyperacc.trace.tracer import Tracer
+
+    tracer = Tracer(tmp_path)
+    stab = S.stabilize(gc={"interval": 3, "valve": False}, memory=False, run_dir=str(tmp_path))
+    try:
+        run_steps(stab, range(0, 7))
+    finally:
+        stab.close()
+        tracer.close()
+    kinds = [(e["kind"], e["step"]) for e in read_events(tmp_path).to_pylist()]
+    assert kinds.count(("gc_collect", 3)) == 1 and kinds.count(("gc_collect", 6)) == 1
+
+
+def test_from_env_twice_is_one_stabilizer_and_repeated_steps_are_ignored() -> None:
+    env = {S.ENV_VAR: json.dumps({"gc": {"interval": 2, "valve": False}, "memory": False})}
+    first = S.from_env(env)
+    try:
+        assert S.from_env(env) is first  # e.g. `hyperacc run` bootstrap, then the script itself
+        for step in range(5):
+            first.step(step)
+            first.step(step)  # the tracer's step hook and the script both call it
+    finally:
+        first.close()
+    assert [r["step"] for r in first.records if r["kind"] == "gc_collect"] == [2, 4]
+    second = S.from_env(env)
+    try:
+        assert second is not first  # a closed one is not handed out again
+    finally:
+        second.close()
