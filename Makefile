@@ -5,16 +5,20 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup browser demo test bench lint clean
+.PHONY: setup system demo test bench lint clean
 
 setup: $(STAMP)
 
-# Debian's Chromium renders the HTML report in the browser tests; installed once, skipped if present.
-browser:
-	@command -v chromium >/dev/null 2>&1 || { \
-	  echo "installing Debian's chromium for the report's browser test"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-	  || echo "chromium could not be installed: the browser test will be skipped"; }
+# Debian packages the tests use where present: Chromium renders the HTML report, numactl and
+# gperftools' tcmalloc exercise the binding and memory-release stabilizers. Installed once; a test
+# whose package could not be installed skips with its reason.
+SYSTEM_PKGS := chromium numactl libtcmalloc-minimal4
+system:
+	@missing=""; for p in $(SYSTEM_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	  || echo "could not install$$missing: the tests that need them will be skipped"; fi
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,7 +30,7 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m hyperacc.demo
 
-test: setup browser
+test: setup system
 	$(BIN)/python -m pytest -q
 
 bench: setup
