@@ -1,0 +1,117 @@
+"""Run an unmodified training script with hyperacc around it: ``python -m hyperacc.bootstrap script.py [args]``.
+
+This is what ``hyperacc run`` starts in every rank (through torchrun). From the environment it
+installs, in this order:
+
+1. fault injection, ``hyperacc.chaos.install_from_env()`` (``HYPERACC_CHAOS``), first, so that the
+   tracer's hooks wrap the injected stalls and measure them like real ones;
+2. automatic tracing, ``hyperacc.trace.install_auto()`` (``HYPERACC_RUN_DIR``, ``HYPERACC_TRACE``);
+3. stabilizers, ``hyperacc.stabilize.from_env()`` (``HYPERACC_STABILIZE``), whose ``step(step)`` is
+   then called at every step boundary the tracer sees (an unmodified script does not call it); the
+   variable is then removed from the environment so that a script which starts stabilizers itself
+   does not start a second set;
+
+then runs the script as ``__main__`` with ``sys.argv`` set as if it had been started directly
+(``-m module`` runs a module instead), and finally closes the stabilizers and flushes the tracer and
+chaos ground truth. Parts that are not installed or not configured are skipped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import runpy
+import sys
+from typing import Any
+
+log = logging.getLogger("hyperacc.bootstrap")
+
+USAGE = "usage: python -m hyperacc.bootstrap SCRIPT.py [ARGS...]  |  -m MODULE [ARGS...]"
+
+
+class BootstrapError(SystemExit):
+    pass
+
+
+def _optional(module: str, function: str) -> Any:
+    """``module.function()`` if that module exists; its configuration errors are the user's to see."""
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module.startswith(exc.name):
+            return None
+        raise
+    return getattr(mod, function)()
+
+
+def install() -> list[Any]:
+    """Install chaos, tracing and stabilizers from the environment; returns what must be closed."""
+    from hyperacc.trace import ENV_RUN_DIR, TraceConfigError, install_auto
+
+    closers: list[Any] = []
+    if os.environ.get("HYPERACC_CHAOS", "").strip():
+        chaos = _optional("hyperacc.chaos", "install_from_env")
+        if chaos is not None:
+            closers.append(chaos)
+    if os.environ.get(ENV_RUN_DIR, "").strip():
+        try:
+            closers.append(install_auto())
+        except TraceConfigError as exc:
+            raise BootstrapError(f"hyperacc: {exc}") from None
+    else:
+        log.warning("hyperacc: %s is not set; the script runs without tracing", ENV_RUN_DIR)
+    if os.environ.get("HYPERACC_STABILIZE", "").strip():
+        stabilizer = _optional("hyperacc.stabilize", "from_env")
+        # Consumed here: a script that also starts stabilizers from the environment (as
+        # examples/train_ddp.py does) must not start a second set.
+        os.environ.pop("HYPERACC_STABILIZE", None)
+        if stabilizer is not None:
+            closers.insert(0, stabilizer)
+            auto = closers[-1] if closers and hasattr(closers[-1], "add_step_callback") else None
+            if auto is not None and hasattr(stabilizer, "step"):
+                auto.add_step_callback(stabilizer.step)  # the script does not call step(): the tracer does
+    return closers
+
+
+def close(closers: list[Any]) -> None:
+    for obj in closers:
+        fn = getattr(obj, "close", None)
+        if fn is None:
+            continue
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the script's own result must not be lost
+            print(f"hyperacc: closing {type(obj).__name__} failed: {exc}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        raise BootstrapError(USAGE)
+    module = None
+    if args[0] == "-m":
+        if len(args) < 2:
+            raise BootstrapError(USAGE)
+        module, script_args = args[1], args[2:]
+    else:
+        script, script_args = args[0], args[1:]
+        if not os.path.isfile(script):
+            raise BootstrapError(
+                f"hyperacc: training script {script!r} not found; pass the path of a .py file"
+            )
+    closers = install()
+    try:
+        if module is not None:
+            sys.argv = [module, *script_args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *script_args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        close(closers)
+
+
+if __name__ == "__main__":
+    main()

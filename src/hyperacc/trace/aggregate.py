@@ -1,0 +1,314 @@
+"""Per-window summaries of every rank, gathered by rank 0 while training runs, off the critical path.
+
+Each rank turns its step records into one WINDOW_SCHEMA row per window of ``window`` steps (medians of
+self-time, data wait, collective wait, launch latency and step time, the sum of GC pauses). The rows
+travel through the job's c10d store (a separate TCPStore client to torchrun's store, so the training
+thread's own store connection is never shared), from a background thread: each rank appends its row
+to one key per window and bumps a counter. Rank 0's background thread polls the counter; a window is
+processed once every rank has reported, or ``grace_s`` after its first report, in which case the
+ranks still absent are reported as missing. Nothing here can block training: a dead or slow store
+only delays or (after one log line) stops the summaries. Rank 0 hands each window's table to
+``hyperacc.analysis.live.LiveDetector`` (when that module is present) and logs every line it returns.
+docs/tracing.md, "Live aggregation".
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from hyperacc.schema import WINDOW_SCHEMA
+from hyperacc.trace.failsafe import switch_off
+
+log = logging.getLogger("hyperacc.live")
+
+_SUMMARY_COLUMNS = ("self_ns", "data_ns", "comm_wait_ns", "launch_ns", "gc_ns", "step_ns")
+
+
+def connect_store(timeout_s: float = 10.0) -> Any:
+    """A c10d store every rank of this job can reach, or None (single process without torchrun).
+
+    Under torchrun a fresh client of the launcher's TCPStore (MASTER_ADDR:MASTER_PORT); otherwise the
+    default process group's store.
+    """
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if addr and port:
+        return dist.TCPStore(addr, int(port), None, False, timeout=timeout, wait_for_workers=False)
+    if dist.is_available() and dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    return None
+
+
+def _prefix() -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"hyperacc/windows/{run}/{restart}/"
+
+
+def summarize(
+    window: int, rank: int, node: int, cols: dict[str, np.ndarray], steps: np.ndarray
+) -> dict[str, Any]:
+    """One WINDOW_SCHEMA row from the window's step columns (floats, NaN where not measured)."""
+
+    def median(name: str) -> float | None:
+        v = cols[name]
+        v = v[~np.isnan(v)]
+        return float(np.median(v)) if v.size else None
+
+    gc = cols["gc_ns"]
+    gc = gc[~np.isnan(gc)]
+    return {
+        "rank": rank,
+        "node": node,
+        "window": window,
+        "first_step": int(steps.min()),
+        "last_step": int(steps.max()),
+        "steps": int(steps.size),
+        "self_ns_median": median("self_ns"),
+        "data_ns_median": median("data_ns"),
+        "comm_wait_ns_median": median("comm_wait_ns"),
+        "launch_ns_median": median("launch_ns"),
+        "gc_ns_sum": float(gc.sum()) if gc.size else None,
+        "step_ns_median": median("step_ns"),
+    }
+
+
+def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
+    return pa.Table.from_pylist(sorted(rows, key=lambda r: r["rank"]), schema=WINDOW_SCHEMA)
+
+
+def _default_detector(world_size: int, nodes: int) -> Any:
+    try:
+        from hyperacc.analysis.live import LiveDetector
+    except ImportError:
+        return None
+    return LiveDetector(world_size, nodes)
+
+
+class WindowAggregator:
+    """Publishes this rank's window summaries; on rank 0 also gathers everyone's and runs detection."""
+
+    def __init__(
+        self,
+        rank: int,
+        node: int,
+        world_size: int,
+        *,
+        window: int = 50,
+        grace_s: float = 30.0,
+        store: Any = None,
+        detector: Any = None,
+        nodes: int | None = None,
+        on_finding: Callable[[int, str], None] | None = None,
+        on_window: Callable[[int, list[int], list[int]], None] | None = None,
+        poll_s: float = 0.5,
+        prefix: str | None = None,
+    ) -> None:
+        self.rank, self.node, self.world_size = rank, node, world_size
+        self.window = window
+        self.grace_s = grace_s
+        self.poll_s = poll_s
+        self.nodes = nodes if nodes is not None else _node_count(world_size)
+        self.on_finding = on_finding
+        self.on_window = on_window
+        self.prefix = _prefix() if prefix is None else prefix
+        self._store = store
+        self._store_given = store is not None
+        self._detector = detector
+        self._detector_made = detector is not None
+        self._acc: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}
+        self._latest_window = -1
+        self._outbox: deque[dict[str, Any]] = deque()
+        self._on = True
+        self._first_seen: dict[int, float] = {}
+        self._next_window: int | None = None  # rank 0: the next window to process
+        self._own_last = -1
+        self._missing_reported: frozenset[int] = frozenset()
+        self.windows_processed = 0
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hyperacc-trace-windows", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ input (tracer's flusher thread)
+
+    def on_steps(self, table: pa.Table) -> None:
+        """Sink for new step records: completed windows go to the outbox."""
+        if not self._on or table.num_rows == 0:
+            return
+        steps = table.column("step").to_numpy()
+        cols = {
+            name: table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+            for name in _SUMMARY_COLUMNS
+        }
+        windows = steps // self.window
+        for w in np.unique(windows):
+            mask = windows == w
+            self._acc.setdefault(int(w), []).append((steps[mask], {k: v[mask] for k, v in cols.items()}))
+        self._latest_window = max(self._latest_window, int(windows.max()))
+        self._complete(self._latest_window)
+
+    def _complete(self, before: int) -> None:
+        for w in sorted(k for k in self._acc if k < before):
+            parts = self._acc.pop(w)
+            steps = np.concatenate([p[0] for p in parts])
+            cols = {name: np.concatenate([p[1][name] for p in parts]) for name in _SUMMARY_COLUMNS}
+            self._outbox.append(summarize(w, self.rank, self.node, cols, steps))
+        if self._outbox:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ background thread
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+            self._tick(final=False)
+
+    def _tick(self, final: bool) -> None:
+        if not self._on:
+            return
+        try:
+            if self._store is None:
+                self._store = self._connect()
+            self._publish()
+            if self.rank == 0:
+                self._gather(final)
+        except Exception as exc:  # noqa: BLE001 - a dead store stops the summaries, never training
+            self._on = False
+            switch_off("window aggregation through the c10d store", exc)
+
+    def _connect(self) -> Any:
+        import torch.distributed as dist
+
+        base = connect_store()
+        if base is None:
+            if self.world_size > 1:
+                raise RuntimeError(
+                    "no c10d store reachable (MASTER_ADDR/MASTER_PORT unset, no process group)"
+                )
+            base = dist.HashStore()  # a single process: rank 0 is everyone
+        return dist.PrefixStore(self.prefix, base)
+
+    def _publish(self) -> None:
+        store = self._store
+        while self._outbox:
+            row = self._outbox[0]
+            w = row["window"]
+            store.append(f"w{w}", json.dumps(row) + "\n")
+            store.add(f"w{w}/n", 1)
+            self._outbox.popleft()
+            self._own_last = max(self._own_last, w)
+            if self._next_window is None:
+                self._next_window = w
+
+    def _gather(self, final: bool) -> None:
+        store = self._store
+        while self._next_window is not None:
+            w = self._next_window
+            count = store.add(f"w{w}/n", 0)
+            now = time.monotonic()
+            if count == 0 and w > self._own_last:
+                return  # nobody has reached this window yet
+            first = self._first_seen.setdefault(w, now)
+            grace = min(self.grace_s, 2.0) if final else self.grace_s
+            if count < self.world_size and now - first < grace:
+                return
+            rows = []
+            if count:
+                for line in store.get(f"w{w}").decode().splitlines():
+                    if line.strip():
+                        rows.append(json.loads(line))
+            store.delete_key(f"w{w}")
+            store.delete_key(f"w{w}/n")
+            self._first_seen.pop(w, None)
+            self._next_window = w + 1
+            self._process(w, rows)
+
+    def _process(self, w: int, rows: list[dict[str, Any]]) -> None:
+        received = sorted({r["rank"] for r in rows})
+        missing = sorted(set(range(self.world_size)) - set(received))
+        self.windows_processed += 1
+        if frozenset(missing) != self._missing_reported:
+            self._missing_reported = frozenset(missing)
+            if missing:
+                log.warning(
+                    "hyperacc live: window %d: no summary from rank(s) %s (late or stopped)",
+                    w,
+                    _ranges(missing),
+                )
+            else:
+                log.warning("hyperacc live: window %d: every rank reports again", w)
+        if self.on_window is not None:
+            self.on_window(w, received, missing)
+        if not rows:
+            return
+        if not self._detector_made:
+            self._detector_made = True
+            self._detector = _default_detector(self.world_size, self.nodes)
+        if self._detector is None:
+            return
+        first_step = min(r["first_step"] for r in rows)
+        for message in self._detector.update(rows_to_table(rows)) or []:
+            log.warning("hyperacc live: %s", message)
+            if self.on_finding is not None:
+                self.on_finding(first_step, str(message))
+
+    # ------------------------------------------------------------------ end
+
+    def close(self) -> None:
+        """Publish what is complete; rank 0 waits briefly (<= 2 s) for the others' last windows."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        if not self._on:
+            return
+        self._complete(self._latest_window + (1 if self._partial_is_full() else 0))
+        deadline = time.monotonic() + (min(self.grace_s, 2.0) if self.rank == 0 else 0.0)
+        while True:
+            self._tick(final=True)
+            done = self._next_window is None or self._next_window > self._own_last
+            if self.rank != 0 or done or not self._on or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if not self._store_given and self._store is not None:
+            self._store = None
+
+    def _partial_is_full(self) -> bool:
+        parts = self._acc.get(self._latest_window)
+        return bool(parts) and sum(len(p[0]) for p in parts) >= self.window
+
+
+def _node_count(world_size: int) -> int:
+    try:
+        return int(os.environ["GROUP_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+        return max(math.ceil(world_size / max(local, 1)), 1)
+
+
+def _ranges(ranks: list[int]) -> str:
+    out: list[str] = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:  # type: ignore[list-item]
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ",".join(out)

@@ -1,0 +1,94 @@
+"""Tracer settings: a frozen dataclass, read from Python keywords or from the ``HYPERACC_TRACE`` JSON.
+
+Every setting and its default is described in docs/tracing.md, "Settings".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+ENV_OPTIONS = "HYPERACC_TRACE"
+ENV_RUN_DIR = "HYPERACC_RUN_DIR"
+
+
+class TraceConfigError(ValueError):
+    """An unknown or impossible tracer setting; the message names it and what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceOptions:
+    capacity: int = 8192  # rows in the per-rank step ring buffer
+    flush_every_s: float = 5.0  # a Parquet segment at most this often (and when the ring is half full)
+    probe_every: int = 100  # launch-latency probe every K steps (0: off)
+    probe_ops: int = 32  # tiny ops enqueued per probe
+    window: int = 50  # steps per window summary sent to the analyzer (0: no live aggregation)
+    grace_s: float = 30.0  # rank 0 waits this long for a window's late ranks, then reports them missing
+    inband: bool = True  # piggyback every rank's previous arrival/wait on the DDP gradient all-reduce
+    signals: bool = True  # GC, page faults, context switches, allocator counters
+    host_syncs: bool = False  # count device syncs (CUDA only; switches torch's sync debug mode to warn)
+    alloc_every: int = 1  # read CUDA allocator counters every N steps
+    device_timing: bool = True  # on CUDA, phase times from CUDA events
+    handle_sigterm: bool = True  # flush on SIGTERM, then run the previous handler
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("capacity", self.capacity >= 16, ">= 16"),
+            ("flush_every_s", self.flush_every_s > 0, "> 0"),
+            ("probe_every", self.probe_every >= 0, ">= 0 (0 switches the probe off)"),
+            ("probe_ops", self.probe_ops >= 1, ">= 1"),
+            ("window", self.window >= 0, ">= 0 (0 switches live aggregation off)"),
+            ("grace_s", self.grace_s >= 0, ">= 0"),
+            ("alloc_every", self.alloc_every >= 1, ">= 1"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise TraceConfigError(
+                    f"trace option {name}={getattr(self, name)!r} is invalid: it must be {allowed}"
+                )
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> TraceOptions:
+        if not raw:
+            return cls()
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise TraceConfigError(
+                f"unknown trace option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}"
+            )
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            kind = type(cls.__dataclass_fields__[name].default)
+            if kind is bool:
+                if not isinstance(value, bool):
+                    raise TraceConfigError(f"trace option {name} must be true or false (got {value!r})")
+            elif kind is int:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise TraceConfigError(f"trace option {name} must be an integer (got {value!r})")
+            elif kind is float:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TraceConfigError(f"trace option {name} must be a number (got {value!r})")
+                value = float(value)
+            values[name] = value
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str | None) -> TraceOptions:
+        if text is None or not text.strip():
+            return cls()
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise TraceConfigError(
+                f"{ENV_OPTIONS} is not valid JSON ({exc}); pass an object such as "
+                '{"window": 50, "probe_every": 100}'
+            ) from None
+        if not isinstance(raw, dict):
+            raise TraceConfigError(f"{ENV_OPTIONS} must be a JSON object (got {type(raw).__name__})")
+        return cls.from_mapping(raw)
+
+    def replace(self, **changes: Any) -> TraceOptions:
+        return self.from_mapping({**dataclasses.asdict(self), **changes})

@@ -1,0 +1,196 @@
+"""Cause signals of one rank, as per-step deltas: GC pauses by generation, major page faults and
+involuntary context switches of the training thread, CUDA allocator counters, device syncs.
+
+All counters are cumulative and read twice per step (start and end); nothing here allocates arrays
+or takes a lock on the training path. See docs/tracing.md, "Cause signals".
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import resource
+import warnings
+from time import perf_counter_ns
+from typing import Any
+
+from hyperacc.trace.columns import COL as _C
+from hyperacc.trace.failsafe import switch_off
+
+_RUSAGE_WHO = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+_ALLOC_KEYS = (("alloc_retries", "num_alloc_retries"), ("device_allocs", "num_device_alloc"),
+               ("sync_all_streams", "num_sync_all_streams"))  # fmt: skip
+_SYNC_MESSAGE = re.compile("called a synchronizing CUDA operation")
+
+
+class GcClock:
+    """Pause time, count and highest generation of the cyclic GC, fed by ``gc.callbacks``.
+
+    A collection pauses every Python thread, so it is charged to the step in progress whichever thread
+    triggered it.
+    """
+
+    def __init__(self) -> None:
+        self.total_ns = 0
+        self.count = 0
+        self.max_gen = -1  # highest generation since the last ``take_max_gen``
+        self._t0 = 0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        try:
+            if phase == "start":
+                self._t0 = perf_counter_ns()
+                return
+            if self._t0:
+                self.total_ns += perf_counter_ns() - self._t0
+                self._t0 = 0
+            self.count += 1
+            gen = info.get("generation", -1)
+            if gen > self.max_gen:
+                self.max_gen = gen
+        except Exception as exc:  # an exception here would be printed at every collection
+            self.close()
+            switch_off("GC signal", exc)
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+
+class HostSyncCounter:
+    """Counts device synchronisations through torch's sync debug mode (CUDA only, opt-in).
+
+    ``torch.cuda.set_sync_debug_mode("warn")`` makes every synchronising call issue a warning; those
+    warnings are counted here and not shown. The CPU build raises on that call, so this stays off there.
+    """
+
+    def __init__(self) -> None:
+        import torch
+
+        self.count = 0
+        self._previous_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        warnings.filterwarnings("always", message=_SYNC_MESSAGE.pattern)
+        self._show = warnings.showwarning
+        warnings.showwarning = self._showwarning
+
+    def _showwarning(self, message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        if _SYNC_MESSAGE.search(str(message)):
+            self.count += 1
+            return
+        self._show(message, category, *args, **kwargs)
+
+    def close(self) -> None:
+        import torch
+
+        if warnings.showwarning == self._showwarning:
+            warnings.showwarning = self._show
+        try:
+            torch.cuda.set_sync_debug_mode(self._previous_mode)
+        except Exception:  # noqa: BLE001 - closing must not fail
+            pass
+
+
+_GC_NS, _GC_COUNT, _GC_MAX_GEN = _C["gc_ns"], _C["gc_count"], _C["gc_max_gen"]
+_MAJOR_FAULTS, _INVOL_CTX = _C["major_faults"], _C["invol_ctx_switches"]
+_ALLOC_COLS = tuple(_C[name] for name, _ in _ALLOC_KEYS)
+_HOST_SYNCS = _C["host_syncs"]
+
+
+class StepSignals:
+    """Deltas of cumulative counters, written into the step's row at step end.
+
+    Each counter is read once per step, at its end; the delta runs from the previous step's end (the
+    same instant as this step's start when steps follow each other, as in automatic mode), so one
+    ``getrusage`` call per step suffices.
+    """
+
+    def __init__(self, *, cuda: bool = False, alloc_every: int = 1, host_syncs: bool = False) -> None:
+        self.gc = GcClock()
+        self._gc_ns = 0
+        self._gc_count = 0
+        self._faults = 0
+        self._nivcsw = 0
+        self._rusage_on = True
+        self.cuda = cuda
+        self.alloc_every = alloc_every
+        self._alloc_prev = [0, 0, 0]
+        self._alloc_on = cuda
+        self._alloc_steps = 0
+        self.syncs: HostSyncCounter | None = None
+        self._syncs_prev = 0
+        self.begin()
+        try:
+            ru = resource.getrusage(_RUSAGE_WHO)
+            self._faults, self._nivcsw = ru.ru_majflt, ru.ru_nivcsw
+        except OSError as exc:
+            self._rusage_on = False
+            switch_off("getrusage signals", exc)
+        if cuda:
+            self._read_alloc(self._alloc_prev)
+        if cuda and host_syncs:
+            try:
+                self.syncs = HostSyncCounter()
+            except Exception as exc:  # noqa: BLE001 - e.g. a build without sync debug mode
+                switch_off("host-sync counter", exc)
+
+    def enable_cuda(self) -> None:
+        """CUDA was initialised after the tracer started: begin reading allocator counters."""
+        if not self.cuda:
+            self.cuda = self._alloc_on = True
+            self._read_alloc(self._alloc_prev)
+
+    def _read_alloc(self, out: list[int]) -> bool:
+        import torch
+
+        try:
+            stats = torch.cuda.memory_stats()
+            for i, (_, key) in enumerate(_ALLOC_KEYS):
+                out[i] = int(stats.get(key, 0))
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self._alloc_on = False
+            switch_off("CUDA allocator counters", exc)
+            return False
+
+    def begin(self) -> None:
+        """Start of a step: only the highest-generation marker needs resetting."""
+        self.gc.max_gen = -1
+
+    def end(self, row: list[int]) -> None:
+        gcc = self.gc
+        total, count = gcc.total_ns, gcc.count
+        row[_GC_NS] = total - self._gc_ns
+        row[_GC_COUNT] = count - self._gc_count
+        row[_GC_MAX_GEN] = gcc.max_gen
+        self._gc_ns, self._gc_count = total, count
+        if self._rusage_on:
+            try:
+                ru = resource.getrusage(_RUSAGE_WHO)
+                faults, nivcsw = ru.ru_majflt, ru.ru_nivcsw
+                row[_MAJOR_FAULTS] = faults - self._faults
+                row[_INVOL_CTX] = nivcsw - self._nivcsw
+                self._faults, self._nivcsw = faults, nivcsw
+            except OSError as exc:
+                self._rusage_on = False
+                switch_off("getrusage signals", exc)
+        if self._alloc_on:
+            self._alloc_steps += 1
+            if self._alloc_steps >= self.alloc_every:
+                self._alloc_steps = 0
+                prev = self._alloc_prev
+                before = tuple(prev)
+                if self._read_alloc(prev):
+                    for col, now, then in zip(_ALLOC_COLS, prev, before, strict=True):
+                        row[col] = now - then
+        if self.syncs is not None:
+            count = self.syncs.count
+            row[_HOST_SYNCS] = count - self._syncs_prev
+            self._syncs_prev = count
+
+    def close(self) -> None:
+        self.gc.close()
+        if self.syncs is not None:
+            self.syncs.close()
+            self.syncs = None

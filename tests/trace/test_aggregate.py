@@ -1,0 +1,152 @@
+"""Live window aggregation through a real c10d TCPStore: delivery, missing ranks, a killed store."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pyarrow as pa
+import pytest
+import torch.distributed as dist
+
+from hyperacc.schema import STEP_SCHEMA, WINDOW_SCHEMA
+from hyperacc.trace.aggregate import WindowAggregator
+
+
+def steps_table(rank: int, steps: range, self_ms: float) -> pa.Table:
+    rows = [
+        {"rank": rank, "node": 0, "step": s, "step_ns": 20_000_000, "self_ns": int(self_ms * 1e6) + s,
+         "data_ns": 1_000, "comm_wait_ns": 5_000_000, "gc_ns": 100, "launch_ns": 2_000 if s % 5 == 0 else None}
+        for s in steps
+    ]  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=STEP_SCHEMA)
+
+
+def client(port: int, timeout_s: float = 5.0) -> Any:
+    base = dist.TCPStore(
+        "127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    return dist.PrefixStore("test/", base)
+
+
+class Recorder:
+    """Stands where hyperacc.analysis.live.LiveDetector plugs in; keeps what it was given."""
+
+    def __init__(self) -> None:
+        self.tables: list[pa.Table] = []
+
+    def update(self, table: pa.Table) -> list[str]:
+        self.tables.append(table)
+        return [f"window {table['window'][0].as_py()} seen"]
+
+
+@pytest.fixture
+def server() -> Any:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False
+    )
+    yield store
+
+
+def test_every_ranks_windows_reach_rank_0(server: Any) -> None:
+    detector = Recorder()
+    findings: list[tuple[int, str]] = []
+    windows: list[tuple[int, list[int], list[int]]] = []
+    rank0 = WindowAggregator(
+        0,
+        0,
+        2,
+        window=5,
+        grace_s=30,
+        store=client(server.port),
+        detector=detector,
+        on_finding=lambda s, m: findings.append((s, m)),
+        on_window=lambda w, got, missing: windows.append((w, got, missing)),
+        poll_s=0.05,
+    )
+    rank1 = WindowAggregator(1, 1, 2, window=5, grace_s=30, store=client(server.port), poll_s=0.05)
+    for agg, self_ms in ((rank0, 10.0), (rank1, 30.0)):
+        agg.on_steps(steps_table(agg.rank, range(0, 7), self_ms))
+        agg.on_steps(steps_table(agg.rank, range(7, 16), self_ms))  # windows 0-2 complete, 3 open
+    rank1.close()
+    rank0.close()
+    assert [w for w, _, _ in windows] == [0, 1, 2]
+    assert all(got == [0, 1] and missing == [] for _, got, missing in windows)
+    assert [t.schema for t in detector.tables] == [WINDOW_SCHEMA] * 3
+    first = detector.tables[0].to_pylist()
+    assert [r["rank"] for r in first] == [0, 1] and [r["node"] for r in first] == [0, 1]
+    assert first[1]["self_ns_median"] == 30_000_002.0  # median of 30 ms + step, steps 0-4
+    assert first[0]["steps"] == 5 and first[0]["first_step"] == 0 and first[0]["last_step"] == 4
+    assert first[0]["launch_ns_median"] == 2_000.0 and first[0]["gc_ns_sum"] == 500.0
+    assert findings == [(0, "window 0 seen"), (5, "window 1 seen"), (10, "window 2 seen")]
+
+
+def test_a_silent_rank_is_reported_missing_and_never_blocks(
+    server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    detector = Recorder()
+    windows: list[tuple[int, list[int], list[int]]] = []
+    rank0 = WindowAggregator(
+        0,
+        0,
+        3,
+        window=5,
+        grace_s=0.3,
+        store=client(server.port),
+        detector=detector,
+        on_window=lambda w, got, missing: windows.append((w, got, missing)),
+        poll_s=0.05,
+    )
+    rank1 = WindowAggregator(1, 0, 3, window=5, grace_s=0.3, store=client(server.port), poll_s=0.05)
+    with caplog.at_level(logging.WARNING, logger="hyperacc.live"):
+        for agg in (rank0, rank1):
+            agg.on_steps(steps_table(agg.rank, range(0, 11), 10.0))
+        deadline = time.monotonic() + 20
+        while len(windows) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank1.close()
+        rank0.close()
+    assert [(w, got, missing) for w, got, missing in windows] == [(0, [0, 1], [2]), (1, [0, 1], [2])]
+    lines = [r.message for r in caplog.records if "no summary from rank(s) 2" in r.message]
+    assert len(lines) == 1  # said once, not every window
+    assert [t.num_rows for t in detector.tables] == [2, 2]
+
+
+def test_a_killed_store_switches_aggregation_off_once(caplog: pytest.LogCaptureFixture) -> None:
+    code = (
+        "import datetime, sys, time, torch.distributed as d\n"
+        "s = d.TCPStore('127.0.0.1', 0, None, True, timeout=datetime.timedelta(seconds=5), wait_for_workers=False)\n"
+        "print(s.port, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())
+        agg = WindowAggregator(1, 0, 2, window=5, grace_s=1, store=client(port, timeout_s=1.0), poll_s=0.05)
+        agg.on_steps(steps_table(1, range(0, 6), 10.0))
+        deadline = time.monotonic() + 10
+        while agg._outbox and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not agg._outbox, "the first window was never published"
+        proc.kill()
+        proc.wait()
+        with caplog.at_level(logging.WARNING, logger="hyperacc.trace"):
+            for start in range(6, 60, 6):  # training goes on: the sink never raises
+                agg.on_steps(steps_table(1, range(start, start + 6), 10.0))
+                time.sleep(0.05)
+            deadline = time.monotonic() + 15
+            while agg._on and time.monotonic() < deadline:
+                time.sleep(0.05)
+            t0 = time.monotonic()
+            agg.close()
+            assert time.monotonic() - t0 < 10
+        assert not agg._on
+        lines = [r.message for r in caplog.records if "window aggregation" in r.message]
+        assert len(lines) == 1 and "switched off" in lines[0]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,126 @@
+"""Automatic tracing of scripts that know nothing of hyperacc: through ``hyperacc run`` on two
+simulated nodes, and through ``python -m hyperacc.bootstrap`` in a single process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pytest
+
+from hyperacc import harness, store
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+SINGLE_JOB = Path(__file__).parent / "jobs" / "single_job.py"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra})
+    return env
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    codes: list[int | None] = []
+    try:
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait()
+    return codes
+
+
+@pytest.mark.multirank
+def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Path) -> None:
+    run, results = tmp_path / "run", tmp_path / "results"
+    results.mkdir()
+    steps = 40
+    chaos = {"seed": 3, "faults": [{"kind": "slowdown", "ranks": [2], "factor": 2.0}]}
+    port = harness.free_port()
+    procs, logs = [], []
+    for node in range(2):
+        log = (tmp_path / f"node{node}.log").open("w")
+        logs.append(tmp_path / f"node{node}.log")
+        cmd = [
+            sys.executable, "-m", "hyperacc", "run", "--run-dir", str(run), "--nproc-per-node", "2",
+            "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--max-restarts", "0", "--trace", json.dumps({"window": 10, "flush_every_s": 1.0, "probe_every": 10}),
+            "--chaos", json.dumps(chaos),
+            "--", str(EXAMPLE), "--steps", str(steps), "--features", "128", "--hidden", "128",
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=_env(HYPERACC_RESULT_DIR=str(results)),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+    codes = _wait_all(procs, timeout=240)
+    output = "\n".join(p.read_text(errors="replace")[-4000:] for p in logs)
+    finished = sorted(p.name for p in results.glob("rank-*.json"))
+    assert finished == [f"rank-{r}.json" for r in range(4)], f"codes={codes}\n{output}"
+
+    meta = store.read_meta(run)
+    assert {r: m.node for r, m in meta.items()} == {0: 0, 1: 0, 2: 1, 3: 1}  # GROUP_RANK
+    assert {m.backend for m in meta.values()} == {"gloo"}
+    table = store.read_steps(run)
+    rows = {r: table.filter(pc.equal(table["rank"], r)).to_pylist() for r in range(4)}
+    for r in range(4):
+        assert [row["step"] for row in rows[r]] == list(range(steps)), output
+        for row in rows[r][1:]:
+            for col in ("data_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns", "self_ns"):
+                assert row[col] is not None and row[col] >= 0, (r, row["step"], col)
+            assert (row["launch_ns"] is not None) == (row["step"] % 10 == 0)
+    # every rank decoded the same in-band values, so every rank names the same culprit
+    for step in range(2, steps):
+        assert len({rows[r][step]["min_wait_rank"] for r in range(4)}) == 1
+        assert rows[0][step]["min_wait_rank"] is not None
+
+    def median(r: int, col: str) -> float:
+        values = sorted(row[col] for row in rows[r][2:])
+        return values[len(values) // 2]
+
+    # chaos burns CPU after rank 2's forward (2 x forward x 3): its self-time shows it, nobody else's
+    assert median(2, "self_ns") > 1.5 * max(median(r, "self_ns") for r in (0, 1, 3))
+    gathered = [e for e in store.read_events(run).to_pylist() if e["kind"] == "window_gathered"]
+    assert gathered and all(e["rank"] == 0 for e in gathered)
+    assert any(json.loads(e["detail"])["received"] == [0, 1, 2, 3] for e in gathered)
+
+
+def test_bootstrap_times_explicit_collectives_and_wraps_the_users_comm_hook(tmp_path: Path) -> None:
+    out, run = tmp_path / "out.json", tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hyperacc.bootstrap", str(SINGLE_JOB), str(out), str(harness.free_port())],
+        env=_env(HYPERACC_RUN_DIR=str(run), HYPERACC_TRACE='{"window": 0}'),
+        capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["calls"] == 6  # the script's hook ran on every backward (one bucket each) ...
+    assert result["halved"] == [True] * 6  # ... and its result is what DDP used
+    rows = store.read_steps(run).to_pylist()
+    steps = [r["step"] for r in rows]
+    assert steps == list(range(len(steps))) and len(steps) >= 10
+    for r in rows[1:6]:  # explicit all_reduce on every gradient, timed without DDP
+        assert r["comm_wait_ns"] > 0 and r["self_ns"] is not None and r["backward_ns"] is not None
+        assert r["data_ns"] is not None and r["forward_ns"] is not None
+    for r in rows[7:]:  # the DDP model, its hook wrapped
+        assert r["comm_wait_ns"] is not None and r["self_ns"] is not None

@@ -1,0 +1,59 @@
+"""SIGTERM flushes everything recorded, then the previous handler runs (or the default terminates)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hyperacc import store
+
+LOOP = """
+import signal, sys, time
+from hyperacc.trace import Tracer
+
+run_dir, marker, user = sys.argv[1], sys.argv[2], sys.argv[3] == "user"
+if user:
+    def on_term(signum, frame):
+        open(marker, "w").write("user handler ran")
+        sys.exit(17)
+    signal.signal(signal.SIGTERM, on_term)
+tracer = Tracer(run_dir, rank=0, flush_every_s=3600, window=0)  # no periodic flush: only SIGTERM's
+step = 0
+while True:
+    with tracer.step():
+        with tracer.phase("forward"):
+            time.sleep(0.002)
+    step += 1
+    if step == 20:
+        print("ready", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["user", "default"])
+def test_sigterm_flushes_then_chains(tmp_path: Path, handler: str) -> None:
+    run_dir, marker = tmp_path / "run", tmp_path / "marker"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LOOP, str(run_dir), str(marker), handler],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", proc.stderr.read()
+        time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    if handler == "user":
+        assert code == 17 and marker.read_text() == "user handler ran"
+    else:
+        assert code == -signal.SIGTERM
+    steps = store.read_steps(run_dir)["step"].to_pylist()
+    assert len(steps) >= 20 and steps == list(range(len(steps)))
