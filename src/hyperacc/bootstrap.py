@@ -61,6 +61,19 @@ def install() -> list[Any]:
             raise BootstrapError(f"hyperacc: {exc}") from None
     else:
         log.warning("hyperacc: %s is not set; the script runs without tracing", ENV_RUN_DIR)
+    pace = os.environ.get("HYPERACC_PACE", "").strip()
+    if pace and pace != "0":
+        auto = next((c for c in closers if hasattr(c, "tracer")), None)
+        if auto is None:
+            log.warning("hyperacc: pacing needs the tracer's in-band exchange (set %s); pacing is off", ENV_RUN_DIR)
+        else:
+            from hyperacc.pacing.controller import PacingConfigError
+            from hyperacc.pacing.runtime import PacingHook, config_from_json
+
+            try:
+                PacingHook(config_from_json(pace)).attach(auto.tracer.inband)
+            except PacingConfigError as exc:
+                raise BootstrapError(f"hyperacc: {exc}") from None
     if os.environ.get("HYPERACC_STABILIZE", "").strip():
         stabilizer = _optional("hyperacc.stabilize", "from_env")
         # Consumed here: a script that also starts stabilizers from the environment (as

@@ -109,6 +109,12 @@ def build_command(
     default=None,
     help="Stabilizers: JSON, 1 for the defaults, or a config file (hyperacc.stabilize).",
 )
+@click.option(
+    "--pace",
+    "pace_json",
+    default=None,
+    help="Pacing at the gradient collective: 1 for the defaults or JSON settings (docs/pacing.md).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and environment; start nothing.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, required=True)
 def command(
@@ -119,6 +125,7 @@ def command(
     trace_json: str | None,
     chaos_json: str | None,
     stabilize_json: str | None,
+    pace_json: str | None,
     dry_run: bool,
     script_and_args: tuple[str, ...],
     **torchrun: str | None,
@@ -130,6 +137,14 @@ def command(
     trace_json = _json_option("--trace", trace_json)
     chaos_json = _json_option("--chaos", chaos_json)
     stabilize_json = _json_option("--stabilize", stabilize_json)
+    if pace_json is not None:
+        from hyperacc.pacing.controller import PacingConfigError
+        from hyperacc.pacing.runtime import config_from_json
+
+        try:
+            config_from_json(pace_json)
+        except PacingConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--pace") from None
     if trace_json is not None:
         from hyperacc.trace.options import TraceConfigError, TraceOptions
 
@@ -167,11 +182,24 @@ def command(
         ("HYPERACC_TRACE", trace_json),
         ("HYPERACC_CHAOS", chaos_json),
         ("HYPERACC_STABILIZE", stabilize_json),
+        ("HYPERACC_PACE", pace_json),
     ):
         if value is not None:
             env[key] = value
+    if stabilize_json is not None:
+        # allocator settings before CUDA initialises and tcmalloc's background release off
+        from hyperacc import stabilize
+
+        try:
+            cfg = stabilize.load_config(stabilize_json) if Path(stabilize_json).is_file() else (
+                None if stabilize_json.strip() in ("1", "true") else json.loads(stabilize_json))
+            extra_env = stabilize.launch_env(cfg)
+        except (ValueError, OSError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--stabilize") from None
+        extra_env.pop(stabilize.ENV_VAR, None)  # the ranks parse the user's own text
+        env.update(extra_env)
     if dry_run:
-        for key in ("HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE"):
+        for key in sorted(set(env) - set(os.environ) | {k for k in env if k.startswith("HYPERACC_")}):
             if key in env:
                 click.echo(f"{key}={shlex.quote(env[key])}")
         click.echo(shlex.join(cmd))

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from hyperacc.pacing.controller import PacingConfig, PacingController
+from hyperacc.pacing.controller import PacingConfig, PacingConfigError, PacingController
 
 log = logging.getLogger("hyperacc.pacing")
 
@@ -362,3 +362,27 @@ def _env_int(name: str, default: int) -> int:
         return int(os.environ.get(name, default))
     except ValueError:
         return default
+
+
+ENV = "HYPERACC_PACE"
+
+
+def config_from_json(text: str) -> PacingConfig:
+    """``HYPERACC_PACE``: ``1`` for the defaults, or a JSON object of ``PacingConfig`` fields."""
+    import dataclasses
+    import json
+
+    text = text.strip()
+    if text in ("1", "true", "on", ""):
+        return PacingConfig()
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise PacingConfigError(f"{ENV} must be 1 or a JSON object of pacing settings ({exc})") from None
+    if not isinstance(raw, dict):
+        raise PacingConfigError(f"{ENV} must be 1 or a JSON object of pacing settings (got {text!r})")
+    known = {f.name for f in dataclasses.fields(PacingConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise PacingConfigError(f"unknown pacing setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return PacingConfig(**raw)
