@@ -48,14 +48,17 @@ def main() -> None:
         with tracer.step(step):
             x = torch.randn(32, 64, generator=gen)
             y = torch.randn(32, 8, generator=gen)
-            time.sleep(0.004 + (0.012 if rank == 0 else 0.0))  # rank 0: the persistent straggler
+            t = torch.randn(1000, generator=gen)
+            p = t.clone()
+            # rank 0 is the persistent straggler before each of the two synchronisation points, so
+            # both the explicit collective and DDP's gradient all-reduce see it arrive late
+            time.sleep(0.002 + (0.006 if rank == 0 else 0.0))
+            explicit(t)
+            time.sleep(0.002 + (0.006 if rank == 0 else 0.0))
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        t = torch.randn(1000, generator=gen)
-        p = t.clone()
-        explicit(t)
         dist.all_reduce(p)
         reduced.append(t)
         plain.append(p)
