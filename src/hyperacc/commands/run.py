@@ -199,7 +199,9 @@ def command(
         extra_env.pop(stabilize.ENV_VAR, None)  # the ranks parse the user's own text
         env.update(extra_env)
     if dry_run:
-        for key in sorted(set(env) - set(os.environ) | {k for k in env if k.startswith("HYPERACC_")}):
+        ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE"]
+        added = sorted(k for k in env if env.get(k) != os.environ.get(k) and k not in ours)
+        for key in [k for k in ours if k in env] + added:
             if key in env:
                 click.echo(f"{key}={shlex.quote(env[key])}")
         click.echo(shlex.join(cmd))
