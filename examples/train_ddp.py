@@ -24,20 +24,23 @@ from torch.utils.data import DataLoader, Dataset
 
 
 class SyntheticImages(Dataset):
-    """Deterministic random 'images' with a learnable label: sample i is the same on every rank and epoch."""
+    """Deterministic random 'images' with a learnable label: sample i is the same on every rank and epoch.
 
-    def __init__(self, size: int, features: int, classes: int) -> None:
-        self.size, self.features, self.classes = size, features, classes
+    Samples come from a fixed pool, so loading costs a copy, not a random-number generation per sample.
+    """
+
+    def __init__(self, size: int, features: int, classes: int, pool: int = 4096) -> None:
+        self.size = size
         g = torch.Generator().manual_seed(1234)
-        self.proj = torch.randn(features, classes, generator=g)
+        self.inputs = torch.randn(pool, features, generator=g)
+        self.labels = (self.inputs @ torch.randn(features, classes, generator=g)).argmax(dim=1)
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(i)
-        x = torch.randn(self.features, generator=g)
-        return x, (x @ self.proj).argmax()
+        j = i % len(self.inputs)
+        return self.inputs[j], self.labels[j]
 
 
 def build_model(features: int, hidden: int, classes: int) -> nn.Module:

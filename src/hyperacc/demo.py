@@ -1,100 +1,144 @@
 """``make demo``: a real 4-rank training run on this machine, its diagnosis and its fixes.
 
-1. Runs examples/train_ddp.py as 4 gloo ranks with one injected straggler (rank 2 computes 15 % slower)
-   and random compute spikes, and prints per-rank step-time statistics.
-2. Turns the measured spike rate into the spike-theory table: what this rate does at 8 to 1,024 nodes.
+1. Diagnose: ``hyperacc run`` starts the unmodified examples/train_ddp.py as 4 gloo ranks with three
+   injected faults (rank 2 computes 15 % slower, rank 1's loader stalls on 3 % of steps, rank 3 is under
+   GC pressure), then ``hyperacc analyze`` names the culprits, the causes and what the measured spike
+   rate means at scale, and the injected ground truth is printed beside it.
+2. Fix: the same job with ``--stabilize`` (deterministic GC: frozen heap, collections at the same step
+   on every rank); the GC spikes of step 1 vanish.
+3. Storage: cold LMDB reads with and without the sampler-aware prefetch (data-time p99).
+4. See it: ``hyperacc report`` writes the self-contained HTML report and prints its path.
+
+Set ``HYPERACC_DEMO_STEPS`` to change the run length (default 400).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from hyperacc import harness, theory
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
+EXAMPLE_ARGS = ["--batch-size", "256"]  # enough compute per step that a 15 % slowdown is visible
 
-STRAGGLER_CHAOS = {
+FAULTS = {
     "seed": 7,
     "faults": [
         {"kind": "slowdown", "ranks": [2], "factor": 0.15},
-        {"kind": "spike", "ranks": "all", "rate": 0.01, "ms": 60, "dist": "exp"},
+        {"kind": "data_stall", "ranks": [1], "rate": 0.03, "ms": 60},
+        {"kind": "gc_pressure", "ranks": [3], "live": 300000, "garbage": 20000},
     ],
 }
+STABILIZE = {"gc": {"interval": 100}}
 
 
-def spike_mask(step_ms: np.ndarray, k: float = 5.0, floor_ms: float = 5.0) -> np.ndarray:
-    """Steps above the median by more than k robust standard deviations and a floor."""
-    med = np.median(step_ms)
-    mad = 1.4826 * np.median(np.abs(step_ms - med))
-    return step_ms > med + max(k * mad, floor_ms)
+def hyperacc(console: Console, *args: str, timeout: float = 600, quiet: bool = False) -> subprocess.CompletedProcess:
+    """Run a hyperacc command as a user would type it, echoing the command line."""
+    cmd = [sys.executable, "-m", "hyperacc", *args]
+    shown = " ".join(shlex.quote(a) if len(a) < 60 else "'…'" for a in args)
+    console.print(f"[dim]$ hyperacc {shown}[/dim]")
+    env = {**os.environ, "COLUMNS": str(console.width)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=timeout, text=True, capture_output=True)
+    if proc.returncode != 0:
+        console.print(proc.stdout[-4000:], proc.stderr[-4000:], markup=False)
+        raise SystemExit(f"hyperacc {args[0]} failed (exit {proc.returncode})")
+    if not quiet:
+        console.print(proc.stdout.rstrip(), markup=False, highlight=False)
+    return proc
 
 
-def stage_straggler(console: Console, run_dir: Path, steps: int) -> float:
-    console.rule("[bold]1. A 4-rank DDP job with one straggler and random spikes")
-    env = {"HYPERACC_CHAOS": json.dumps(STRAGGLER_CHAOS), "HYPERACC_RUN_DIR": str(run_dir)}
+def traced_run(console: Console, run_dir: Path, steps: int, *extra: str) -> float:
     t0 = time.monotonic()
-    job = harness.launch(EXAMPLE, ["--steps", str(steps)], nproc=4, timeout=300, env=env)
-    if not job.ok:
-        console.print(job.explain())
-        raise SystemExit("the demo job failed; see the rank output above")
-    console.print(f"ran {steps} steps on 4 ranks in {time.monotonic() - t0:.1f} s (torchrun, gloo)")
-    table = Table(title="per-rank step time (ms); steps are equal across ranks under all-reduce")
-    for col in ("rank", "median", "p99", "max", "CV", "spikes"):
-        table.add_column(col, justify="right")
-    warm = 5  # the first steps build DDP buckets
-    cluster = None
-    for r in job.results():
-        ms = np.asarray(r["step_ms"][warm:])
-        cluster = ms if cluster is None else np.maximum(cluster, ms)
-        table.add_row(
-            str(r["rank"]), f"{np.median(ms):.1f}", f"{np.percentile(ms, 99):.1f}", f"{ms.max():.1f}",
-            f"{ms.std() / ms.mean():.2f}", str(int(spike_mask(ms).sum())),
-        )  # fmt: skip
-    console.print(table)
-    p_cluster = float(spike_mask(cluster).mean())
-    p_rank = 1 - (1 - p_cluster) ** (1 / 4) if p_cluster < 1 else 1.0
-    console.print(
-        f"cluster spike fraction {100 * p_cluster:.2f} % of steps at 4 ranks -> per-rank rate "
-        f"p = 1-(1-P)^(1/4) = {100 * p_rank:.2f} %"
-    )
-    console.print(
-        "Step time alone cannot name rank 2: every rank waits for the slowest inside the all-reduce."
-    )
-    return p_rank
+    proc = hyperacc(
+        console, "run", "--run-dir", str(run_dir), "--nproc-per-node", "4", "--chaos", json.dumps(FAULTS),
+        *extra, "--", str(EXAMPLE.relative_to(ROOT)), "--steps", str(steps), *EXAMPLE_ARGS, quiet=True,
+    )  # fmt: skip
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if "hyperacc live:" in line:
+            console.print(f"  [yellow]{line.strip()}[/yellow]", highlight=False)
+    wall = time.monotonic() - t0
+    console.print(f"  {steps} steps on 4 ranks in {wall:.0f} s")
+    return wall
 
 
-def stage_theory(console: Console, p_rank: float) -> None:
-    console.rule("[bold]2. What this spike rate means at scale (spike theory)")
-    p_rank = max(p_rank, 1e-4)
-    rows = theory.sweep([1, 8, 64, 256, 1024], p_rank=p_rank, ranks_per_node=8, target=theory.DEFAULT_TARGET)
-    table = Table(title=f"8 ranks per node, measured p_rank = {100 * p_rank:.2f} %")
-    for col in ("nodes", "ranks", "P(step spikes)", f"p_rank needed for <= {100 * theory.DEFAULT_TARGET:.0f} %"):
+def ground_truth_table(run_dir: Path) -> Table:
+    from hyperacc import chaos
+
+    counts = Counter((r["rank"], r["kind"]) for r in chaos.read_ground_truth(run_dir))
+    table = Table(title="what was injected (chaos ground truth)", title_justify="left")
+    for col in ("rank", "fault", "count"):
+        table.add_column(col)
+    for (rank, kind), n in sorted(counts.items()):
+        if kind == "gc_pressure":
+            continue  # one record per step; the pauses it caused are the gc_pause rows
+        table.add_row(str(rank), kind, str(n))
+    return table
+
+
+def gc_comparison(before: dict[str, Any], after: dict[str, Any]) -> Table:
+    def row(doc: dict[str, Any]) -> dict[str, str]:
+        gc = next((c for c in doc["causes"] if c["cause"] == "gc"), None)
+        cluster = doc["spikes"]["cluster"]
+        rank3 = next((r for r in doc["spikes"]["per_rank"] if r["rank"] == 3), None)
+        return {
+            "steps that spiked": f"{100 * cluster['rate']:.1f} %",
+            "rank 3 spike rate": f"{100 * rank3['rate']:.1f} %" if rank3 else "-",
+            "GC spikes": str(gc["spikes"] if gc else 0),
+            "time lost to GC spikes": f"{(gc['time_lost_ns'] if gc else 0) / 1e9:.2f} s",
+            "gc stragglers": str(sum(1 for s in doc["stragglers"] if s["kind"] == "gc")),
+        }
+
+    a, b = row(before), row(after)
+    table = Table(title="automatic GC versus hyperacc's deterministic GC (same faults, same seed)", title_justify="left")
+    for col in ("", "automatic GC", "--stabilize"):
         table.add_column(col, justify="right")
-    for r in rows:
-        table.add_row(str(r.nodes), str(r.ranks), f"{100 * r.p_cluster:.1f} %", f"{100 * r.required_p_rank:.3f} %")
-    console.print(table)
+    for key in a:
+        table.add_row(key, a[key], b[key])
+    return table
 
 
 def main() -> None:
-    console = Console(width=None if sys.stdout.isatty() else 120)
-    run_root = Path(os.environ.get("HYPERACC_DEMO_DIR", ROOT / "runs" / "demo"))
+    console = Console(width=None if sys.stdout.isatty() else 110)
+    run_root = Path(os.environ.get("HYPERACC_DEMO_DIR", ROOT / "runs" / "demo")).resolve()
     if run_root.exists():
         shutil.rmtree(run_root)
     run_root.mkdir(parents=True)
-    steps = int(os.environ.get("HYPERACC_DEMO_STEPS", "300"))
+    steps = int(os.environ.get("HYPERACC_DEMO_STEPS", "400"))
     t0 = time.monotonic()
-    p_rank = stage_straggler(console, run_root / "straggler", steps)
-    stage_theory(console, p_rank)
+
+    from hyperacc.analysis import diagnose
+
+    console.rule("[bold]1. Diagnose: a 4-rank DDP job with three injected faults")
+    diag_dir = run_root / "diagnose"
+    traced_run(console, diag_dir, steps)
+    hyperacc(console, "analyze", str(diag_dir))
+    console.print(ground_truth_table(diag_dir))
+
+    console.rule("[bold]2. Fix: the same job with deterministic GC")
+    fixed_dir = run_root / "stabilized"
+    traced_run(console, fixed_dir, steps, "--stabilize", json.dumps(STABILIZE))
+    before, after = diagnose(diag_dir).to_dict(), diagnose(fixed_dir).to_dict()
+    console.print(gc_comparison(before, after))
+
+    console.rule("[bold]3. Storage: cold LMDB reads with and without sampler-aware prefetch")
+    from hyperacc.data.pipeline import cold_read_comparison, cold_read_table
+
+    console.print(cold_read_table(cold_read_comparison(run_root / "cold-read")), markup=False, highlight=False)
+
+    console.rule("[bold]4. See it")
+    hyperacc(console, "report", str(diag_dir), "-o", str(run_root / "report.html"))
+    console.print(f"open {run_root / 'report.html'} in a browser (it works offline)")
     console.rule(f"[bold]demo finished in {time.monotonic() - t0:.0f} s; run directories under {run_root}")
 
 

@@ -6,9 +6,20 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-# Window metrics judged for stragglers, and the straggler kind each one names.
-STRAGGLER_METRICS: tuple[str, ...] = ("self_ns", "data_ns", "launch_ns", "gc_ns")
-METRIC_KIND: dict[str, str] = {"self_ns": "compute", "data_ns": "data", "launch_ns": "launch", "gc_ns": "gc"}
+from hyperacc.theory import DEFAULT_TARGET
+
+# Window metrics judged for stragglers, and the straggler kind each one names. Forward and backward
+# are judged where the summaries carry them (offline): a slow forward stands out more clearly than the
+# whole self-time on a machine whose other ranks share the cores.
+STRAGGLER_METRICS: tuple[str, ...] = ("self_ns", "forward_ns", "backward_ns", "data_ns", "launch_ns", "gc_ns")
+METRIC_KIND: dict[str, str] = {
+    "self_ns": "compute",
+    "forward_ns": "compute",
+    "backward_ns": "compute",
+    "data_ns": "data",
+    "launch_ns": "launch",
+    "gc_ns": "gc",
+}
 CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "compute", "unknown")
 
 
@@ -28,24 +39,24 @@ class DetectionOptions:
     min_mad_rel: float = 0.01  # MAD floored at 1 % of the cluster median
     min_slowdown: float = 0.05  # and at least 5 % above the cluster median
     floor_ns: int = 200_000  # and at least 0.2 ms above it (self, data, gc per step)
-    launch_floor_ns: int = 10_000  # launch probe: at least 10 us above the median
+    launch_floor_ns: int = 200  # launch probe (mean ns per enqueued op): at least 0.2 us above the median
     # -- persistence
     persist_k: int = 3  # outlier in k ...
     persist_n: int = 5  # ... of the rank's last n judged windows
     # -- node grouping
     node_fraction: float = 0.5  # more than this share of a node's ranks slow: a node problem
     # -- spikes within a rank
-    spike_metric: str = "self_ns"  # "self_ns" or "busy_ns" (step_ns - comm_wait_ns)
+    spike_metric: str = "busy_ns"  # "busy_ns" (step_ns - comm_wait_ns: all its own work) or "self_ns"
     spike_window: int = 101  # centred rolling median, in steps
     spike_mad: float = 5.0  # excess > spike_mad * 1.4826 * rolling MAD ...
     spike_floor_ns: int = 1_000_000  # ... and > 1 ms ...
-    spike_floor_rel: float = 0.10  # ... and > 10 % of the rolling median
+    spike_floor_rel: float = 0.25  # ... and > 25 % of the rank's typical step
     # -- attribution
     explain_share: float = 0.5  # a phase or a pause must account for half of a spike's excess
     signal_z: float = 3.5  # a counter coincides when it is this far above its rolling median (MAD z)
     # -- output and projection
     top_events: int = 50
-    target: float = 0.10  # tolerated share of cluster steps that spike
+    target: float = DEFAULT_TARGET  # tolerated share of cluster steps that spike (hyperacc.theory)
     projection_nodes: tuple[int, ...] = (8, 64, 256, 1024)
     ranks_per_node: int | None = None  # None: measured (ranks of the largest node)
 
@@ -61,7 +72,9 @@ class DetectionOptions:
         if not 0.0 < self.target < 1.0:
             raise ValueError(f"target must be a probability in (0, 1) (got {self.target})")
         if self.min_ranks < 3:
-            raise ValueError("min_ranks must be >= 3: with two ranks no robust test can tell which one is slow")
+            raise ValueError(
+                "min_ranks must be >= 3: with two ranks no robust test can tell which one is slow"
+            )
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> DetectionOptions:

@@ -19,12 +19,26 @@ MAD_TO_SIGMA = 1.4826
 
 
 def nan_median(values: np.ndarray, axis: int | None = None) -> np.ndarray:
-    """Median ignoring NaN; all-NaN slices give NaN without a warning."""
+    """Median ignoring NaN; all-NaN slices give NaN without a warning.
+
+    Sort-based (NaN sorts last), so it stays vectorised where ``np.nanmedian`` falls back to masked
+    arrays or a Python loop over slices.
+    """
     values = np.asarray(values, dtype=np.float64)
+    if axis is None:
+        values = values.ravel()
+        axis = 0
+    if values.shape[axis] == 0:
+        return np.full(np.delete(values.shape, axis), np.nan) if values.ndim > 1 else np.float64(np.nan)
     if not np.isnan(values).any():
         return np.median(values, axis=axis)
-    with _quiet():
-        return np.nanmedian(values, axis=axis)
+    ordered = np.sort(values, axis=axis)
+    n = np.count_nonzero(~np.isnan(values), axis=axis, keepdims=True)
+    lo = np.take_along_axis(ordered, np.maximum((n - 1) // 2, 0), axis=axis)
+    hi = np.take_along_axis(ordered, np.maximum(n // 2, 0), axis=axis)
+    med = np.where(n > 0, 0.5 * (lo + hi), np.nan)
+    med = np.squeeze(med, axis=axis)
+    return med if med.ndim else np.float64(med)
 
 
 def median_mad(values: np.ndarray, axis: int | None = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -56,16 +70,61 @@ def modified_z(
     return z, med, mad
 
 
+def nan_quantiles(values: np.ndarray, qs: tuple[float, ...], axis: int = 0) -> list[np.ndarray]:
+    """Linear-interpolation quantiles (numpy's default method) ignoring NaN, vectorised along ``axis``."""
+    values = np.asarray(values, dtype=np.float64)
+    ordered = np.sort(values, axis=axis)  # NaN sorts last
+    n = np.count_nonzero(~np.isnan(values), axis=axis, keepdims=True)
+    out = []
+    for q in qs:
+        pos = q * np.maximum(n - 1, 0)
+        lo = np.floor(pos).astype(np.int64)
+        hi = np.minimum(lo + 1, np.maximum(n - 1, 0))
+        a = np.take_along_axis(ordered, lo, axis=axis)
+        b = np.take_along_axis(ordered, hi, axis=axis)
+        value = np.where(n > 0, a + (pos - lo) * (b - a), np.nan)
+        out.append(np.squeeze(value, axis=axis))
+    return out
+
+
 def tukey_fences(values: np.ndarray, k: float = 1.5, axis: int | None = 0) -> tuple[np.ndarray, np.ndarray]:
     """Tukey's fences ``(Q1 - k*IQR, Q3 + k*IQR)`` along ``axis``, NaN-aware (linear quantiles)."""
     values = np.asarray(values, dtype=np.float64)
-    with _quiet():
-        if np.isnan(values).any():
-            q1, q3 = np.nanpercentile(values, [25.0, 75.0], axis=axis)
-        else:
-            q1, q3 = np.percentile(values, [25.0, 75.0], axis=axis)
+    if axis is None:
+        values, axis = values.ravel(), 0
+    q1, q3 = nan_quantiles(values, (0.25, 0.75), axis=axis)
     iqr = q3 - q1
     return q1 - k * iqr, q3 + k * iqr
+
+
+def loo_upper_fence(values: np.ndarray, k: float = 1.5) -> np.ndarray:
+    """For each element of a (n x m) matrix, Tukey's upper fence ``Q3 + k*IQR`` of the OTHER values of its
+    column (leave-one-out, linear quartiles, NaN-aware); NaN where fewer than three others remain.
+
+    A slow value cannot then widen its own fence: with four ranks, the slowest one moves Q3 a quarter
+    of the way towards itself and can hide behind it.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    order = np.argsort(values, axis=0, kind="stable")  # NaN last
+    ordered = np.take_along_axis(values, order, axis=0)
+    pos = np.empty_like(order)
+    np.put_along_axis(pos, order, np.arange(values.shape[0])[:, None], axis=0)  # each value's sorted index
+    m = np.count_nonzero(~np.isnan(values), axis=0)[None, :] - 1  # others per column
+    top = np.maximum(m - 1, 0)
+
+    def quartile(q: float) -> np.ndarray:
+        p = q * top
+        lo = np.floor(p).astype(np.int64)
+        hi = np.minimum(lo + 1, top)
+        lo_full = np.clip(lo + (lo >= pos), 0, values.shape[0] - 1)  # skip the value itself
+        hi_full = np.clip(hi + (hi >= pos), 0, values.shape[0] - 1)
+        a = np.take_along_axis(ordered, lo_full, axis=0)
+        b = np.take_along_axis(ordered, hi_full, axis=0)
+        return a + (p - lo) * (b - a)
+
+    q1, q3 = quartile(0.25), quartile(0.75)
+    fence = q3 + k * (q3 - q1)
+    return np.where((m >= 3) & ~np.isnan(values), fence, np.nan)
 
 
 def rolling_median(values: np.ndarray, window: int) -> np.ndarray:

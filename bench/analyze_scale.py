@@ -1,0 +1,206 @@
+"""Time and peak memory of ``hyperacc analyze`` (``diagnose``) on a large run directory.
+
+A synthetic run (hyperacc.analysis.synthetic: one 15 % slow rank, 2 % data stalls on another) of
+RANKS x STEPS step records is written once, then analysed in a fresh process each time so that peak
+RSS is that of the analysis alone. Side by side, what a user would otherwise do:
+
+* load-all: ``store.read_steps`` of the columns the analysis needs (every rank in one pyarrow table),
+  then per-rank, per-window medians with pyarrow's group-by (about what an in-memory, HTA-style
+  analysis needs before it can judge anything);
+* duckdb: per-rank, per-window medians over the Parquet glob in SQL (an out-of-core engine; it computes
+  only the window summaries, not the spikes, causes or the diagnosis).
+
+A baseline whose estimated memory exceeds half of this machine's RAM is skipped and says so.
+
+    .venv/bin/python bench/analyze_scale.py            # 1,000 ranks x 100,000 steps (~10 GB on disk)
+    .venv/bin/python bench/analyze_scale.py --quick    # 100 ranks x 10,000 steps (< 60 s)
+    .venv/bin/python bench/analyze_scale.py --keep /tmp/big   # keep (or reuse) the run directory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+sys.path.insert(0, str(SRC))
+
+import numpy as np  # noqa: E402
+
+from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, last_arrival, write_rank  # noqa: E402
+
+_SPEC: SyntheticRun | None = None
+_ARRIVAL = None
+_ROOT: Path | None = None
+
+
+def machine() -> str:
+    import psutil
+
+    mem = psutil.virtual_memory().total / 2**30
+    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, python {platform.python_version()}"
+
+
+def _init(spec: SyntheticRun, arrival, root: Path) -> None:
+    global _SPEC, _ARRIVAL, _ROOT
+    _SPEC, _ARRIVAL, _ROOT = spec, arrival, root
+
+
+def _write(rank: int) -> None:
+    write_rank(_ROOT, _SPEC, rank, _ARRIVAL)
+
+
+def generate(root: Path, ranks: int, steps: int) -> SyntheticRun:
+    spec = SyntheticRun(
+        ranks=ranks, steps=steps, ranks_per_node=8, seed=42, segment_steps=min(steps, 10_000),
+        faults=(SyntheticFault("slowdown", (ranks // 3,), factor=0.15),
+                SyntheticFault("data_stall", (ranks // 2,), rate=0.02, ms=60)),
+    )  # fmt: skip
+    stamp = root / "bench-spec.json"
+    key = json.dumps({"ranks": ranks, "steps": steps, "seed": spec.seed})
+    if stamp.is_file() and stamp.read_text() == key:
+        print(f"reusing {root}")
+        return spec
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    t0 = time.perf_counter()
+    ctx = mp.get_context("fork")
+    procs = os.cpu_count() or 1
+    # The last rank's arrival per step: the maximum over ranks, computed by parts in parallel.
+    parts = [SyntheticRun(**{**spec.__dict__, "missing": tuple(r for r in range(ranks) if r % procs != i)})
+             for i in range(procs)]  # fmt: skip
+    with ctx.Pool(procs) as pool:
+        arrival = np.max(np.vstack(pool.map(last_arrival, parts)), axis=0)
+    print(f"  arrivals computed ({time.perf_counter() - t0:.0f} s)", flush=True)
+    with ctx.Pool(procs, initializer=_init, initargs=(spec, arrival, root)) as pool:
+        for i, _ in enumerate(pool.imap_unordered(_write, range(ranks), chunksize=4)):
+            if (i + 1) % max(1, ranks // 10) == 0:
+                print(f"  wrote {i + 1}/{ranks} ranks ({time.perf_counter() - t0:.0f} s)", flush=True)
+    stamp.write_text(key)
+    size = sum(p.stat().st_size for p in root.rglob("*.parquet")) / 2**30
+    print(f"generated {ranks} ranks x {steps} steps in {time.perf_counter() - t0:.0f} s ({size:.2f} GiB)")
+    return spec
+
+
+_CHILD = {
+    "hyperacc diagnose()": """
+from hyperacc.analysis import diagnose
+d = diagnose(RUN).to_dict()
+out = {"verdict": d["verdict"], "stragglers": [(s["rank"], s["kind"]) for s in d["stragglers"]]}
+""",
+    "load-all (store.read_steps + group-by)": """
+import pyarrow as pa, pyarrow.compute as pc
+from hyperacc import store
+from hyperacc.analysis.columns import ANALYSIS_COLUMNS
+t = store.read_steps(RUN, columns=list(ANALYSIS_COLUMNS))
+t = t.append_column("window", pc.divide(t.column("step"), 50))
+g = t.group_by(["rank", "window"]).aggregate([(c, "approximate_median") for c in ("self_ns", "data_ns", "comm_wait_ns")])
+out = {"rows": t.num_rows, "windows": g.num_rows}
+""",
+    "duckdb (window medians in SQL)": """
+import duckdb
+con = duckdb.connect()
+con.execute("SET enable_progress_bar = false")
+q = f\"\"\"SELECT rank, step // 50 AS w, median(self_ns) AS s, median(data_ns) AS d, median(comm_wait_ns) AS c
+        FROM read_parquet('{RUN}/steps/rank-*/seg-*.parquet') GROUP BY rank, w\"\"\"
+# Summing the medians keeps the optimiser from dropping them.
+n, *_ = con.execute(f"SELECT count(*), sum(s), sum(d), sum(c) FROM ({q})").fetchone()
+out = {"windows": n}
+""",
+}
+
+
+def run_child(label: str, run_dir: Path) -> dict:
+    code = (
+        "import json, resource, sys, time\n"
+        f"sys.path.insert(0, {str(SRC)!r})\n"
+        f"RUN = {str(run_dir)!r}\n"
+        "t0 = time.perf_counter()\n" + _CHILD[label] + "\nout['seconds'] = time.perf_counter() - t0\n"
+        "out['peak_rss_mb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024\n"
+        "print('RESULT ' + json.dumps(out))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    return {"error": f"exit {proc.returncode}: {tail[0][:120]}"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="100 ranks x 10,000 steps")
+    ap.add_argument("--ranks", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--keep", type=Path, default=None, help="write (or reuse) the run directory here")
+    args = ap.parse_args()
+    ranks = args.ranks or (100 if args.quick else 1000)
+    steps = args.steps or (10_000 if args.quick else 100_000)
+    print(f"machine: {machine()}")
+    tmp = None
+    if args.keep is None:
+        tmp = tempfile.mkdtemp(prefix="hyperacc-scale-")
+        root = Path(tmp) / "run"
+    else:
+        root = args.keep
+    try:
+        generate(root, ranks, steps)
+        import psutil
+
+        ram_mb = psutil.virtual_memory().total / 2**20
+        # The load-all baseline holds 18 float64/int64 columns per step, plus pyarrow's concat copy.
+        load_all_mb = ranks * steps * 18 * 8 * 2 / 2**20
+        rows = []
+        for label in _CHILD:
+            if label.startswith("duckdb"):
+                try:
+                    import duckdb  # noqa: F401
+                except ImportError:
+                    rows.append((label, {"error": "duckdb not installed (pip install 'hyperacc[analysis]')"}))
+                    continue
+            if label.startswith("load-all") and load_all_mb > ram_mb / 2:
+                rows.append(
+                    (
+                        label,
+                        {
+                            "error": f"skipped: needs ~{load_all_mb / 1024:.0f} GiB of {ram_mb / 1024:.0f} GiB RAM"
+                        },
+                    )
+                )
+                continue
+            print(f"running {label} ...", flush=True)
+            rows.append((label, run_child(label, root)))
+        base = rows[0][1]
+        print(f"\n{ranks} ranks x {steps} steps = {ranks * steps:,} step records")
+        print(
+            f"{'analysis':42s} {'seconds':>9s} {'peak RSS MB':>12s} {'time vs diagnose':>17s} {'RSS vs diagnose':>16s}"
+        )
+        for label, r in rows:
+            if "error" in r:
+                print(f"{label:42s} {r['error']}")
+                continue
+            t_ratio = r["seconds"] / base["seconds"] if "seconds" in base else float("nan")
+            m_ratio = r["peak_rss_mb"] / base["peak_rss_mb"] if "peak_rss_mb" in base else float("nan")
+            print(
+                f"{label:42s} {r['seconds']:9.1f} {r['peak_rss_mb']:12.0f} {t_ratio:16.2f}x {m_ratio:15.2f}x"
+            )
+        if "verdict" in base:
+            print(f"\ndiagnose verdict: {base['verdict']}")
+            print(f"stragglers: {base['stragglers']} (injected: rank {ranks // 3} compute)")
+        print(f"rows per second (diagnose): {ranks * steps / base.get('seconds', float('nan')):,.0f}")
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""A cause for every spike, from the phase that grew and the signals that coincided.
+
+Pure function of one rank's step columns and the positions of its spikes. The order of the rules and
+their thresholds are in docs/detection.md ("Attribution"). When nothing explains at least half of a
+spike's excess and no signal coincided, the answer is ``unknown``: it never guesses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.robust import MAD_TO_SIGMA, nan_median
+
+# Phase groups whose growth can explain a spike, and the cause each names.
+_DATA_PHASES = ("data_ns", "h2d_ns")
+_COMPUTE_PHASES = ("forward_ns", "backward_ns", "optimizer_ns")
+_OTHER_PHASES = ("other_ns",)
+PHASE_COLUMNS: tuple[str, ...] = _DATA_PHASES + _COMPUTE_PHASES + _OTHER_PHASES
+
+
+def window_stats(values: np.ndarray, idx: np.ndarray, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(median, MAD) of ``values`` over the centred window around each position in ``idx``, NaN-aware."""
+    values = np.asarray(values, dtype=np.float64)
+    idx = np.asarray(idx, dtype=np.int64)
+    if idx.size == 0:
+        return np.empty(0), np.empty(0)
+    window = max(1, min(int(window), values.size))
+    half = window // 2
+    padded = np.concatenate([np.full(half, np.nan), values, np.full(window - 1 - half, np.nan)])
+    rows = sliding_window_view(padded, window)[idx]
+    med = nan_median(rows, axis=1)
+    mad = nan_median(np.abs(rows - med[:, None]), axis=1)
+    return med, mad
+
+
+def attribute_spikes(
+    cols: Mapping[str, np.ndarray],
+    idx: np.ndarray,
+    excess: np.ndarray,
+    duration: np.ndarray,
+    opts: DetectionOptions,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Cause and grown phase for each spike at positions ``idx`` of one rank's columns.
+
+    ``excess`` is each spike's time above its baseline; ``duration`` the judged series (self-time), used
+    with the step time to tell a higher rate of context switches from a longer step. Returns two object arrays: the cause
+    (data, gc, allocator, host, compute, unknown) and the phase that grew most (None when no single phase
+    grew by a quarter of the excess).
+    """
+    idx = np.asarray(idx, dtype=np.int64)
+    excess = np.asarray(excess, dtype=np.float64)
+    n = idx.size
+    causes = np.full(n, "unknown", dtype=object)
+    phases = np.full(n, None, dtype=object)
+    if n == 0:
+        return causes, phases
+    w = opts.spike_window
+    need = opts.explain_share * excess
+
+    def growth(name: str) -> np.ndarray:
+        values = cols.get(name)
+        if values is None:
+            return np.full(n, np.nan)
+        base, _ = window_stats(values, idx, w)
+        return np.asarray(values, dtype=np.float64)[idx] - base
+
+    g = {name: growth(name) for name in PHASE_COLUMNS}
+    grown = np.vstack([np.nan_to_num(g[name], nan=-np.inf) for name in PHASE_COLUMNS])
+    best = np.argmax(grown, axis=0)
+    best_g = grown[best, np.arange(n)]
+    # The phase named for an event grew by at least half of what explaining the spike needs.
+    named = np.isfinite(best_g) & (best_g >= 0.5 * need) & (best_g > 0)
+    phases[:] = [PHASE_COLUMNS[b] if ok else None for b, ok in zip(best, named, strict=True)]
+
+    def group(names: tuple[str, ...]) -> np.ndarray:
+        stacked = np.vstack([g[name] for name in names])
+        return np.where(np.isnan(stacked).all(axis=0), np.nan, np.nansum(stacked, axis=0))
+
+    groups = np.vstack([group(_DATA_PHASES), group(_COMPUTE_PHASES), group(_OTHER_PHASES)])
+    filled = np.nan_to_num(groups, nan=-np.inf)
+    top = np.argmax(filled, axis=0)  # 0 data, 1 compute, 2 the rest of the step
+    explained = filled[top, np.arange(n)] >= need
+
+    gc_grew = growth("gc_ns")
+    gc_explains = np.nan_to_num(gc_grew, nan=0.0) >= need
+    allocator = _elevated(cols, "alloc_retries", idx, w, opts) | _elevated(
+        cols, "sync_all_streams", idx, w, opts
+    )
+    # Switches are counted over the whole step: compare them with the whole step's length when known.
+    step_ns = cols.get("step_ns")
+    span = duration if step_ns is None else np.where(np.isnan(step_ns), duration, step_ns)
+    host = _elevated(cols, "major_faults", idx, w, opts) | _elevated_rate(
+        cols, "invol_ctx_switches", span, idx, w, opts
+    )
+
+    data = explained & (top == 0)
+    work = explained & (top > 0)
+    # The rest of the step is the rank's own code between the timed phases (a loss, a hook, logging):
+    # with no stall signal, that is compute on the host, and the event names the phase.
+    causes[work] = "compute"
+    causes[(work | ~explained) & host] = "host"
+    causes[(work | ~explained) & allocator] = "allocator"
+    causes[data] = "data"
+    causes[gc_explains] = "gc"
+    return causes, phases
+
+
+def _elevated(
+    cols: Mapping[str, np.ndarray], name: str, idx: np.ndarray, w: int, opts: DetectionOptions
+) -> np.ndarray:
+    """A counter at least one count and ``signal_z`` robust deviations above its rolling median."""
+    values = cols.get(name)
+    if values is None:
+        return np.zeros(idx.size, dtype=bool)
+    values = np.asarray(values, dtype=np.float64)
+    med, mad = window_stats(values, idx, w)
+    with np.errstate(invalid="ignore"):
+        return values[idx] - med >= np.maximum(opts.signal_z * MAD_TO_SIGMA * mad, 1.0)
+
+
+def _elevated_rate(
+    cols: Mapping[str, np.ndarray],
+    name: str,
+    duration: np.ndarray,
+    idx: np.ndarray,
+    w: int,
+    opts: DetectionOptions,
+) -> np.ndarray:
+    """More context switches than the step's length explains at the rank's usual rate.
+
+    A step that is longer for any reason collects proportionally more involuntary switches; only a
+    higher *rate* says another process took the core away.
+    """
+    values = cols.get(name)
+    if values is None:
+        return np.zeros(idx.size, dtype=bool)
+    values = np.asarray(values, dtype=np.float64)
+    duration = np.asarray(duration, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rate = np.where(duration > 0, values / duration, np.nan)
+        base_rate, _ = window_stats(rate, idx, w)
+        _, mad = window_stats(values, idx, w)
+        expected = base_rate * duration[idx]
+        return values[idx] - expected >= np.maximum(opts.signal_z * MAD_TO_SIGMA * mad, 1.0)

@@ -1,0 +1,118 @@
+"""Straggler detection while training runs, over the window summaries that reach the analyzer rank.
+
+Pure: ``LiveDetector.update(window_table)`` takes the newest WINDOW_SCHEMA rows and returns one-line
+messages for what it newly confirms (a straggler, a change of its kind, a straggler that recovered).
+The caller (the tracer's background thread on rank 0) logs them, and reports ranks whose summaries
+are late itself; a rank without a summary is simply not judged in that window. It applies the same rules as ``hyperacc analyze`` (docs/detection.md) to a bounded history of
+windows, so memory does not grow with the length of the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.stragglers import Straggler, detect_stragglers
+from hyperacc.analysis.windows import EXTRA_WINDOW_COLUMNS
+from hyperacc.schema import WINDOW_SCHEMA
+
+_REQUIRED = ("rank", "node", "window", "first_step", "last_step", "steps")
+_METRIC_WORD = {
+    "self_ns": "self-time",
+    "data_ns": "data wait",
+    "launch_ns": "launch latency",
+    "gc_ns": "GC time",
+}
+
+
+class LiveDetector:
+    """Confirms stragglers from streaming window summaries; remembers what it already said."""
+
+    def __init__(self, world_size: int, nodes: int, **options: Any) -> None:
+        if world_size < 1 or nodes < 1:
+            raise ValueError(f"world_size and nodes must be >= 1 (got {world_size}, {nodes})")
+        self.world_size = int(world_size)
+        self.nodes = int(nodes)
+        self.opts = DetectionOptions.from_mapping(options)
+        self.keep_windows = max(2 * self.opts.persist_n, 10)
+        self._history: dict[str, np.ndarray] = {}
+        self._reported: dict[int, str] = {}  # rank -> kind already announced
+
+    @property
+    def confirmed(self) -> dict[int, str]:
+        """Ranks currently confirmed as stragglers, with their kind."""
+        return dict(self._reported)
+
+    def update(self, window_table: pa.Table) -> list[str]:
+        cols = _to_columns(window_table)
+        if cols["rank"].size == 0:
+            return []
+        self._append(cols)
+        messages: list[str] = []
+        active = {s.rank: s for s in detect_stragglers(self._history, self.opts) if s.active}
+        for rank in sorted(active):
+            s = active[rank]
+            before = self._reported.get(rank)
+            if before != s.kind:
+                messages.append(_straggler_line(s, before))
+                self._reported[rank] = s.kind
+        newest = self._history["window"].max()
+        reporting = set(self._history["rank"][self._history["window"] == newest].tolist())
+        for rank in sorted(set(self._reported) - set(active)):
+            del self._reported[rank]
+            if rank in reporting:  # a rank that stopped reporting did not recover; it is just not judged
+                messages.append(f"rank {rank} is no longer a straggler")
+        return messages
+
+    def _append(self, cols: dict[str, np.ndarray]) -> None:
+        if self._history:
+            merged = {k: np.concatenate([self._history[k], cols[k]]) for k in cols if k in self._history}
+        else:
+            merged = dict(cols)
+        newest = int(merged["window"].max())
+        keep = merged["window"] > newest - self.keep_windows
+        self._history = {k: v[keep] for k, v in merged.items()}
+
+
+def _straggler_line(s: Straggler, before: str | None) -> str:
+    what = f"{s.kind} straggler" if s.kind != "node" else f"straggler on slow node {s.node}"
+    ratio = f"{s.slowdown:.2f}x" if s.slowdown is not None else "far above"
+    line = (
+        f"rank {s.rank} (node {s.node}) is a {what}: {_METRIC_WORD.get(s.metric, s.metric)} {ratio} "
+        f"the cluster median in {s.windows_flagged} of {s.windows_seen} recent windows, since step {s.since_step}"
+    )
+    if before is not None:
+        line += f" (was: {before})"
+    if s.comm_wait_ns is not None and s.cluster_comm_wait_ns is not None:
+        line += (
+            f"; it waits {s.comm_wait_ns / 1e6:.3g} ms in the collective vs {s.cluster_comm_wait_ns / 1e6:.3g} ms "
+            "for the median rank (the others are victims)"
+        )
+    return line
+
+
+def _to_columns(table: pa.Table) -> dict[str, np.ndarray]:
+    if not isinstance(table, pa.Table):
+        raise TypeError(
+            f"LiveDetector.update takes a pyarrow Table in WINDOW_SCHEMA (got {type(table).__name__})"
+        )
+    missing = [c for c in _REQUIRED if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"window table lacks column(s) {missing}; it must follow hyperacc.schema.WINDOW_SCHEMA"
+        )
+    out: dict[str, np.ndarray] = {}
+    extras = [c for c in EXTRA_WINDOW_COLUMNS if c in table.column_names]
+    for name in list(WINDOW_SCHEMA.names) + extras:
+        if name not in table.column_names:
+            out[name] = np.full(table.num_rows, np.nan)
+            continue
+        col = table.column(name)
+        if name in _REQUIRED:
+            out[name] = col.to_numpy(zero_copy_only=False).astype(np.int64)
+        else:
+            out[name] = col.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    return out

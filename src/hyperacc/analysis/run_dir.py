@@ -1,0 +1,451 @@
+"""Diagnose a run directory: reduce each rank to small findings, merge them, then judge.
+
+Ranks are read and reduced one at a time by a small pool of threads (pyarrow and numpy release the
+GIL), at most ``workers + 1`` ranks in flight, and merged in rank order by the calling thread. Memory is
+bounded: the ranks in flight (steps x ~18 float64 each), per-step arrays for the cluster (about 20
+bytes per step) and the window summaries (ranks x windows rows of ~17 float32: 140 MB for 1,000 ranks
+x 100,000 steps at 50-step windows, plus the rank x window matrices the straggler rules judge).
+Rules: docs/detection.md.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from hyperacc import store, theory
+from hyperacc.analysis.attribution import attribute_spikes
+from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
+from hyperacc.analysis.diagnosis import Diagnosis, explain
+from hyperacc.analysis.options import CAUSES, DetectionOptions
+from hyperacc.analysis.projection import project
+from hyperacc.analysis.spikes import (
+    communication_spikes,
+    detect_spikes,
+    spike_metric,
+    spike_parts,
+    wilson_interval,
+)
+from hyperacc.analysis.stragglers import detect_stragglers
+from hyperacc.analysis.windows import concat_windows, summarize_windows
+
+_EVENT = tuple[float, int, int, int, "str | None", str]  # (excess_ns, rank, node, step, phase, cause)
+
+
+@dataclasses.dataclass
+class RankFindings:
+    """What one rank contributes to the diagnosis (small: no per-step arrays beyond a few int columns)."""
+
+    rank: int
+    node: int
+    steps: np.ndarray  # every recorded step (warm-up included)
+    judged: np.ndarray  # steps judged for spikes
+    spikes: np.ndarray  # steps that spiked
+    comm_steps: np.ndarray  # steps with a measured wait in the collective ...
+    comm_wait: np.ndarray  # ... and that wait
+    windows: dict[str, np.ndarray]  # window summaries of the rank's typical (non-spike) steps
+    counts: dict[str, int]  # spikes per cause
+    time_lost: dict[str, float]  # excess ns per cause
+    events: list[_EVENT]  # the rank's largest spikes
+    judged_count: int = 0  # steps judged for spikes (kept when the arrays are dropped)
+
+    @property
+    def main_cause(self) -> str | None:
+        return max(self.time_lost.items(), key=lambda kv: kv[1])[0] if self.time_lost else None
+
+
+def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: DetectionOptions) -> RankFindings:
+    """Pure reduction of one rank's columns (``columns.read_rank``) to its findings."""
+    all_steps = cols["step"]
+    keep = all_steps >= all_steps[0] + opts.warmup_steps if all_steps.size else np.zeros(0, dtype=bool)
+    cols = {k: v[keep] for k, v in cols.items()}
+    cols["node"] = np.full(cols["step"].size, node, dtype=np.int64)
+    cols["rank"] = np.full(cols["step"].size, rank, dtype=np.int64)
+    x = spike_metric(cols, opts)
+    sp = detect_spikes(x, opts, spike_parts(cols, opts), cols["step_ns"])
+    idx = np.flatnonzero(sp.spike)
+    # Stragglers are judged on typical steps: a spike is a transient, counted in the spike rates.
+    typical = {k: v[~sp.spike] for k, v in cols.items()}
+    windows = summarize_windows(typical, window_steps=opts.window_steps, min_samples=opts.min_window_samples)
+    excess = sp.excess[idx]
+    causes, phases = attribute_spikes(cols, idx, excess, x, opts)
+    counts: dict[str, int] = {}
+    lost: dict[str, float] = {}
+    for cause in np.unique(causes) if idx.size else []:
+        sel = causes == cause
+        counts[str(cause)] = int(sel.sum())
+        lost[str(cause)] = float(excess[sel].sum())
+    steps = cols["step"]
+    events = [
+        (float(excess[i]), rank, node, int(steps[idx[i]]), phases[i], str(causes[i]))
+        for i in np.argsort(-excess)[: opts.top_events]
+    ]
+    comm = cols["comm_wait_ns"]
+    ok = ~np.isnan(comm)
+    return RankFindings(
+        rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
+        judged_count=int(sp.judged.sum()),
+    )  # fmt: skip
+
+
+class _Cluster:
+    """Per-step facts merged over ranks: who reported, who spiked, who waited least.
+
+    Arrays cover steps ``[first, first + size)`` and grow when a rank brings steps outside them.
+    """
+
+    _FILL = {"present": False, "judged": False, "self_spike": False, "comm_min": np.inf, "comm_rank": -1}
+
+    def __init__(self) -> None:
+        self.first = 0
+        self.present = np.zeros(0, dtype=bool)  # any record (warm-up included)
+        self.judged = np.zeros(0, dtype=bool)  # any judged record
+        self.self_spike = np.zeros(0, dtype=bool)
+        self.comm_min = np.zeros(0)
+        self.comm_rank = np.zeros(0, dtype=np.int64)
+
+    def cover(self, lo: int, hi: int) -> None:
+        size = self.present.size
+        if size and self.first <= lo and hi < self.first + size:
+            return
+        first = min(lo, self.first) if size else lo
+        last = max(hi, self.first + size - 1) if size else hi
+        shift = self.first - first
+        for name, fill in self._FILL.items():
+            old = getattr(self, name)
+            new = np.full(last - first + 1, fill, dtype=old.dtype)
+            new[shift : shift + old.size] = old
+            setattr(self, name, new)
+        self.first = first
+
+    def add(self, f: RankFindings) -> None:
+        self.cover(int(f.steps[0]), int(f.steps[-1]))
+        self.present[f.steps - self.first] = True
+        self.judged[f.judged - self.first] = True
+        self.self_spike[f.spikes - self.first] = True
+        pos = f.comm_steps - self.first
+        better = f.comm_wait < self.comm_min[pos]
+        self.comm_min[pos[better]] = f.comm_wait[better]
+        self.comm_rank[pos[better]] = f.rank
+
+
+def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: Any) -> Diagnosis:
+    """Stragglers, spikes, causes and projection of a run directory (docs/detection.md).
+
+    ``workers``: threads reading and reducing ranks (default: up to 2, bounded by the CPUs). Raises
+    ``store.RunDirError`` when the directory is not a run directory or holds no step records; ranks
+    that wrote nothing readable are reported in ``missing_ranks``.
+    """
+    opts = DetectionOptions.from_mapping(options)
+    layout = discover(run_dir)
+    if not layout.sources:
+        raise store.RunDirError(
+            f"{layout.run_dir} holds no step records (steps/rank-*/seg-*.parquet); was the job traced "
+            "(`hyperacc run --run-dir ...`) and did it run at least one step?"
+        )
+    workers = workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
+    groups = _by_node(layout.sources)
+    order = [(node, src) for node, sources in groups.items() for src in sources]
+
+    cluster = _Cluster()
+    windows: list[dict[str, np.ndarray]] = []
+    findings: list[RankFindings] = []
+    events: list[_EVENT] = []
+    nodes = _Nodes(opts)
+    unread: list[int] = []
+    for (node, src), f in zip(order, _reduced(order, opts, workers), strict=True):
+        if f is None:
+            unread.append(src.rank)
+            continue
+        cluster.add(f)
+        # float32 keeps a median of nanoseconds to 7 digits and halves the largest thing held.
+        windows.append(
+            {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in f.windows.items()}
+        )
+        nodes.add(node, f.judged, f.spikes)
+        for item in f.events:
+            _keep_top(events, item, opts.top_events)
+        # Keep the small tallies, drop the per-step arrays.
+        findings.append(dataclasses.replace(f, steps=_EMPTY, judged=_EMPTY, spikes=_EMPTY, comm_steps=_EMPTY,
+                                            comm_wait=_EMPTY, windows={}, events=[]))  # fmt: skip
+    if not findings:
+        raise store.RunDirError(
+            f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
+        )
+
+    summaries = concat_windows(windows)
+    windows.clear()
+    stragglers = [s.to_dict() for s in detect_stragglers(summaries, opts)]
+    del summaries
+    comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
+    spike_steps = int((cluster.self_spike | comm_spike).sum())
+    judged_steps = int(cluster.judged.sum())
+
+    node_rows, p_node, node_event_spikes = nodes.finish()
+    rank_steps = sum(f.judged_count for f in findings)
+    rank_spikes = sum(sum(f.counts.values()) for f in findings)
+    p_rank = (rank_spikes - node_event_spikes) / rank_steps if rank_steps else 0.0
+
+    node_sizes = _node_sizes(layout, findings)
+    n_nodes = len(node_sizes)
+    rpn = opts.ranks_per_node or max(node_sizes.values(), default=1)
+    projection = project(p_rank, rpn, opts.target, [n_nodes, *opts.projection_nodes], p_node=p_node)
+    multi_nodes = sum(1 for n in node_sizes.values() if n >= 2)
+    clear = (1.0 - theory.cluster_spike_probability(p_rank, nodes=len(findings))) * (
+        1.0 - p_node
+    ) ** multi_nodes
+    projection["current"] = {
+        "nodes": n_nodes,
+        "ranks": len(findings),
+        "measured": spike_steps / judged_steps if judged_steps else 0.0,
+        "predicted": 1.0 - clear,  # from the per-rank and per-node rates, assuming independence
+    }
+
+    d = Diagnosis(
+        run_dir=str(layout.run_dir),
+        world_size=layout.world_size,
+        nodes=n_nodes,
+        steps=int(cluster.present.sum()),
+        missing_ranks=sorted(set(layout.missing_ranks) | set(unread)),
+        stragglers=stragglers,
+        spikes={
+            "per_rank": _per_rank(findings),
+            "per_node": _rate_rows(node_rows, ("node",)),
+            "cluster": {
+                "steps": judged_steps,
+                "spike_steps": spike_steps,
+                "rate": spike_steps / judged_steps if judged_steps else 0.0,
+            },
+            "events": [
+                {"rank": r, "node": n, "step": s, "excess_ns": int(e), "phase": ph, "cause": c}
+                for e, r, n, s, ph, c in heapq.nlargest(opts.top_events, events)
+            ],
+        },
+        causes=_causes(findings, comm_n, comm_lost),
+        projection=projection,
+        options=dataclasses.asdict(opts),
+        ranks_analyzed=len(findings),
+    )
+    explain(d)
+    return d
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _reduced(
+    order: list[tuple[int, RankSource]], opts: DetectionOptions, workers: int
+) -> Iterator[RankFindings | None]:
+    """Findings of each rank in ``order``, computed ``workers`` at a time, yielded in order."""
+
+    def one(node: int, src: RankSource) -> RankFindings | None:
+        cols = read_rank(src.segments)
+        if cols["step"].size == 0:
+            return None
+        return reduce_rank(src.rank, node, cols, opts)
+
+    if workers <= 1:
+        for node, src in order:
+            yield one(node, src)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hyperacc-analyze") as pool:
+        pending: collections.deque[Future] = collections.deque()
+        items: Iterable[tuple[int, RankSource]] = iter(order)
+        for node, src in items:
+            pending.append(pool.submit(one, node, src))
+            if len(pending) > workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+def _keep_top(events: list[_EVENT], item: _EVENT, n: int) -> None:
+    if len(events) < n:
+        heapq.heappush(events, item)
+    elif item > events[0]:
+        heapq.heapreplace(events, item)
+
+
+def _communication(
+    cluster: _Cluster, opts: DetectionOptions, events: list[_EVENT], node_of: dict[int, int]
+) -> tuple[np.ndarray, int, float]:
+    """Cluster steps where the collective itself spiked (the culprit's own wait grew, no rank was late).
+
+    They are the cluster's, not a rank's: counted in the cluster spike fraction and the causes, listed as
+    events on the rank that waited least, and left out of per-rank rates.
+    """
+    comm_min = np.where(np.isfinite(cluster.comm_min), cluster.comm_min, np.nan)
+    sp = communication_spikes(comm_min, cluster.self_spike, opts)
+    idx = np.flatnonzero(sp.spike)
+    for i in idx:
+        rank = int(cluster.comm_rank[i])
+        item = (
+            float(sp.excess[i]),
+            rank,
+            node_of.get(rank, -1),
+            int(cluster.first + i),
+            "comm_wait_ns",
+            "communication",
+        )
+        _keep_top(events, item, opts.top_events)
+    return sp.spike, int(idx.size), float(sp.excess[idx].sum())
+
+
+class _Nodes:
+    """Per-node spike rows and node-wide events, one node at a time (ranks arrive grouped by node).
+
+    A node's step spikes when any of its ranks spikes. A host-wide event hits most ranks of a node in the
+    same step: with two or more ranks, more than ``node_fraction`` of them (theory's ``p_node``).
+    """
+
+    def __init__(self, opts: DetectionOptions) -> None:
+        self.opts = opts
+        self.rows: list[tuple[int, int, int]] = []
+        self.wide_steps = self.node_steps = self.in_events = 0
+        self._node: int | None = None
+        self._judged: list[np.ndarray] = []
+        self._spikes: list[np.ndarray] = []
+
+    def add(self, node: int, judged: np.ndarray, spikes: np.ndarray) -> None:
+        if node != self._node:
+            self._close()
+            self._node = node
+        self._judged.append(judged)
+        self._spikes.append(spikes)
+
+    def _close(self) -> None:
+        if self._node is None or not self._judged:
+            return
+        seen, hits = _node_steps(self._judged, self._spikes)
+        self.rows.append((self._node, seen, int(np.count_nonzero(hits))))
+        if len(self._judged) >= 2:
+            wide = hits > self.opts.node_fraction * len(self._judged)
+            self.wide_steps += int(wide.sum())
+            self.node_steps += seen
+            self.in_events += int(hits[wide].sum())
+        self._judged, self._spikes = [], []
+
+    def finish(self) -> tuple[list[tuple[int, int, int]], float, int]:
+        """(per-node rows, node-wide spike rate, rank spikes inside node-wide events)."""
+        self._close()
+        self._node = None
+        return self.rows, (self.wide_steps / self.node_steps if self.node_steps else 0.0), self.in_events
+
+
+def _node_steps(judged: list[np.ndarray], spikes: list[np.ndarray]) -> tuple[int, np.ndarray]:
+    """(steps judged on any rank of a node, ranks spiking in each step of the node's range)."""
+    judged = [j for j in judged if j.size]
+    if not judged:
+        return 0, np.zeros(0, dtype=np.int64)
+    lo = min(int(j[0]) for j in judged)
+    hi = max(int(j[-1]) for j in judged)
+    seen = np.zeros(hi - lo + 1, dtype=bool)
+    for j in judged:
+        seen[j - lo] = True
+    return int(seen.sum()), np.bincount(np.concatenate(spikes) - lo, minlength=seen.size)
+
+
+def _causes(findings: list[RankFindings], comm_n: int, comm_lost: float) -> list[dict[str, Any]]:
+    count: dict[str, int] = defaultdict(int)
+    lost: dict[str, float] = defaultdict(float)
+    for f in findings:
+        for cause, n in f.counts.items():
+            count[cause] += n
+            lost[cause] += f.time_lost[cause]
+    if comm_n:
+        count["communication"] += comm_n
+        lost["communication"] += comm_lost
+    total = sum(lost.values())
+    rows = [
+        {
+            "cause": c,
+            "spikes": count[c],
+            "time_lost_ns": int(lost[c]),
+            "share": lost[c] / total if total else 0.0,
+        }
+        for c in CAUSES
+        if count.get(c)
+    ]
+    return sorted(rows, key=lambda r: -r["time_lost_ns"])
+
+
+def _by_node(sources: dict[int, RankSource]) -> dict[int, list[RankSource]]:
+    groups: dict[int, list[RankSource]] = defaultdict(list)
+    for src in sources.values():
+        if src.node is None:  # no metadata: the records say which node
+            cols = read_rank(src.segments[:1], ("rank", "node", "step"))
+            src.node = int(cols["node"][0]) if cols["node"].size else -1
+        groups[src.node].append(src)
+    return {n: sorted(g, key=lambda s: s.rank) for n, g in sorted(groups.items())}
+
+
+def _node_sizes(layout: RunLayout, findings: list[RankFindings]) -> dict[int, int]:
+    """Ranks per node: those with records, plus missing ranks the metadata places."""
+    sizes: dict[int, int] = defaultdict(int)
+    seen = set()
+    for f in findings:
+        sizes[f.node] += 1
+        seen.add(f.rank)
+    for rank, meta in layout.metas.items():
+        if rank not in seen:
+            sizes[meta.node] += 1
+    return dict(sizes)
+
+
+def _per_rank(findings: list[RankFindings]) -> list[dict[str, Any]]:
+    """Per-rank spike rates, with the rate of each cause (``by_cause``) and its interval."""
+    rows = _rate_rows(
+        [(f.rank, f.node, f.judged_count, sum(f.counts.values()), f.main_cause) for f in findings],
+        ("rank", "node"),
+    )
+    for row, f in zip(rows, findings, strict=True):
+        causes = sorted(f.counts)
+        if not causes:
+            row["by_cause"] = {}
+            continue
+        lo, hi = wilson_interval(
+            np.array([f.counts[c] for c in causes]), np.full(len(causes), f.judged_count)
+        )
+        row["by_cause"] = {
+            c: {
+                "spikes": f.counts[c],
+                "rate": f.counts[c] / f.judged_count if f.judged_count else 0.0,
+                "ci_low": float(lo[i]),
+                "ci_high": float(hi[i]),
+                "time_lost_ns": int(f.time_lost[c]),
+            }
+            for i, c in enumerate(causes)
+        }
+    return rows
+
+
+def _rate_rows(rows: list[tuple], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Rate rows with 95 % Wilson intervals from (keys..., steps, spikes[, cause]) tuples."""
+    if not rows:
+        return []
+    k = len(keys)
+    steps = np.array([r[k] for r in rows], dtype=np.float64)
+    spikes = np.array([r[k + 1] for r in rows], dtype=np.float64)
+    lo, hi = wilson_interval(spikes, steps)
+    out = []
+    for i, r in enumerate(rows):
+        row: dict[str, Any] = {key: int(r[j]) for j, key in enumerate(keys)}
+        row.update(
+            steps=int(steps[i]),
+            spikes=int(spikes[i]),
+            rate=float(spikes[i] / steps[i]) if steps[i] else 0.0,
+            ci_low=float(lo[i]),
+            ci_high=float(hi[i]),
+        )
+        if len(r) > k + 2:
+            row["cause"] = r[k + 2]
+        out.append(row)
+    return out

@@ -1,0 +1,207 @@
+"""``hyperacc analyze RUN_DIR``: verdict, evidence and next step for a traced run.
+
+Stragglers (culprit, not victims), spike rates per rank and node with 95 % intervals, causes ranked by
+time lost, and the projection of the measured rate to larger clusters. ``--json`` prints the diagnosis
+document (schema in docs/detection.md). Every threshold is an option; defaults in docs/detection.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+
+import click
+
+from hyperacc.store import RunDirError
+
+
+def _pct(p: float | None) -> str:
+    if p is None:
+        return "-"
+    pct = 100.0 * p
+    return f"{pct:.1f} %" if pct >= 10 or pct == 0 else f"{pct:.2g} %"
+
+
+def _ms(ns: float | None) -> str:
+    if ns is None or (isinstance(ns, float) and math.isnan(ns)):
+        return "-"
+    return f"{ns / 1e6:.3g} ms" if ns < 1e9 else f"{ns / 1e9:.3g} s"
+
+
+def _persist(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise click.BadParameter(f"expected K/N such as 3/5, got {text!r}") from None
+    return k, n
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the diagnosis document as JSON.")
+@click.option("--window-steps", type=int, default=None, help="Steps per straggler window [50].")
+@click.option(
+    "--persist", default=None, metavar="K/N", help="Straggler: outlier in K of the last N windows [3/5]."
+)
+@click.option(
+    "--z-threshold", type=float, default=None, help="Modified z-score (median/MAD) threshold [3.5]."
+)
+@click.option("--iqr-k", type=float, default=None, help="Tukey fence multiplier [1.5].")
+@click.option("--rule", "outlier_rule", type=click.Choice(["and", "or"]), default=None,
+              help="Outlier when MAD z AND IQR agree, or when either does [and].")  # fmt: skip
+@click.option(
+    "--min-slowdown", type=float, default=None, help="Straggler must be this much above the median [0.05]."
+)
+@click.option(
+    "--spike-mad", type=float, default=None, help="Spike: robust deviations above the rolling median [5]."
+)
+@click.option("--spike-floor-ms", type=float, default=None, help="Spike: absolute floor in ms [1].")
+@click.option(
+    "--spike-floor-rel", type=float, default=None, help="Spike: floor relative to the typical step [0.25]."
+)
+@click.option("--spike-window", type=int, default=None, help="Spike: rolling-median window in steps [101].")
+@click.option("--spike-metric", type=click.Choice(["self_ns", "busy_ns"]), default=None,
+              help="Series spikes are judged on [busy_ns].")  # fmt: skip
+@click.option("--warmup-steps", type=int, default=None, help="Leading steps of each rank left out [10].")
+@click.option(
+    "--target", type=float, default=None, help="Tolerated share of cluster steps that spike [0.25]."
+)
+@click.option(
+    "--ranks-per-node", type=int, default=None, help="Ranks per node for the projection [measured]."
+)
+@click.option("--top", "top_events", type=int, default=None, help="Spike events to list [50].")
+@click.option("--workers", type=int, default=None, help="Threads reading ranks [2, at most the CPUs].")
+def command(
+    as_json: bool, run_dir: str, persist: str | None, spike_floor_ms: float | None, **opts: Any
+) -> None:
+    """Diagnose RUN_DIR: stragglers, spike rates, causes and what it means at scale."""
+    from hyperacc.analysis import diagnose
+
+    options = {k: v for k, v in opts.items() if v is not None}
+    kn = _persist(persist)
+    if kn is not None:
+        options["persist_k"], options["persist_n"] = kn
+    if spike_floor_ms is not None:
+        options["spike_floor_ns"] = int(spike_floor_ms * 1e6)
+    if options.get("workers") is not None and options["workers"] < 1:
+        click.echo("hyperacc analyze: --workers must be >= 1", err=True)
+        sys.exit(2)
+    try:
+        diagnosis = diagnose(run_dir, **options)
+    except RunDirError as exc:
+        click.echo(f"hyperacc analyze: {exc}", err=True)
+        sys.exit(2)
+    except ValueError as exc:  # an impossible threshold
+        click.echo(f"hyperacc analyze: {exc}", err=True)
+        sys.exit(2)
+    doc = diagnosis.to_dict()
+    if as_json:
+        click.echo(json.dumps(doc, indent=2, allow_nan=False, default=_jsonable))
+        return
+    _render(doc)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _render(doc: dict[str, Any]) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.table import Table
+
+    con = Console()
+    con.print(
+        Panel(
+            doc["verdict"],
+            title=f"hyperacc analyze: {doc['ranks_analyzed']} of {doc['world_size']} ranks, "
+            f"{doc['nodes']} node{'' if doc['nodes'] == 1 else 's'}, {doc['steps']} steps",
+            border_style="red" if doc["stragglers"] else "green",
+        )
+    )
+    con.print("[bold]Evidence[/bold]")
+    for line in doc["evidence"]:
+        con.print(f"  - {line}", highlight=False)
+    con.print("[bold]Next step[/bold]")
+    for line in doc["next_step"]:
+        con.print(f"  - {line}", highlight=False)
+
+    if doc["stragglers"]:
+        t = Table(title="Stragglers", box=box.SIMPLE_HEAD)
+        for col in (
+            "rank",
+            "node",
+            "kind",
+            "metric",
+            "slowdown",
+            "since step",
+            "windows",
+            "wait / median wait",
+        ):
+            t.add_column(col, justify="right" if col not in ("kind", "metric") else "left")
+        for s in doc["stragglers"]:
+            t.add_row(
+                str(s["rank"]), str(s["node"]), s["kind"], s["metric"],
+                "-" if s["slowdown"] is None else f"{s['slowdown']:.2f}x", str(s["since_step"]),
+                f"{s['windows_flagged']}/{s['windows_seen']}",
+                f"{_ms(s.get('comm_wait_ns'))} / {_ms(s.get('cluster_comm_wait_ns'))}",
+            )  # fmt: skip
+        con.print(t)
+
+    spikes = doc["spikes"]
+    ranks = sorted(spikes["per_rank"], key=lambda r: (-r["rate"], r["rank"]))
+    shown = ranks[:16]
+    t = Table(title="Spike rate per rank (95 % Wilson interval)", box=box.SIMPLE_HEAD)
+    for col in ("rank", "node", "steps", "spikes", "rate", "interval", "main cause"):
+        t.add_column(col, justify="left" if col == "main cause" else "right")
+    for r in shown:
+        t.add_row(
+            str(r["rank"]), str(r["node"]), str(r["steps"]), str(r["spikes"]), _pct(r["rate"]),
+            f"{_pct(r['ci_low'])} - {_pct(r['ci_high'])}", r.get("cause") or "-",
+        )  # fmt: skip
+    if len(ranks) > len(shown):
+        t.caption = f"{len(ranks) - len(shown)} more ranks (highest rates shown); --json lists all"
+    con.print(t)
+    nodes = sorted(spikes["per_node"], key=lambda r: (-r["rate"], r["node"]))
+    if len(nodes) > 1:
+        t = Table(title="Spike rate per node (a step spikes when any of its ranks does)", box=box.SIMPLE_HEAD)
+        for col in ("node", "steps", "spikes", "rate", "interval"):
+            t.add_column(col, justify="right")
+        for r in nodes[:16]:
+            t.add_row(str(r["node"]), str(r["steps"]), str(r["spikes"]), _pct(r["rate"]),
+                      f"{_pct(r['ci_low'])} - {_pct(r['ci_high'])}")  # fmt: skip
+        con.print(t)
+    c = spikes["cluster"]
+    con.print(
+        f"Cluster: {c['spike_steps']} of {c['steps']} steps spiked on at least one rank ({_pct(c['rate'])})."
+    )
+
+    if doc["causes"]:
+        t = Table(title="Causes, ranked by time lost", box=box.SIMPLE_HEAD)
+        for col in ("cause", "spikes", "time lost", "share"):
+            t.add_column(col, justify="left" if col == "cause" else "right")
+        for row in doc["causes"]:
+            t.add_row(row["cause"], str(row["spikes"]), _ms(row["time_lost_ns"]), _pct(row["share"]))
+        con.print(t)
+
+    p = doc["projection"]
+    t = Table(
+        title=f"Projection at {_pct(p['p_rank'])} per rank"
+        + (f" and {_pct(p['p_node'])} per node" if p.get("p_node") else "")
+        + f", {p['ranks_per_node']} ranks per node",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("nodes", "ranks", "steps that spike", f"per-rank rate for <= {_pct(p['target'])}"):
+        t.add_column(col, justify="right")
+    for row in p["rows"]:
+        t.add_row(str(row["nodes"]), str(row["ranks"]), _pct(row["p_cluster"]), _pct(row["required_p_rank"]))
+    con.print(t)
+    if doc["missing_ranks"]:
+        con.print(f"[yellow]Missing ranks (no step records): {doc['missing_ranks']}[/yellow]")

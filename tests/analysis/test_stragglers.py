@@ -1,0 +1,164 @@
+"""The straggler rules on small hand-made window tables (ranks x windows)."""
+
+import numpy as np
+import pyarrow as pa
+from analysis_runs import MS, noisy, windows
+
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.stragglers import confirmation, detect_stragglers, outlier_flags
+from hyperacc.analysis.windows import window_table
+
+
+def test_slow_rank_is_the_culprit_and_its_victims_are_not_flagged():
+    self_ms = noisy(8, 10)
+    self_ms[3] *= 1.15
+    # synchronous all-reduce: everyone finishes together, so the victims wait for rank 3
+    comm = self_ms.max(axis=0) - self_ms + 2.0
+    found = detect_stragglers(windows(self_ms, comm), DetectionOptions())
+    assert [(s.rank, s.kind, s.metric) for s in found] == [(3, "compute", "self_ns")]
+    s = found[0]
+    assert s.since_step == 0 and s.confirmed_step == 149 and s.windows_flagged == 10
+    assert 1.1 < s.slowdown < 1.2
+    assert s.comm_wait_ns < s.cluster_comm_wait_ns
+
+
+def test_a_fast_rank_is_never_a_straggler():
+    self_ms = noisy(8, 10)
+    self_ms[2] *= 0.7
+    assert detect_stragglers(windows(self_ms), DetectionOptions()) == []
+
+
+def test_missing_data_never_counts_as_fast_or_slow():
+    self_ms = noisy(8, 10)
+    self_ms[1, :] = np.nan  # rank 1 never reports
+    self_ms[4, ::2] = np.nan  # rank 4 reports every other window
+    self_ms[6] *= 1.2
+    found = detect_stragglers(windows(self_ms), DetectionOptions())
+    assert [s.rank for s in found] == [6]
+    flags, judged, _ = outlier_flags(
+        np.where(np.isnan(self_ms), np.nan, self_ms * MS), DetectionOptions(), 0.2 * MS
+    )
+    assert not judged[1].any() and judged[4].sum() == 5
+
+
+def test_persistence_needs_k_of_the_last_n_judged_windows():
+    self_ms = noisy(8, 12)
+    self_ms[5, [1, 4]] *= 1.3  # 2 windows of 5: a blip, not a straggler
+    assert detect_stragglers(windows(self_ms), DetectionOptions()) == []
+    self_ms[5, [8, 10, 11]] *= 1.3  # windows 7..11 hold 3 flags: confirmed at window 11
+    (s,) = detect_stragglers(windows(self_ms), DetectionOptions())
+    assert s.rank == 5 and s.since_step == 8 * 50 and s.confirmed_step == 11 * 50 + 49
+    assert s.windows_flagged == 5 and s.windows_seen == 12 and s.active
+
+
+def test_confirmation_reports_when_it_stops():
+    flags = np.array([0, 1, 1, 1, 0, 0, 0, 0, 0, 0], dtype=bool)
+    judged = np.ones(10, dtype=bool)
+    assert confirmation(flags, judged, 3, 5) == (3, 1, False)
+    assert confirmation(flags, judged, 4, 5) is None
+
+
+def test_too_few_ranks_abstain():
+    self_ms = noisy(3, 10)
+    self_ms[0] *= 1.5
+    assert detect_stragglers(windows(self_ms), DetectionOptions()) == []
+
+
+def test_victim_guard_refuses_a_slow_rank_that_waits_more_than_the_median():
+    self_ms = noisy(8, 10)
+    self_ms[2] *= 1.2
+    comm = np.full((8, 10), 3.0)
+    comm[2] = 40.0  # 20 ms slow but waits 37 ms longer: it cannot have been the one everybody waited for
+    assert detect_stragglers(windows(self_ms, comm), DetectionOptions()) == []
+    comm[2] = 9.0  # waits 6 ms longer while 20 ms slow: within the noise of a contended collective
+    assert [s.rank for s in detect_stragglers(windows(self_ms, comm), DetectionOptions())] == [2]
+
+
+def test_and_rule_is_stricter_than_or():
+    self_ms = np.array([[100.0] * 6, [101.0] * 6, [115.0] * 6])  # 3 ranks: MAD says slow, IQR does not
+    opts_and = DetectionOptions(min_ranks=3)
+    opts_or = DetectionOptions(min_ranks=3, outlier_rule="or")
+    assert detect_stragglers(windows(self_ms), opts_and) == []
+    assert [s.rank for s in detect_stragglers(windows(self_ms), opts_or)] == [2]
+
+
+def test_most_ranks_of_a_node_slow_is_a_node_problem():
+    self_ms = noisy(24, 8)
+    nodes = np.repeat(np.arange(6), 4)
+    self_ms[8:12] *= 1.2  # all of node 2
+    self_ms[13] *= 1.2  # one rank of node 3
+    comm = self_ms.max(axis=0) - self_ms + 2.0
+    found = {s.rank: s for s in detect_stragglers(windows(self_ms, comm, nodes=nodes), DetectionOptions())}
+    assert sorted(found) == [8, 9, 10, 11, 13]
+    assert {found[r].kind for r in (8, 9, 10, 11)} == {"node"}
+    assert found[13].kind == "compute" and found[8].rank_kind == "compute"
+
+
+def test_more_than_a_quarter_slow_needs_the_or_rule():
+    # Tukey's Q3 breaks down past 25 % slow ranks; the MAD holds to 50 %.
+    self_ms = noisy(16, 8)
+    self_ms[[1, 5, 9, 12, 14]] *= 1.2
+    assert detect_stragglers(windows(self_ms), DetectionOptions()) == []
+    found = detect_stragglers(windows(self_ms), DetectionOptions(outlier_rule="or"))
+    assert [s.rank for s in found] == [1, 5, 9, 12, 14]
+
+
+def test_data_wait_names_the_kind_when_it_explains_the_slowness():
+    self_ms = noisy(8, 10)
+    data = np.ones((8, 10)) + 0.05 * np.random.default_rng(1).standard_normal((8, 10))
+    data[4] += 20.0
+    self_ms[4] += 20.0
+    (s,) = detect_stragglers(windows(self_ms, data_ms=data), DetectionOptions())
+    assert (s.rank, s.kind, s.metric) == (4, "data", "data_ns")
+    assert s.metrics == ["self_ns", "data_ns"]
+
+
+def test_gc_time_per_step_and_a_zero_median():
+    self_ms = noisy(8, 10)
+    gc = np.zeros((8, 10))
+    gc[7] = 8.0  # 8 ms of GC in every step of ~100 ms, the others none
+    (s,) = detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions())
+    assert (s.rank, s.kind) == (7, "gc") and s.slowdown is None and s.excess_ns == 8 * MS
+    gc[7] = 2.0  # 2 % of the step: real, but not material
+    assert detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions()) == []
+
+
+def test_accepts_a_window_schema_table():
+    self_ms = noisy(8, 10)
+    self_ms[0] *= 1.2
+    cols = windows(self_ms)
+    table = window_table({**cols, "invol_ctx_switches_median": np.zeros(len(cols["rank"]))})
+    assert isinstance(table, pa.Table)
+    assert [s.rank for s in detect_stragglers(table, DetectionOptions())] == [0]
+
+
+def test_windows_with_too_few_steps_are_not_judged():
+    self_ms = noisy(8, 10)
+    self_ms[0] *= 1.2
+    assert detect_stragglers(windows(self_ms, steps=5), DetectionOptions()) == []
+
+
+def test_rare_long_gc_pauses_are_spikes_not_a_gc_straggler():
+    self_ms = noisy(8, 10)
+    gc = np.zeros((8, 10))
+    gc[7] = 8.0  # one 400 ms pause per 50-step window: 8 ms per step on average
+    cols = windows(self_ms, gc_ms=gc)
+    assert [s.rank for s in detect_stragglers(cols, DetectionOptions())] == [
+        7
+    ]  # WINDOW_SCHEMA alone: the mean
+    cols["gc_ns_median"] = np.zeros(len(cols["rank"]))  # the typical step collects nothing
+    assert detect_stragglers(cols, DetectionOptions()) == []
+
+
+def test_a_slow_forward_is_a_compute_straggler_even_when_the_total_hides_it():
+    rng = np.random.default_rng(3)
+    self_ms = 100 + 12 * rng.standard_normal((4, 10))  # a noisy host: the totals overlap
+    cols = windows(self_ms)
+    fwd = 30 + 1.0 * rng.standard_normal((4, 10))
+    fwd[1] += 12  # rank 1's forward is 40 % slower, 12 % of the step
+    cols["forward_ns_median"] = fwd[cols["rank"], cols["window"]] * MS
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.kind, s.metric) == (1, "compute", "forward_ns")
+    fwd[1] -= 9  # +3 ms: 10 % of the forward but 3 % of the step, not material
+    cols["forward_ns_median"] = fwd[cols["rank"], cols["window"]] * MS
+    assert detect_stragglers(cols, DetectionOptions()) == []
