@@ -158,6 +158,7 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
         elif col.null_count == len(col):
             arr = np.full(len(col), np.nan)
         else:
-            arr = col.cast(pa.float64()).to_numpy(zero_copy_only=False)
+            # safe=False: wall-clock ns exceed 2**53 and lose their last digits as float64, which is fine here
+            arr = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
         out[name] = arr if order is None else arr[order]
     return out

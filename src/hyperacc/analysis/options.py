@@ -43,6 +43,8 @@ class DetectionOptions:
     # -- persistence
     persist_k: int = 3  # outlier in k ...
     persist_n: int = 5  # ... of the rank's last n judged windows
+    top_alpha: float = 1e-3  # rank-order persistence: slowest rank in so many windows that p < alpha (0: off)
+    top_min_windows: int = 4  # and slowest in at least this many windows
     # -- node grouping
     node_fraction: float = 0.5  # more than this share of a node's ranks slow: a node problem
     # -- spikes within a rank

@@ -153,6 +153,45 @@ def confirmation(flags: np.ndarray, judged: np.ndarray, k: int, n: int) -> tuple
     return int(js[i0]), since, bool(rolling[-1] >= k)
 
 
+def slowest_flags(
+    values: np.ndarray, judged: np.ndarray, med: np.ndarray, opts: DetectionOptions, floor: float
+) -> np.ndarray:
+    """(rank x window) True where the rank is the slowest judged rank of the window by a material margin
+    (at least ``floor`` and ``min_slowdown`` above the window's median). Ties flag nobody."""
+    v = np.where(judged, values, -np.inf)
+    top = v == v.max(axis=0, keepdims=True)
+    unique = top.sum(axis=0) == 1
+    with np.errstate(invalid="ignore"):
+        excess = values - med[None, :]
+        material = (excess >= floor) & (values >= med[None, :] * (1.0 + opts.min_slowdown))
+    return top & unique[None, :] & material & judged
+
+
+def top_confirmation(top: np.ndarray, judged: np.ndarray, opts: DetectionOptions) -> tuple[int, int, bool] | None:
+    """Rank-order persistence (docs/detection.md): a rank that is the slowest in so many windows that
+    exchangeable ranks would rarely do it, P(Binomial(w, 1/R) >= count) < ``top_alpha`` over its first
+    ``w`` judged windows (R the ranks judged per window). Returns (confirm_window, since_window, active)."""
+    if opts.top_alpha <= 0:
+        return None
+    from scipy.stats import binom
+
+    ranks_per_window = judged.sum(axis=0).astype(np.float64)
+    cols = np.flatnonzero(ranks_per_window >= opts.min_ranks)
+    if cols.size == 0:
+        return None
+    hits = np.cumsum(top[cols].astype(np.int64))
+    w = np.arange(1, cols.size + 1)
+    p_one = 1.0 / np.cumsum(ranks_per_window[cols]) * w  # 1 / mean ranks judged so far
+    pvals = binom.sf(hits - 1, w, p_one)
+    ok = np.flatnonzero((pvals < opts.top_alpha) & (hits >= opts.top_min_windows))
+    if ok.size == 0:
+        return None
+    i0 = int(ok[0])
+    since = int(cols[np.flatnonzero(top[cols[: i0 + 1]])[0]])
+    active = bool(pvals[-1] < opts.top_alpha)
+    return int(cols[i0]), since, active
+
+
 @dataclasses.dataclass
 class Straggler:
     rank: int
@@ -191,15 +230,20 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
             continue
         floor = opts.launch_floor_ns if metric == "launch_ns" else opts.floor_ns
         flags, judged, med = outlier_flags(values, opts, floor, med_self if metric in _PARTS else None)
-        for r in np.flatnonzero(flags.sum(axis=1) >= opts.persist_k):
+        top = slowest_flags(values, judged, med, opts, floor) if metric == "self_ns" else None
+        for r in range(values.shape[0]):
             conf = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n)
+            rank_flags = flags[r]
+            if conf is None and top is not None:
+                conf = top_confirmation(top[r], judged, opts)
+                rank_flags = top[r]
             if conf is None:
                 continue
             if METRIC_KIND[metric] == "compute" and _waits_more(
-                grid.comm_wait[r], med_comm, flags[r], values[r] - med
+                grid.comm_wait[r], med_comm, rank_flags, values[r] - med
             ):
                 continue  # a victim: it waited longer than the median rank, so nobody waited for it
-            found.setdefault(int(r), {})[metric] = (conf, flags[r], judged[r], values[r], med)
+            found.setdefault(int(r), {})[metric] = (conf, rank_flags, judged[r], values[r], med)
     out: list[Straggler] = []
     self_vals = grid.metrics["self_ns"]
     self_med = _cluster_median(self_vals)
@@ -256,8 +300,12 @@ def _waits_more(wait: np.ndarray, cluster_wait: np.ndarray, flags: np.ndarray, e
 
 
 def _group_by_node(stragglers: list[Straggler], grid: WindowGrid, opts: DetectionOptions) -> None:
-    """More than ``node_fraction`` of a node's ranks slow (and at least two): the node is the problem."""
+    """More than ``node_fraction`` of a node's ranks slow (and at least two): the node is the problem.
+
+    Only with two or more nodes: in a one-node job there is no other node to be slower than."""
     node_ids, node_sizes = np.unique(grid.nodes, return_counts=True)
+    if node_ids.size < 2:
+        return
     size = dict(zip(node_ids.tolist(), node_sizes.tolist(), strict=True))
     slow: dict[int, int] = {}
     for s in stragglers:
