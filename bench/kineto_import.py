@@ -3,7 +3,7 @@
 Baseline: ``json.load`` of the trace, then one pass over the event dicts collecting the same CUDA
 runtime latencies (HolisticTraceAnalysis and most scripts load the whole document this way). Each
 measurement runs in a fresh interpreter so its peak RSS is its own. Inputs: the real fixtures in
-../shared/fixtures/kineto and larger traces made from the NCCL fixture by repeating its steps
+tests/fixtures/kineto and larger traces made from the NCCL fixture by repeating its steps
 (timestamps, step numbers and correlation ids shifted), gzip-compressed like real traces.
 
     .venv/bin/python bench/kineto_import.py           # fixtures + 200 MB and 1 GB traces
@@ -27,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-FIXTURES = ROOT.parent / "shared" / "fixtures" / "kineto"
+FIXTURES = ROOT / "tests" / "fixtures" / "kineto"
 BASELINE_LIMIT = 600e6  # bytes of JSON text; json.load of more would need ~10x that in RAM
 
 

@@ -13,7 +13,7 @@ from present_inputs import KINETO_FIXTURES, NCCL_TRACE, SINGLE_TRACE, trace_text
 @pytest.fixture(scope="session")
 def kineto_fixtures() -> Path:
     if not NCCL_TRACE.is_file() or not SINGLE_TRACE.is_file():
-        pytest.skip(f"Kineto fixtures not found in {KINETO_FIXTURES} (shared/ must sit beside the clone)")
+        pytest.skip(f"Kineto fixtures not found in {KINETO_FIXTURES} (tests/fixtures/kineto)")
     return KINETO_FIXTURES
 
 

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-KINETO_FIXTURES = REPO.parent / "shared" / "fixtures" / "kineto"
+KINETO_FIXTURES = REPO / "tests" / "fixtures" / "kineto"
 NCCL_TRACE = KINETO_FIXTURES / "nccl_2rank_rank0.json.gz"
 SINGLE_TRACE = KINETO_FIXTURES / "single_rank0.json.gz"
 
