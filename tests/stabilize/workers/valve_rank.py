@@ -18,7 +18,7 @@ def main() -> None:
     rank = dist.get_rank()
     stab = stabilize(
         gc={"interval": 50, "valve_objects": 150_000, "valve_rss_mb": None, "valve_poll_s": 0.05,
-            "valve_lead_steps": 10, "valve_lead_s": 1.5},
+            "valve_lead_steps": 10, "valve_lead_s": 0.5},  # agreed step well inside the run
         allocator=False,
     )  # fmt: skip
     torch.manual_seed(0)
