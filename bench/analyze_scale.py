@@ -23,7 +23,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -35,19 +34,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
 
 import numpy as np  # noqa: E402
+from _machine import describe as machine  # noqa: E402
 
 from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, last_arrival, write_rank  # noqa: E402
 
 _SPEC: SyntheticRun | None = None
 _ARRIVAL = None
 _ROOT: Path | None = None
-
-
-def machine() -> str:
-    import psutil
-
-    mem = psutil.virtual_memory().total / 2**30
-    return f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, python {platform.python_version()}"
 
 
 def _init(spec: SyntheticRun, arrival, root: Path) -> None:

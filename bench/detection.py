@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -47,6 +45,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+
+from _machine import describe as machine  # noqa: E402
 
 from hyperacc.analysis import diagnose  # noqa: E402
 from hyperacc.analysis.columns import discover, read_rank  # noqa: E402
@@ -77,16 +77,6 @@ def scenarios(quick: bool) -> list[tuple[str, int, list[dict[str, Any]]]]:
         ("gc pressure", -1, [{"kind": "gc_pressure", "ranks": [0], "live": 300_000, "garbage": 20_000}]),
         ("clean", -1, []),
     ]
-
-
-def machine() -> str:
-    import psutil
-
-    mem = psutil.virtual_memory().total / 2**30
-    load = os.getloadavg()[0]
-    return (
-        f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, load {load:.1f}"
-    )
 
 
 def traced_run(

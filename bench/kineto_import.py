@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import os
-import platform
 import re
 import resource
 import subprocess
@@ -25,19 +23,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import describe as machine
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 FIXTURES = ROOT / "tests" / "fixtures" / "kineto"
 BASELINE_LIMIT = 600e6  # bytes of JSON text; json.load of more would need ~10x that in RAM
-
-
-def machine() -> str:
-    import psutil
-
-    mem = psutil.virtual_memory().total / 2**30
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPUs, {mem:.0f} GiB RAM; Python {platform.python_version()}"
-    )
 
 
 def measure(kind: str, path: str) -> dict:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -29,16 +27,9 @@ from time import perf_counter_ns
 
 import torch
 import torch.nn as nn
+from _machine import describe as machine
 
 MODES = ("untraced", "hyperacc", "torch.profiler")
-
-
-def machine() -> str:
-    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
-    return (
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, load average {load}"
-    )
 
 
 def profiler() -> torch.profiler.profile:

@@ -19,8 +19,6 @@ GPU part (when CUDA is present): batches of uint8 images moved to the GPU.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,18 +29,9 @@ from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _machine import describe as machine
+
 from hyperacc.data.prefetch import DevicePrefetcher  # noqa: E402
-
-
-def machine() -> str:
-    import psutil
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    mem = psutil.virtual_memory().total / 2**30
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, {gpu}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}"
-    )
 
 
 class SlowBatches(Dataset):

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import shutil
 import subprocess
@@ -24,18 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from _machine import describe as machine
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 BASELINE_LIMIT = 2e7  # rank x step cells; beyond this the naive page is gigabytes
-
-
-def machine() -> str:
-    import psutil
-
-    mem = psutil.virtual_memory().total / 2**30
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPUs, {mem:.0f} GiB RAM; Python {platform.python_version()}"
-    )
 
 
 def generate(run_dir: Path, ranks: int, steps: int, ranks_per_node: int = 8) -> None:

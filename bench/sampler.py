@@ -11,29 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from _machine import describe as machine
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 REPLICAS = 8
-
-
-def machine() -> str:
-    import psutil
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    mem = psutil.virtual_memory().total / 2**30
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, {gpu}; "
-        f"Python {platform.python_version()}, torch {torch.__version__}"
-    )
 
 
 def measure(kind: str, n: int, count: int) -> dict:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -32,6 +30,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from _machine import describe as machine  # noqa: E402
+
 from hyperacc import harness  # noqa: E402
 from hyperacc.analysis.options import DetectionOptions  # noqa: E402
 from hyperacc.analysis.spikes import detect_spikes  # noqa: E402
@@ -40,16 +40,6 @@ from hyperacc.chaos import read_ground_truth  # noqa: E402
 NPROC = 4
 WARMUP = 10  # steps dropped at the start of every run (set-up, first-step freeze)
 BATCH = 32  # examples/train_ddp.py default batch size
-
-
-def machine() -> str:
-    import torch
-
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return (
-        f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, python "
-        f"{platform.python_version()}, torch {torch.__version__}, load average {load[0]:.1f}"
-    )
 
 
 def launch(script: Path, args: list[str], env: dict[str, str], timeout: float) -> list[dict[str, Any]]:

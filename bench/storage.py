@@ -13,8 +13,6 @@ The baseline is what a user gets by default: py-lmdb with readahead on and no pr
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -23,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from _machine import describe as machine
 
 from hyperacc.data.lmdb_dataset import build_lmdb, evict_from_page_cache, resident_fraction  # noqa: E402
 from hyperacc.data.pipeline import read_latencies  # noqa: E402
@@ -36,15 +36,6 @@ CASES = [
     ("warm, readahead off, no prefetch", False, False, False),
     ("warm, readahead off, prefetch", False, False, True),
 ]
-
-
-def machine() -> str:
-    import psutil
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    mem = psutil.virtual_memory().total / 2**30
-    return f"{platform.machine()} {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, {gpu}; torch {torch.__version__}"
 
 
 def warm_up(db: Path) -> None:

@@ -13,8 +13,6 @@ saving of copying YUV (1.5 bytes/pixel) instead of RGB (3 bytes/pixel).
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -26,22 +24,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _machine import describe as machine
+
 from hyperacc.data.yuv import YUVToRGB  # noqa: E402
 
 H, W = 1080, 1920
 OUT = (224, 224)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-
-
-def machine() -> str:
-    import psutil
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    mem = psutil.virtual_memory().total / 2**30
-    return (
-        f"{platform.machine()} {os.cpu_count()} CPUs, {mem:.0f} GiB RAM, {gpu}; torch {torch.__version__}, "
-        f"OpenCV {cv2.__version__}"
-    )
 
 
 def best_time(fn: Callable[[], object], repeats: int, sync: Callable[[], None] = lambda: None) -> float:

@@ -262,6 +262,22 @@ def _classify(allowed: set[int], topo: Topology) -> str:
     return "per-process"
 
 
+def _topology_and_allowed(
+    sysfs_root: str | os.PathLike, topology: Topology | None, visible_devices: str | None, allowed: Any
+) -> tuple[Topology, set[int]]:
+    """The topology (read from sysfs unless given) and the allowed online CPUs: this process's mask on
+    the real machine, every online CPU of a fake sysfs tree."""
+    real = Path(sysfs_root).resolve() == Path("/sys").resolve()
+    if topology is None:
+        visible = visible_devices if visible_devices is not None else (
+            os.environ.get("CUDA_VISIBLE_DEVICES") if real else None
+        )  # fmt: skip
+        topology = read_topology(sysfs_root, visible_devices=visible)
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if real and hasattr(os, "sched_getaffinity") else topology.online
+    return topology, set(allowed) & set(topology.online)
+
+
 def plan_affinity(
     nproc: int,
     workers_per_rank: int = 0,
@@ -281,15 +297,7 @@ def plan_affinity(
         raise ValueError(f"nproc must be >= 1 (got {nproc}); pass the number of ranks on this node")
     if workers_per_rank < 0:
         raise ValueError(f"workers_per_rank must be >= 0 (got {workers_per_rank})")
-    real = Path(sysfs_root).resolve() == Path("/sys").resolve()
-    if topology is None:
-        visible = visible_devices if visible_devices is not None else (
-            os.environ.get("CUDA_VISIBLE_DEVICES") if real else None
-        )  # fmt: skip
-        topology = read_topology(sysfs_root, visible_devices=visible)
-    if allowed is None:
-        allowed = os.sched_getaffinity(0) if real and hasattr(os, "sched_getaffinity") else topology.online
-    allowed_set = set(allowed) & set(topology.online)
+    topology, allowed_set = _topology_and_allowed(sysfs_root, topology, visible_devices, allowed)
     if not allowed_set:
         raise ValueError("the allowed CPU set has no online CPU of this topology")
     warnings: list[str] = []
@@ -389,15 +397,7 @@ def binding_for_rank(
     is kept whole; otherwise the rank is planned inside the mask, with a warning."""
     if not 0 <= local_rank < nproc:
         raise ValueError(f"local_rank {local_rank} is outside 0..{nproc - 1}")
-    real = Path(sysfs_root).resolve() == Path("/sys").resolve()
-    if topology is None:
-        visible = visible_devices if visible_devices is not None else (
-            os.environ.get("CUDA_VISIBLE_DEVICES") if real else None
-        )  # fmt: skip
-        topology = read_topology(sysfs_root, visible_devices=visible)
-    if allowed is None:
-        allowed = os.sched_getaffinity(0) if real and hasattr(os, "sched_getaffinity") else topology.online
-    allowed_set = set(allowed) & set(topology.online)
+    topology, allowed_set = _topology_and_allowed(sysfs_root, topology, visible_devices, allowed)
     if _classify(allowed_set, topology) != "per-process":
         plan = plan_affinity(
             nproc, workers_per_rank, topology=topology, allowed=allowed_set, main_cores=main_cores
