@@ -35,7 +35,6 @@ detail), which detection benchmarks score against.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import gc
 import json
@@ -50,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from hyperacc import process
 from hyperacc.schema import chaos_path
 
 log = logging.getLogger(__name__)
@@ -168,10 +168,7 @@ class Chaos:
                 self._live = [[j] for j in range(f.live)]  # tracked containers: gen-2 pauses scale with them
         if any(f.kind == "gc_pressure" for _, f in self.faults):
             gc.callbacks.append(self._on_gc)
-        atexit.register(self.close)
-        from hyperacc import harness
-
-        harness.at_finish(self.close)
+        process.at_exit(self.close)
 
     # ------------------------------------------------------------ randomness and ground truth
 

@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hyperacc import process
+
 RESULT_DIR_ENV = "HYPERACC_RESULT_DIR"
 
 
@@ -226,25 +228,17 @@ def write_result(obj: Mapping[str, Any], rank: int | None = None) -> Path | None
     return path
 
 
-_finish_hooks: list[Callable[[], None]] = []
-
-
 def at_finish(fn: Callable[[], None]) -> None:
     """Run ``fn`` in ``finish()`` before the process exits (``os._exit`` skips ``atexit``).
 
-    The tracer, chaos and stabilizers register their final flush here as well as with ``atexit``.
+    The same registry as ``hyperacc.process.at_exit``, kept under this name for scripts that use it.
     """
-    if fn not in _finish_hooks:
-        _finish_hooks.append(fn)
+    process.at_exit(fn)
 
 
 def finish(code: int = 0) -> None:
     """End a rank without gloo's exit-time abort: flush hyperacc's writers, barrier, destroy, ``os._exit``."""
-    for fn in list(_finish_hooks):
-        try:
-            fn()
-        except Exception as exc:  # a failing flush must not turn a finished rank into a hung one
-            print(f"hyperacc: final flush {getattr(fn, '__qualname__', fn)} failed: {exc}", file=sys.stderr)
+    process.run_exit_hooks()
     try:
         import torch.distributed as dist
 

@@ -60,6 +60,19 @@ STEP_SCHEMA = pa.schema(
         pa.field("pace_on", pa.bool_()),
         pa.field("pace_delay_ns", pa.int64()),
         pa.field("spread_ns", pa.int64()),
+        # -- added in schema 2 (readers treat a column a segment lacks as not measured)
+        # CPU time (user + system) of the training thread over the step: a rank that computes more
+        # spends more CPU; one that was preempted or blocked spends more wall time, not more CPU.
+        pa.field("cpu_ns", pa.int64()),
+        # Device clock (CUDA events on the step's stream); null where not measured on the device.
+        pa.field("dev_step_ns", pa.int64()),
+        pa.field("dev_self_ns", pa.int64()),
+        pa.field("dev_comm_wait_ns", pa.int64()),
+        pa.field("dev_forward_ns", pa.int64()),
+        pa.field("dev_backward_ns", pa.int64()),
+        pa.field("micro_steps", pa.int32()),  # backward passes in the step (gradient accumulation)
+        pa.field("collectives", pa.int32()),  # collective calls (and DDP bucket rounds) timed in the step
+        pa.field("data_gap", pa.bool_()),  # data_ns is the input gap: no DataLoader fetch was seen
     ]
 )
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc.pacing.controller import PacingConfig, PacingConfigError, PacingController
+from hyperacc.process import env_int
 
 log = logging.getLogger("hyperacc.pacing")
 
@@ -62,7 +62,7 @@ class PacingHook:
         world_size: int | None = None,
     ) -> None:
         self.config = config or PacingConfig()
-        self.rank = _env_int("RANK", 0) if rank is None else rank
+        self.rank = env_int("RANK", 0) if rank is None else rank
         self.world_size = world_size
         self.controller = PacingController(self.config, ranks=world_size)
         self.enabled = True
@@ -355,13 +355,6 @@ def _to_us(ns: int | float) -> float:
     if ns < 0:
         return -1.0
     return float(min(ns / 1e3, _FLOAT32_EXACT - 1))
-
-
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
 
 
 ENV = "HYPERACC_PACE"

@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hyperacc.process import env_int
 from hyperacc.stabilize import affinity as _affinity
 from hyperacc.stabilize import allocator as _allocator
 from hyperacc.stabilize import memory as _memory
@@ -262,13 +263,6 @@ class WorkerInit:
 # ------------------------------------------------------------------ the handle
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 class Stabilizer:
     """What :func:`stabilize` returns. Call ``step(step)`` once after each optimizer step with the
     global step (the same number on every rank), ``close()`` at the end."""
@@ -304,7 +298,7 @@ class Stabilizer:
                 return (dist.get_rank() if rank is None else rank), dist.get_world_size()
         except Exception:  # no process group means a single rank
             pass
-        return (_env_int("RANK", 0) if rank is None else rank), _env_int("WORLD_SIZE", 1)
+        return (env_int("RANK", 0) if rank is None else rank), env_int("WORLD_SIZE", 1)
 
     # -- records
     def _record(self, kind: str, step: int, duration_ns: int, value: float, detail: str) -> None:
@@ -412,8 +406,8 @@ class Stabilizer:
         return self
 
     def _start_affinity(self, opts: AffinityOptions) -> None:
-        nproc = opts.nproc if opts.nproc is not None else _env_int("LOCAL_WORLD_SIZE", 1)
-        local = opts.local_rank if opts.local_rank is not None else _env_int("LOCAL_RANK", 0)
+        nproc = opts.nproc if opts.nproc is not None else env_int("LOCAL_WORLD_SIZE", 1)
+        local = opts.local_rank if opts.local_rank is not None else env_int("LOCAL_RANK", 0)
         binding, plan = _affinity.binding_for_rank(
             local, nproc, opts.workers_per_rank, sysfs_root=opts.sysfs_root, main_cores=opts.main_cores
         )
