@@ -54,15 +54,17 @@ def install() -> list[Any]:
         chaos = _optional("hyperacc.chaos", "install_from_env")
         if chaos is not None:
             closers.append(chaos)
+    pace = os.environ.get("HYPERACC_PACE", "").strip()
+    pacing = bool(pace) and pace != "0"
     if os.environ.get(ENV_RUN_DIR, "").strip():
         try:
-            closers.append(install_auto())
+            # pacing reads every rank's arrival from the in-band exchange: it asks for it
+            closers.append(install_auto(**({"inband": True} if pacing else {})))
         except TraceConfigError as exc:
             raise BootstrapError(f"hyperacc: {exc}") from None
     else:
         log.warning("hyperacc: %s is not set; the script runs without tracing", ENV_RUN_DIR)
-    pace = os.environ.get("HYPERACC_PACE", "").strip()
-    if pace and pace != "0":
+    if pacing:
         auto = next((c for c in closers if hasattr(c, "tracer")), None)
         if auto is None:
             log.warning("hyperacc: pacing needs the tracer's in-band exchange (set %s); pacing is off", ENV_RUN_DIR)

@@ -18,6 +18,7 @@ from hyperacc import harness, store
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
+PHASE_COLUMNS = ("data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns")
 SINGLE_JOB = Path(__file__).parent / "jobs" / "single_job.py"
 
 
@@ -60,7 +61,7 @@ def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Pat
         cmd = [
             sys.executable, "-m", "hyperacc", "run", "--run-dir", str(run), "--nproc-per-node", "2",
             "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--max-restarts", "0", "--trace", json.dumps({"window": 10, "flush_every_s": 1.0, "probe_every": 10}),
+            "--max-restarts", "0", "--trace", json.dumps({"window": 10, "flush_every_s": 1.0, "probe_every": 10, "inband": True}),
             "--chaos", json.dumps(chaos),
             "--", str(EXAMPLE), "--steps", str(steps), "--features", "128", "--hidden", "128",
         ]  # fmt: skip
