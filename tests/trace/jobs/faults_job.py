@@ -48,7 +48,7 @@ def main() -> None:
     args = p.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     net, cap = build(args.buckets)
     model = DDP(net, bucket_cap_mb=cap)
     twin = DDP(build(args.buckets)[0], bucket_cap_mb=cap) if args.twin else None
