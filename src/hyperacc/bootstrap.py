@@ -19,6 +19,7 @@ chaos ground truth. Parts that are not installed or not configured are skipped.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import runpy
@@ -89,13 +90,17 @@ def install() -> list[Any]:
     return closers
 
 
-def close(closers: list[Any]) -> None:
+def close(closers: list[Any], *, stopping: bool = False) -> None:
+    """Close what ``install`` started; ``stopping``: the script was interrupted, do not wait for peers."""
     for obj in closers:
         fn = getattr(obj, "close", None)
         if fn is None:
             continue
         try:
-            fn()
+            if stopping and "stopping" in inspect.signature(fn).parameters:
+                fn(stopping=True)
+            else:
+                fn()
         except Exception as exc:  # noqa: BLE001 - the script's own result must not be lost
             print(f"hyperacc: closing {type(obj).__name__} failed: {exc}", file=sys.stderr)
 
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"hyperacc: training script {script!r} not found; pass the path of a .py file"
             )
     closers = install()
+    stopping = False
     try:
         if module is not None:
             sys.argv = [module, *script_args]
@@ -124,8 +130,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.argv = [script, *script_args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
+    except KeyboardInterrupt:
+        stopping = True
+        raise
     finally:
-        close(closers)
+        close(closers, stopping=stopping)
 
 
 if __name__ == "__main__":

@@ -270,15 +270,16 @@ class WindowAggregator:
 
     # ------------------------------------------------------------------ end
 
-    def close(self) -> None:
-        """Publish what is complete; rank 0 waits briefly (<= 2 s) for the others' last windows."""
+    def close(self, wait: bool = True) -> None:
+        """Publish what is complete; rank 0 waits briefly (<= 2 s) for the others' last windows, unless
+        ``wait`` is False (the job is being stopped: the others will not send theirs)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
         if not self._on:
             return
         self._complete(self._latest_window + (1 if self._partial_is_full() else 0))
-        deadline = time.monotonic() + (min(self.grace_s, 2.0) if self.rank == 0 else 0.0)
+        deadline = time.monotonic() + (min(self.grace_s, 2.0) if self.rank == 0 and wait else 0.0)
         while True:
             self._tick(final=True)
             done = self._next_window is None or self._next_window > self._own_last

@@ -168,10 +168,10 @@ class AutoTrace:
         self._originals = []
         self.tracer.collectives.close()
 
-    def close(self) -> None:
-        """Remove the hooks and flush the tracer."""
+    def close(self, *, stopping: bool = False) -> None:
+        """Remove the hooks and flush the tracer (``stopping``: see ``Tracer.close``)."""
         self.uninstall()
-        self.tracer.close()
+        self.tracer.close(stopping=stopping)
 
     def _fail(self, exc: BaseException) -> None:
         self._on = False

@@ -465,7 +465,7 @@ class Tracer:
                 # The signal interrupted close() on this thread: let it finish, then terminate.
                 self._terminate_after_close = functools.partial(chain, signum, frame)
                 return
-            self.close()
+            self.close(stopping=True)
             chain(signum, frame)
 
         try:
@@ -571,11 +571,13 @@ class Tracer:
 
     # ------------------------------------------------------------------ shutdown
 
-    def close(self) -> None:
+    def close(self, *, stopping: bool = False) -> None:
         """Stop recording, flush everything, release hooks. Idempotent.
 
         Safe from a signal handler: a SIGTERM that arrives while ``close`` runs lets it finish (every
         recorded row reaches disk) and then terminates the process as the signal would have.
+        ``stopping``: the job is being stopped (Ctrl-C, SIGTERM): rank 0 does not wait for the other
+        ranks' last window summaries, which will not come.
         """
         global _current
         if self._closing:
@@ -598,7 +600,7 @@ class Tracer:
             self.collectives.close()
             if self.aggregator is not None:
                 try:
-                    self.aggregator.close()
+                    self.aggregator.close(wait=not stopping)
                 except Exception as exc:  # noqa: BLE001
                     switch_off("window aggregation", exc)
                 self.flush()  # live findings logged while closing
