@@ -1,0 +1,70 @@
+"""Rank script: a PyTorch Lightning run on CPU ranks, with no hyperacc in it.
+
+A tiny GPT-2 built from a config (no weights are downloaded) in a LightningModule, DDP over gloo (the
+Trainer sets it up from torchrun's environment), automatic optimization, so forward, backward and
+the gradient all-reduce run inside ``optimizer.step(closure)``; ``--accum`` batches per optimizer step.
+Each rank reports its final parameters' checksum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+
+from hyperacc import harness
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, length: int, vocab: int) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.ids[i]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--accum", type=int, default=1)
+    args = p.parse_args()
+
+    import lightning as L
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class TinyGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            cfg = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=32)
+            self.model = GPT2LMHeadModel(cfg)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    L.seed_everything(0, verbose=False)
+    module = TinyGPT()
+    loader = torch.utils.data.DataLoader(Tokens(512, 32, 256), batch_size=4, shuffle=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), strategy="ddp", max_steps=args.steps,
+        accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp(),
+    )  # fmt: skip
+    trainer.fit(module, loader)
+    checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
+    harness.write_result({"rank": int(os.environ.get("RANK", "0")), "checksum": checksum})
+    harness.finish()
+
+
+if __name__ == "__main__":
+    main()
