@@ -19,7 +19,7 @@ import pytest
 from hyperacc import harness, store
 from hyperacc.analysis import diagnose
 
-JOBS = Path(__file__).parent / "jobs"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PHASES = ("data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns")
 STEPS, ACCUM, RANKS = 40, 2, 4
 
@@ -27,7 +27,7 @@ STEPS, ACCUM, RANKS = 40, 2, 4
 @pytest.mark.multirank
 @pytest.mark.xfail(strict=False, reason="kind from thread CPU time: detection rules being reworked")
 @pytest.mark.parametrize(
-    ("script", "package"), [("hf_job.py", "transformers"), ("lightning_job.py", "lightning")]
+    ("script", "package"), [("train_hf.py", "transformers"), ("train_lightning.py", "lightning")]
 )
 def test_trainer_traced_without_changes(tmp_path: Path, script: str, package: str) -> None:
     if importlib.util.find_spec(package) is None:
@@ -36,9 +36,9 @@ def test_trainer_traced_without_changes(tmp_path: Path, script: str, package: st
     args = ["--steps", str(STEPS), "--accum", str(ACCUM)]
     chaos = {"seed": 1, "faults": [{"kind": "slowdown", "ranks": [1], "factor": 2.0}]}
     opts = {"run-dir": str(run_dir), "trace": json.dumps({"window": 0, "probe_every": 0}), "chaos": json.dumps(chaos)}
-    traced = harness.launch(JOBS / script, args, nproc=RANKS, timeout=400, traced=opts)
+    traced = harness.launch(EXAMPLES / script, args, nproc=RANKS, timeout=400, traced=opts)
     assert traced.ok, traced.explain()
-    plain = harness.launch(JOBS / script, args, nproc=RANKS, timeout=400)
+    plain = harness.launch(EXAMPLES / script, args, nproc=RANKS, timeout=400)
     assert plain.ok, plain.explain()
     # bit-identical training: the tracer does not touch the gradients' reduction
     assert [r["checksum"] for r in traced.results()] == [r["checksum"] for r in plain.results()]

@@ -120,7 +120,7 @@ class StepClock:
         """Write the step's phases, wait, self-time and counts into ``row`` (step_ns already set)."""
         if self.depth == 0:
             self.gap += t1 - self.idle_since
-        wait, delay, count = self._collect()
+        wait, delay, count = self._collect() if self.wait_sources else (0, -1, 0)
         acc, seen = self.acc, self.seen
         if count:
             acc[COMM] += wait
@@ -196,7 +196,7 @@ class StepClock:
             t0 = self.step_t0  # opened before this step began: charge this step's part only
         duration = t - t0
         inner = self.child[d]
-        if kind == BACKWARD:
+        if kind == BACKWARD and self.wait_sources:
             wait, delay, count = self._collect()
             if count:
                 self.acc[COMM] += wait

@@ -1,9 +1,13 @@
-"""Rank script: a PyTorch Lightning run on CPU ranks, with no hyperacc in it.
+"""A PyTorch Lightning job that knows nothing of hyperacc: a tiny GPT-2 on CPU ranks.
 
-A tiny GPT-2 built from a config (no weights are downloaded) in a LightningModule, DDP over gloo (the
-Trainer sets it up from torchrun's environment), automatic optimization, so forward, backward and
-the gradient all-reduce run inside ``optimizer.step(closure)``; ``--accum`` batches per optimizer step.
-Each rank reports its final parameters' checksum.
+    torchrun --standalone --nproc-per-node 4 examples/train_lightning.py --steps 200
+    hyperacc run --run-dir runs/pl --nproc-per-node 4 -- examples/train_lightning.py --steps 200
+
+The model is built from a config (no weights are downloaded) inside a LightningModule, DDP runs over
+gloo (the Trainer sets it up from torchrun's environment) with automatic optimization, so forward,
+backward and the gradient all-reduce run inside ``optimizer.step(closure)``; ``--accum`` batches make
+one optimizer step. Under the test harness each rank reports its final parameters' checksum and, with
+``--timing``, each step's wall and thread CPU time (a Callback), for bench/overhead.py.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 import torch
 
@@ -33,6 +38,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--accum", type=int, default=1)
+    p.add_argument("--timing", action="store_true", help="report each step's wall and CPU time")
     args = p.parse_args()
 
     import lightning as L
@@ -51,6 +57,19 @@ def main() -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
+    class StepTimes(L.Callback):
+        def __init__(self) -> None:
+            self.wall: list[int] = []
+            self.cpu: list[int] = []
+            self._t = (time.perf_counter_ns(), time.thread_time_ns())
+
+        def on_train_batch_end(self, *args: object, **kwargs: object) -> None:
+            now = (time.perf_counter_ns(), time.thread_time_ns())
+            self.wall.append(now[0] - self._t[0])
+            self.cpu.append(now[1] - self._t[1])
+            self._t = now
+
+    times = StepTimes()
     L.seed_everything(0, verbose=False)
     module = TinyGPT()
     loader = torch.utils.data.DataLoader(Tokens(512, 32, 256), batch_size=4, shuffle=False)
@@ -59,10 +78,14 @@ def main() -> None:
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), strategy="ddp", max_steps=args.steps,
         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp(),
+        callbacks=[times] if args.timing else [],
     )  # fmt: skip
     trainer.fit(module, loader)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
-    harness.write_result({"rank": int(os.environ.get("RANK", "0")), "checksum": checksum})
+    result = {"rank": int(os.environ.get("RANK", "0")), "checksum": checksum}
+    if args.timing:
+        result.update(step_ns=times.wall, cpu_ns=times.cpu)
+    harness.write_result(result)
     harness.finish()
 
 
