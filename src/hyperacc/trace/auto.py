@@ -183,7 +183,7 @@ class AutoTrace:
     def _enter(self, kind: int) -> None:
         try:
             tr = self.tracer
-            if not tr._open:
+            if not tr.step_open:
                 tr.begin_step()
             self.clock.enter(kind, perf_counter_ns())
         except Exception as exc:  # noqa: BLE001
@@ -197,7 +197,7 @@ class AutoTrace:
 
     def _request_end(self) -> None:
         try:
-            if self.tracer._open:
+            if self.tracer.step_open:
                 self.clock.request_end(perf_counter_ns())
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)

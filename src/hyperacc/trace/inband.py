@@ -180,6 +180,18 @@ class InBand:
             return self.device_values(self._hist_row[h])  # NaN until that row's events are read back
         return self._hist_arrival[h], self._hist_wait[h]
 
+    @property
+    def slots(self) -> torch.Tensor:
+        """The slot part of the extended bucket (after ``extended``)."""
+        assert self._tail is not None
+        return self._tail
+
+    @property
+    def gradients(self) -> torch.Tensor:
+        """The gradient part of the extended bucket (after ``extended``)."""
+        assert self._head is not None
+        return self._head
+
     def extended(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(bucket + slots, its gradient view, its slot view), allocated once per bucket size."""
         n = buf.numel()
@@ -455,11 +467,11 @@ class GradientRounds:
         inband = self.inband
         assert inband is not None
         try:
-            inband.receive(self.round, inband._tail)  # type: ignore[arg-type]
+            inband.receive(self.round, inband.slots)
         except Exception as exc:  # noqa: BLE001 - the gradients below are still returned
             inband.decoding = False
             switch_off("in-band decoding", exc)
-        return inband._head  # type: ignore[return-value]
+        return inband.gradients
 
     # ------------------------------------------------------------------ the step clock's side
 
