@@ -104,6 +104,12 @@ def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Pat
     gathered = [e for e in store.read_events(run).to_pylist() if e["kind"] == "window_gathered"]
     assert gathered and all(e["rank"] == 0 for e in gathered)
     assert any(json.loads(e["detail"])["received"] == [0, 1, 2, 3] for e in gathered)
+    # rank 0 kept every rank's window summaries for the live view; every rank sampled its resources
+    live = store.read_live_windows(run)
+    assert set(live.column("rank").to_pylist()) == {0, 1, 2, 3}
+    resources = store.read_resources(run).to_pylist()
+    assert {r["rank"] for r in resources} == {0, 1, 2, 3}
+    assert all(r["rss_bytes"] > 0 and r["cpu_ns"] >= 0 and r["cuda_allocated_bytes"] is None for r in resources)
 
 
 def test_bootstrap_times_explicit_collectives_and_wraps_the_users_comm_hook(tmp_path: Path) -> None:

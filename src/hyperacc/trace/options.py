@@ -37,6 +37,7 @@ class TraceOptions:
     device_timing: bool = True  # on CUDA, step, self-time and collective wait from CUDA events
     device_phases: bool = False  # on CUDA, forward and backward from CUDA events too (4 events a step)
     handle_sigterm: bool = True  # flush on SIGTERM, then run the previous handler
+    resources_every_s: float = 1.0  # sample memory and CPU this often, off the training thread (0: off)
 
     def __post_init__(self) -> None:
         checks = [
@@ -47,6 +48,7 @@ class TraceOptions:
             ("window", self.window >= 0, ">= 0 (0 switches live aggregation off)"),
             ("grace_s", self.grace_s >= 0, ">= 0"),
             ("agree_timeout_s", self.agree_timeout_s >= 0, ">= 0"),
+            ("resources_every_s", self.resources_every_s >= 0, ">= 0 (0 switches resource sampling off)"),
             ("alloc_every", self.alloc_every >= 1, ">= 1"),
         ]
         for f in dataclasses.fields(self):

@@ -48,6 +48,7 @@ from hyperacc.trace.failsafe import switch_off
 from hyperacc.trace.inband import Exchange
 from hyperacc.trace.options import TraceOptions
 from hyperacc.trace.probe import LaunchProbe
+from hyperacc.trace.resources import ResourceSampler
 from hyperacc.trace.ring import StepRing, rows_to_table
 from hyperacc.trace.signals import StepSignals
 from hyperacc.trace.step_clock import BACKWARD, COMM, FORWARD, KIND_BY_NAME, StepClock
@@ -202,6 +203,7 @@ class Tracer:
         self._meta_backend = ""
         self._step_writer: store.SegmentWriter | None = None
         self._event_writer: store.SegmentWriter | None = None
+        self._resource_writer: store.SegmentWriter | None = None
 
         # CUDA is picked up lazily: creating events before the script chose its device would open a
         # context on GPU 0 from every rank.
@@ -217,6 +219,12 @@ class Tracer:
             except Exception as exc:  # noqa: BLE001
                 switch_off("cause signals", exc)
         self.probe = LaunchProbe(options.probe_ops) if options.probe_every else None
+        self.resources: ResourceSampler | None = None
+        if options.resources_every_s > 0:
+            try:
+                self.resources = ResourceSampler(self.rank, self.node, options.resources_every_s)
+            except Exception as exc:  # noqa: BLE001
+                switch_off("resource sampling", exc)
 
         self.inband = Exchange(want=options.inband, agree_timeout_s=options.agree_timeout_s)
         self.inband.next_row = self._next_row
@@ -240,6 +248,7 @@ class Tracer:
                     grace_s=options.grace_s,
                     on_finding=self._on_finding,
                     on_window=self._on_window,
+                    run_dir=self.run_dir if self.rank == 0 else None,
                 )
                 self.add_sink(self.aggregator.on_steps)
             except Exception as exc:  # noqa: BLE001
@@ -409,6 +418,8 @@ class Tracer:
             return
         self._cuda_seen = True
         self._device = torch.device("cuda", torch.cuda.current_device())
+        if self.resources is not None:
+            self.resources.cuda_device = self._device
         if self.signals is not None:
             self.signals.enable_cuda()
             if self.options.host_syncs and self.signals.syncs is None:
@@ -500,6 +511,7 @@ class Tracer:
         poll = min(0.25, self.options.flush_every_s)
         half = self._ring.capacity // 2
         while not self._stop.wait(poll):
+            self._sample_resources()
             ring = self._ring
             now = time.monotonic()
             if now - last >= self.options.flush_every_s or ring.ready - ring.tail >= half:
@@ -534,6 +546,31 @@ class Tracer:
                             sink[1] = False
                             switch_off(f"sink {getattr(sink[0], '__qualname__', sink[0])!s}", exc)
             self._flush_events()
+            self._flush_resources()
+
+    def _sample_resources(self) -> None:
+        sampler = self.resources
+        if sampler is None:
+            return
+        try:
+            sampler.maybe_sample(self.current_step)
+        except Exception as exc:  # noqa: BLE001
+            self.resources = None
+            switch_off("resource sampling", exc)
+
+    def _flush_resources(self) -> None:
+        sampler = self.resources
+        if sampler is None or not self._write_on:
+            return
+        try:
+            table = sampler.take()
+            if table is not None:
+                if self._resource_writer is None:
+                    self._resource_writer = store.resource_writer(self.run_dir, self.rank)
+                self._resource_writer.write(table)
+        except Exception as exc:  # noqa: BLE001
+            self.resources = None
+            switch_off("resource sampling", exc)
 
     def _flush_events(self) -> None:
         events = self._events
@@ -589,6 +626,9 @@ class Tracer:
             self._stop.set()
             if self._flusher.is_alive() and self._flusher is not threading.current_thread():
                 self._flusher.join(timeout=10)
+            if self.resources is not None:
+                self.resources.due_now()  # a last sample: short runs get at least one
+                self._sample_resources()
             if self._dev is not None:
                 try:
                     self._dev.resolve(self._ring.buf, self._ring.capacity, wait=True)
