@@ -91,3 +91,15 @@ def test_two_ranks_gradients_bit_identical_and_failing_parts_switch_off(tmp_path
     assert all(r["pace_delay_ns"] == 0 for r in rank1[:8])
     assert all(r["pace_delay_ns"] is None for r in rank0[8:])  # the pacer raised at step 8: switched off
     assert all(r["self_ns"] is not None and r["comm_wait_ns"] is not None for r in rank0 + rank1)
+
+
+@pytest.mark.multirank
+def test_half_precision_buckets_carry_the_values_in_their_own_dtype() -> None:
+    job = harness.launch(Path(__file__).parent / "jobs" / "half_job.py", nproc=2, timeout=180)
+    assert job.ok, job.explain()
+    r0, r1 = job.results()
+    for dtype in ("torch.float16", "torch.bfloat16"):
+        assert r0[dtype]["exchanging"] and r1[dtype]["exchanging"]
+        assert r0[dtype]["seen"] == r1[dtype]["seen"]  # every rank decoded the same values
+        assert [s[0] for s in r0[dtype]["seen"]] == [0, 1, 2, 3]
+        assert all(w > 0 for _, waits in r0[dtype]["seen"] for w in waits)

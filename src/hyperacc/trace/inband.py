@@ -49,6 +49,7 @@ _DDP_COMM = 7  # hyperacc.trace.device.DDP_COMM (not imported: device.py imports
 
 _original_register: Any = None
 _original_builtin: Any = None
+_agreements: dict[str, int] = {}  # agreements made so far per group: every rank makes them in the same order
 
 
 def _patch_ddp_registration() -> None:
@@ -96,7 +97,7 @@ def _first_value(fut: torch.futures.Future) -> torch.Tensor:
     return fut.value()[0]
 
 
-def agree(group: Any, index: int, proposal: bool, timeout_s: float) -> bool:
+def agree(group: Any, proposal: bool, timeout_s: float) -> bool:
     """One decision for every rank of ``group``: True only if all of them proposed True in time.
 
     Each rank adds its proposal to counters in the job's store; once all have arrived (or after
@@ -111,6 +112,8 @@ def agree(group: Any, index: int, proposal: bool, timeout_s: float) -> bool:
     tag = "-".join(str(r) for r in dist.get_process_group_ranks(group)) if world <= 16 else f"{world}"
     run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    index = _agreements.get(tag, 0)
+    _agreements[tag] = index + 1
     store = dist.PrefixStore(f"hyperacc/inband/{run}/{restart}/{tag}/{index}/", base)
     if proposal:
         store.add("yes", 1)
@@ -556,7 +559,7 @@ class Exchange:
         if primary and rounds.world > 1:
             if self.want:
                 try:
-                    agreed = agree(rounds.group, len(self.models), True, self.agree_timeout_s)
+                    agreed = agree(rounds.group, True, self.agree_timeout_s)
                 except Exception as exc:  # noqa: BLE001 - a store problem: everyone falls back the same way
                     agreed = False
                     switch_off("in-band agreement", exc)
