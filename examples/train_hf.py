@@ -7,6 +7,7 @@ The model is built from a config (no weights are downloaded), the data are deter
 runs over gloo (the Trainer sets it up from torchrun's environment), ``--accum`` micro-batches make one
 optimizer step. Under the test harness each rank reports its final parameters' checksum and, with
 ``--timing``, each step's wall and thread CPU time (a TrainerCallback), for bench/overhead.py.
+``--trace-dir DIR`` traces it under plain torchrun with ``hyperacc.integrations.hf.HyperaccCallback``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--timing", action="store_true", help="report each step's wall and CPU time")
+    p.add_argument("--trace-dir", default=None, help="trace in-process with hyperacc's callback (no hyperacc run)")
     args = p.parse_args()
 
     import transformers
@@ -69,6 +71,10 @@ def main() -> None:
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens(512, 32, 256))
     if args.timing:
         trainer.add_callback(times)
+    if args.trace_dir:
+        from hyperacc.integrations.hf import HyperaccCallback
+
+        trainer.add_callback(HyperaccCallback(args.trace_dir))
     trainer.train()
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     result = {"rank": int(os.environ.get("RANK", "0")), "checksum": checksum}

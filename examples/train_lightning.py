@@ -8,6 +8,7 @@ gloo (the Trainer sets it up from torchrun's environment) with automatic optimiz
 backward and the gradient all-reduce run inside ``optimizer.step(closure)``; ``--accum`` batches make
 one optimizer step. Under the test harness each rank reports its final parameters' checksum and, with
 ``--timing``, each step's wall and thread CPU time (a Callback), for bench/overhead.py.
+``--trace-dir DIR`` traces it under plain torchrun with ``hyperacc.integrations.lightning.HyperaccCallback``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--accum", type=int, default=1)
     p.add_argument("--timing", action="store_true", help="report each step's wall and CPU time")
+    p.add_argument("--trace-dir", default=None, help="trace in-process with hyperacc's callback (no hyperacc run)")
     args = p.parse_args()
 
     import lightning as L
@@ -70,6 +72,11 @@ def main() -> None:
             self._t = now
 
     times = StepTimes()
+    callbacks = []
+    if args.trace_dir:
+        from hyperacc.integrations.lightning import HyperaccCallback
+
+        callbacks.append(HyperaccCallback(args.trace_dir))
     L.seed_everything(0, verbose=False)
     module = TinyGPT()
     loader = torch.utils.data.DataLoader(Tokens(512, 32, 256), batch_size=4, shuffle=False)
@@ -78,7 +85,7 @@ def main() -> None:
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), strategy="ddp", max_steps=args.steps,
         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp(),
-        callbacks=[times] if args.timing else [],
+        callbacks=([times] if args.timing else []) + callbacks,
     )  # fmt: skip
     trainer.fit(module, loader)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))

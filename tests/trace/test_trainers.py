@@ -60,3 +60,20 @@ def test_trainer_traced_without_changes(tmp_path: Path, script: str, package: st
     named = {s["rank"]: s["kind"] for s in d.stragglers}
     assert named.get(1) == "compute", (d.verdict, d.stragglers)
     assert set(named) <= {1}, d.stragglers
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("script", "package"), [("train_hf.py", "transformers"), ("train_lightning.py", "lightning")]
+)
+def test_the_trainers_callback_traces_a_run_started_by_plain_torchrun(tmp_path: Path, script: str, package: str) -> None:
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed (pip install -e '.[dev]')")
+    run_dir = tmp_path / "run"
+    job = harness.launch(EXAMPLES / script, ["--steps", "12", "--trace-dir", str(run_dir)], nproc=2, timeout=300)
+    assert job.ok, job.explain()
+    table = store.read_steps(run_dir)
+    for rank in range(2):
+        rows = table.filter(pc.equal(table["rank"], rank)).to_pylist()
+        assert [r["step"] for r in rows] == list(range(12))
+        assert all(r["comm_wait_ns"] is not None and r["forward_ns"] > 0 for r in rows)
