@@ -25,6 +25,7 @@ agreed by all (``hyperacc.remediation.drain``). Nothing runs between boundaries.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -33,6 +34,8 @@ import pickle
 import random
 import shutil
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +56,15 @@ def reshard_position(consumed: int, old_world: int, new_world: int) -> int:
     if consumed < 0 or old_world < 1 or new_world < 1:
         raise ValueError(f"bad position {consumed} or world sizes {old_world} -> {new_world}")
     return math.ceil(consumed * old_world / new_world)
+
+
+@contextlib.contextmanager
+def _single_process_quiet(distributed: bool) -> Iterator[None]:
+    """Without a process group DCP warns on every call that it assumes one process: that is the intent."""
+    with warnings.catch_warnings():
+        if not distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rng_state() -> dict[str, Any]:
@@ -169,7 +181,8 @@ class Checkpointer:
         }
         state["meta"] = pickle.dumps(meta)
         state["rng"] = {f"rank{self.rank}": pickle.dumps(_rng_state())}
-        dcp.save(state, checkpoint_id=str(path))
+        with _single_process_quiet(self._dist):
+            dcp.save(state, checkpoint_id=str(path), no_dist=not self._dist)
         seconds = time.perf_counter() - t0
         if self.rank == 0:
             marker = {"step": step, "world_size": self.world_size, "time": time.time(), "seconds": seconds}
@@ -231,7 +244,8 @@ class Checkpointer:
         rng_key = f"rank{self.rank}"
         if f"rng.{rng_key}" in saved_keys:
             state["rng"] = {rng_key: b""}
-        dcp.load(state, checkpoint_id=str(path))
+        with _single_process_quiet(self._dist):
+            dcp.load(state, checkpoint_id=str(path), no_dist=not self._dist)
         if self.optimizer is not None:
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:

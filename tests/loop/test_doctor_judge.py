@@ -132,3 +132,14 @@ def test_bad_options_are_one_clear_error():
         DoctorOptions.from_mapping({"secs": 3})
     with pytest.raises(DoctorConfigError, match="min_ranks"):
         DoctorOptions(min_ranks=2)
+
+
+def test_a_uniformly_slow_host_is_named_even_when_one_figure_crosses_the_bar():
+    # every CPU figure 1.2x (below the 25 % bar), memory 1.4x: the host's CPU, with the others as corroboration
+    doc = judge(make_doc(noise=0.01, slow=lambda rank, node, fig, r: (1.4 if fig == "memory" else 1.2) if rank == 1 else 1.0))
+    assert findings(doc) == [("rank", 1, 0, "cpu")]
+    figs = {f["figure"]: f["material"] for f in doc["findings"][0]["figures"]}
+    assert figs == {"memory": True, "matmul": False, "dispatch": False}
+    # memory alone slow, the others at the median: memory
+    doc = judge(make_doc(noise=0.01, slow=lambda rank, node, fig, r: 1.4 if (rank, fig) == (1, "memory") else 1.0))
+    assert findings(doc) == [("rank", 1, 0, "memory")]

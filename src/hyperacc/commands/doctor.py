@@ -50,6 +50,10 @@ def _fail(message: str) -> None:
 @click.option("--persist", type=int, default=None, help="... in at least this many rounds [3].")
 @click.option("--timeout", type=float, default=None,
               help="Give up after this many seconds [10 x --seconds + 300].")  # fmt: skip
+@click.option("--save", "save_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the raw measurements of every rank here (JSON), to judge them again later.")  # fmt: skip
+@click.option("--load", "load_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Judge measurements saved with --save (start no ranks); the rule options still apply.")  # fmt: skip
 def command(
     data: Path | None,
     as_json: bool,
@@ -59,6 +63,8 @@ def command(
     min_slowdown: float | None,
     persist: int | None,
     timeout: float | None,
+    save_path: Path | None,
+    load_path: Path | None,
     nproc_per_node: str,
     standalone: bool | None,
     extra: tuple[str, ...],
@@ -70,6 +76,16 @@ def command(
     from hyperacc.preflight.options import ENV, ENV_OUT, DoctorConfigError, DoctorOptions
 
     settings: dict[str, Any] = {"seconds": seconds}
+    if load_path is not None:
+        try:
+            raw = json.loads(load_path.read_text())
+            settings = {**raw["options"], **{k: v for k, v in settings.items() if k != "seconds"}}
+            raw["ranks"]  # noqa: B018 - the measurements must be there
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise click.BadParameter(f"{load_path} is not a file written by --save ({exc})",
+                                     param_hint="--load") from None  # fmt: skip
+        if rounds is not None:
+            raise click.BadParameter("the rounds were fixed when the measurements were made", param_hint="--rounds")
     for key, value in (("rounds", rounds), ("min_slowdown", min_slowdown), ("persist_k", persist)):
         if value is not None:
             settings[key] = value
@@ -84,6 +100,8 @@ def command(
         opts = DoctorOptions.from_mapping(settings)
     except DoctorConfigError as exc:
         _fail(str(exc))
+    if load_path is not None:
+        _finish(judge(raw, opts), as_json, exclude_file)
     chaos_json = _run._json_option("--chaos", chaos_json)
     if chaos_json is not None:
         from hyperacc.chaos import ChaosConfigError, parse_config
@@ -127,7 +145,17 @@ def command(
             why = "timed out" if code is None else f"torchrun exited with status {code}"
             click.echo(f"hyperacc doctor: the check did not complete ({why}); last output:\n{tail}", err=True)
             sys.exit(2)
-        doc = judge(json.loads(out.read_text()), opts)
+        raw = json.loads(out.read_text())
+        if save_path is not None:
+            try:
+                save_path.write_text(json.dumps(raw))
+            except OSError as exc:
+                _fail(f"cannot write --save {save_path}: {exc.strerror}")
+    _finish(judge(raw, opts), as_json, exclude_file)
+
+
+def _finish(doc: dict[str, Any], as_json: bool, exclude_file: Path | None) -> None:
+    """Exclusion file, output, exit status (0 healthy, 1 hosts to leave out)."""
     if exclude_file is not None:
         from hyperacc.remediation.exclusion import add_exclusions
 

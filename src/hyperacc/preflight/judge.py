@@ -45,6 +45,7 @@ class Flag:
     median: float  # the median subject's figure, in the same unit
     rounds_flagged: int
     rounds_seen: int
+    material: bool = True  # False: below min_slowdown, kept only as corroboration of a slow host CPU
 
     def to_dict(self) -> dict[str, Any]:
         f = RANK_FIGURES.get(self.figure)
@@ -272,6 +273,17 @@ def _rank_findings(
         fig = RANK_FIGURES[name]
         for i, flags, judged, med in confirmed_slow(cost, det, _floor(fig, det)):
             per_rank.setdefault(i, []).append(_flag(fig, cost, work, i, flags, judged, med))
+    # A rank slow on one CPU-bound figure: are its other CPU-bound figures slow too, if less? Then the
+    # host's CPU is named, not the one figure that crossed the bar (docs/doctor.md, "Naming the resource").
+    half = dataclasses.replace(det, min_slowdown=det.min_slowdown / 2)
+    cpu_bound = [f for f in CPU_FIGURES if f in matrices and not (cuda and f == "matmul")]
+    for name in cpu_bound:
+        cost, work = matrices[name]
+        fig = RANK_FIGURES[name]
+        for i, flags, judged, med in confirmed_slow(cost, half, _floor(fig, half)):
+            have = [fl.figure for fl in per_rank.get(i, [])]
+            if name not in have and any(f in cpu_bound for f in have):
+                per_rank[i].append(dataclasses.replace(_flag(fig, cost, work, i, flags, judged, med), material=False))
     out = {}
     for i, flags in sorted(per_rank.items()):
         r = ranks[i]
@@ -477,7 +489,7 @@ def _flag_text(fl: Flag) -> str:
     unit = f.unit if f else ""
     return (
         f"{label} {fl.slowdown:.2f}x slower than the median ({_fmt(fl.value)} vs {_fmt(fl.median)} {unit}, "
-        f"{fl.rounds_flagged} of {fl.rounds_seen} rounds)"
+        f"{fl.rounds_flagged} of {fl.rounds_seen} rounds{'' if fl.material else ', below the bar but consistent'})"
     )
 
 

@@ -42,9 +42,14 @@ def append_event(run_dir: str | os.PathLike, event: Mapping[str, Any]) -> dict[s
     line = json.dumps(row, sort_keys=True, default=str)
     path = events_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as fh:
+    with open(path, "a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
+            end = fh.seek(0, os.SEEK_END)
+            if end:
+                fh.seek(end - 1)
+                if fh.read(1) != "\n":  # a writer died mid-line: keep this event on a line of its own
+                    line = "\n" + line
             fh.write(line + "\n")
             fh.flush()
             os.fsync(fh.fileno())

@@ -201,6 +201,8 @@ def _drain_rule(found: list[Finding], history: Sequence[Mapping[str, Any]], job:
             continue  # confirmed, but not for long enough yet
         if f.slowdown is None or f.slowdown < 1.0 + config.drain_min_slowdown:
             continue
+        if _events(history, kind="decision", action="drain", status="would", target=f.node):
+            continue  # dry-run: said once
         candidates.setdefault(f.node, []).append(f)
     if not candidates or _drain_pending(history):
         return []
