@@ -143,3 +143,27 @@ def test_a_uniformly_slow_host_is_named_even_when_one_figure_crosses_the_bar():
     # memory alone slow, the others at the median: memory
     doc = judge(make_doc(noise=0.01, slow=lambda rank, node, fig, r: 1.4 if (rank, fig) == (1, "memory") else 1.0))
     assert findings(doc) == [("rank", 1, 0, "memory")]
+
+
+def test_saved_measurements_are_judged_again_by_the_command(tmp_path):
+    from click.testing import CliRunner
+
+    from hyperacc.cli import cli
+
+    saved = tmp_path / "m.json"
+    saved.write_text(json.dumps(make_doc(nodes=4, per_node=2, slow=lambda rank, node, fig, r: 1.6 if rank == 3 else 1.0)))
+    exclude = tmp_path / "hosts.exclude"
+    result = CliRunner().invoke(cli, ["doctor", "--load", str(saved), "--exclude-file", str(exclude)],
+                                terminal_width=200)  # fmt: skip
+    assert result.exit_code == 1, result.output
+    for text in ("Rank 3 (node 1, host host1) is slow: host CPU", "Evidence", "Next step", "Figures per rank",
+                 "Node pairs", "Exclusion file"):  # fmt: skip
+        assert text in result.output
+    assert exclude.read_text().split()[0] == "host1"
+    # a stricter bar on the same measurements: nothing to leave out
+    result = CliRunner().invoke(cli, ["doctor", "--load", str(saved), "--min-slowdown", "0.8", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["findings"] == []
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    result = CliRunner().invoke(cli, ["doctor", "--load", str(bad)])
+    assert result.exit_code == 2 and "not a file written by --save" in result.output

@@ -31,7 +31,6 @@ from hyperacc.preflight.figures import CPU_FIGURES, RANK_FIGURES, RESOURCES, Fig
 from hyperacc.preflight.options import DoctorOptions
 
 SCHEMA_VERSION = 1
-CPU_RESOURCES = tuple(RANK_FIGURES[f].resource for f in CPU_FIGURES)  # what "cpu" already says
 CONTENTION = Figure("contention", "wall time per CPU second", "contention", "x", False, "none", "wall")
 
 
@@ -204,22 +203,21 @@ def judge(doc: Mapping[str, Any], opts: DoctorOptions | None = None) -> dict[str
     grouped = _grouped_nodes(rank_findings, node_of, nodes, det)
     for i, f in sorted(rank_findings.items()):  # most of a node's ranks slow: the node, told once
         if f.node in grouped:
-            _merge(node_findings, dataclasses.replace(f, scope="node", rank=None))
+            _merge(node_findings, dataclasses.replace(f, scope="node", rank=None), cuda)
             del rank_findings[i]
     node_judged = len(nodes) >= det.min_ranks
     if node_judged:
         for f in _node_outliers(matrices, ranks, node_of, nodes, host_of_node, det):
-            _merge(node_findings, f)
+            _merge(node_findings, f, cuda)
     pairs = pair_costs(ranks, rounds)
     links_doc, link_findings, net_nodes = _judge_pairs(pairs, nodes, host_of_node, det, ranks)
     for n, fl in net_nodes.items():
         _merge(node_findings, Finding("node", ["network"], [fl], node=n, host=host_of_node[n],
-                                      hosts=[host_of_node[n]]))  # fmt: skip
+                                      hosts=[host_of_node[n]]), cuda)  # fmt: skip
     for i, f in sorted(rank_findings.items()):  # a rank slow on what its node is slow on: part of it
         node = node_findings.get(f.node)
-        if node is not None and all(r in node.resources or (r in CPU_RESOURCES and "cpu" in node.resources)
-                                    for r in f.resources):  # fmt: skip
-            _merge(node_findings, dataclasses.replace(f, scope="node", rank=None))
+        if node is not None and all(r in node.resources for r in f.resources):
+            _merge(node_findings, dataclasses.replace(f, scope="node", rank=None), cuda)
             del rank_findings[i]
     findings = [node_findings[n] for n in sorted(node_findings)]
     findings += [rank_findings[i] for i in sorted(rank_findings)]
@@ -311,7 +309,9 @@ def _node_outliers(
     matrices: dict[str, tuple[np.ndarray, np.ndarray]], ranks: Sequence[Mapping[str, Any]], node_of: np.ndarray,
     nodes: list[int], host_of_node: dict[int, str], det: DetectionOptions,
 ) -> list[Finding]:  # fmt: skip
-    """Node medians of every figure (and of the contention figure) judged across nodes."""
+    """Each node's best rank on every figure (and on the contention figure), judged across nodes: a node
+    whose fastest rank is slow is slow as a whole. (A median would be moved by one slow rank of a
+    two-rank node, which the rank rules already name.)"""
     rows = {n: np.flatnonzero(node_of == n) for n in nodes}
     candidates = dict(matrices)
     extra = _contention_matrix(ranks, next(iter(matrices.values()))[0].shape[1]) if matrices else None
@@ -319,7 +319,7 @@ def _node_outliers(
         candidates["contention"] = extra
     out = []
     for name, (cost, work) in candidates.items():
-        ncost = np.vstack([nan_median(cost[rows[n]], axis=0) for n in nodes])
+        ncost = np.vstack([_nan_min(cost[rows[n]]) for n in nodes])
         nwork = np.vstack([nan_median(work[rows[n]], axis=0) for n in nodes])
         fig = RANK_FIGURES.get(name) or CONTENTION
         for k, flags, judged, med in confirmed_slow(ncost, det, _floor(fig, det)):
@@ -329,18 +329,18 @@ def _node_outliers(
     return out
 
 
-def _merge(node_findings: dict[int, Finding], new: Finding) -> None:
-    """Add ``new`` (about one node) to that node's finding: resources, one flag per figure, ranks."""
+def _nan_min(values: np.ndarray) -> np.ndarray:
+    """Column minimum ignoring NaN; NaN where a column has no value."""
+    with np.errstate(all="ignore"):
+        out = np.min(np.where(np.isnan(values), np.inf, values), axis=0)
+    return np.where(np.isfinite(out), out, np.nan)
+
+
+def _merge(node_findings: dict[int, Finding], new: Finding, cuda: bool) -> None:
+    """Add ``new`` (about one node) to that node's finding: one flag per figure, the resources they name,
+    its ranks and hosts."""
     found = node_findings.setdefault(new.node, Finding("node", [], [], node=new.node, host=new.host,
                                                        hosts=list(new.hosts)))  # fmt: skip
-    for res in new.resources:
-        if res in found.resources:
-            continue
-        if res == "cpu":
-            found.resources = [x for x in found.resources if x not in CPU_RESOURCES]
-        elif res in CPU_RESOURCES and "cpu" in found.resources:
-            continue
-        found.resources.append(res)
     for fl in new.flags:
         old = next((x for x in found.flags if x.figure == fl.figure), None)
         if old is None:
@@ -351,6 +351,10 @@ def _merge(node_findings: dict[int, Finding], new: Finding) -> None:
     for h in new.hosts:
         if h not in found.hosts:
             found.hosts.append(h)
+    names = [fl.figure for fl in found.flags]
+    found.resources = resources_of([n for n in names if n in RANK_FIGURES], cuda)
+    if "contention" in names:
+        found.resources.append("contention")
 
 
 def _contention_matrix(ranks: Sequence[Mapping[str, Any]], rounds: int) -> tuple[np.ndarray, np.ndarray] | None:

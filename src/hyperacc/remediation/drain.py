@@ -267,10 +267,14 @@ class NodeDrain:
                            "exclude_file": str(exclude) if exclude else None, "excluded": added},
             })  # fmt: skip
             close_request(self.run_dir, request, "executed")
-        dist.barrier()
         key = f"hyperacc/drain/{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}/" \
               f"{process.env_int('TORCHELASTIC_RESTART_COUNT', 0)}/{step}"  # fmt: skip
-        store = _store(self.config.signal_timeout_s)
+        try:  # connected before the barrier: the store's host may be among the ranks about to stop
+            store = _store(self.config.signal_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - without it the survivors just do not wait
+            log.warning("hyperacc: cannot reach the workers' store (%s)", exc)
+            store = None
+        dist.barrier()
         sys.stdout.flush()
         sys.stderr.flush()
         if self.group_rank == target["group_rank"]:
@@ -278,13 +282,15 @@ class NodeDrain:
                 log.warning("hyperacc: draining this node (%s) at step %d: stopping its torchrun agent",
                             target["name"], step)  # fmt: skip
                 os.kill(self._agent, signal.SIGTERM)
-                store.set(key, "signalled")
+                if store is not None:
+                    store.set(key, "signalled")
             time.sleep(self.config.signal_timeout_s)  # the agent stops this process before then
             log.error("hyperacc: the agent did not stop this drained rank; restarting it instead")
             process.run_exit_hooks()
             os._exit(RESTART_EXIT_CODE)
         try:
-            store.wait([key], timedelta(seconds=self.config.signal_timeout_s))
+            if store is not None:
+                store.wait([key], timedelta(seconds=self.config.signal_timeout_s))
         except Exception as exc:  # noqa: BLE001 - exit and restart all the same
             log.warning("hyperacc: no word from the drained node (%s); restarting anyway", exc)
         process.run_exit_hooks()
