@@ -123,8 +123,12 @@ class LocalBenchmarks:
 
     # ------------------------------------------------------------ timing loops
 
-    def _host_loop(self, fn: Callable[[], None], slice_s: float, device_work: bool = False) -> RoundResult:
-        """Repeat ``fn`` for ``slice_s`` seconds; cost per repetition in CPU time (wall on a device)."""
+    def _host_loop(
+        self, fn: Callable[[], None], slice_s: float, device_work: bool = False, drain: bool = False
+    ) -> RoundResult:
+        """Repeat ``fn`` for ``slice_s`` seconds; cost per repetition in CPU time (wall, synchronised, for
+        ``device_work``). ``drain``: wait for the device after each repetition, outside the timing, so
+        that launches never block on a full queue."""
         chaos = self.chaos
         costs: list[int] = []
         cpu_total = 0
@@ -144,6 +148,8 @@ class LocalBenchmarks:
             c1 = time.process_time_ns()
             cpu_total += c1 - c0
             costs.append(w1 - w0 if device_work else c1 - c0)
+            if drain:
+                self._sync()
             if w1 >= deadline and len(costs) >= 3:
                 break
         wall = time.perf_counter_ns() - t_start
@@ -162,11 +168,9 @@ class LocalBenchmarks:
         return res
 
     def dispatch(self, slice_s: float) -> RoundResult:
-        res = self._host_loop(self._dispatch, slice_s)
+        res = self._host_loop(self._dispatch, slice_s, drain=self.cuda)  # launches are only enqueued
         res["cost_ns"] /= self._dispatch_ops  # per op
         res["work"] = 1.0
-        if self.cuda:
-            self._sync()  # the launches only enqueued; drain them outside the timing
         return res
 
     def jitter(self, slice_s: float) -> RoundResult:

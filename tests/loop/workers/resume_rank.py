@@ -1,4 +1,4 @@
-"""A rank of a small job that checkpoints with hyperacc.elastic and can stop early (a crash).
+"""A rank of a small job that checkpoints with hyperacc.elastic (and can stop early, as a crash would).
 
 Dropout (RNG), AdamW (optimizer state), StepLR (scheduler) and the on-demand loader (data position)
 all change the result if any of them is not restored exactly.
