@@ -130,7 +130,8 @@ def command(
         env = dict(os.environ)
         env[ENV] = opts.to_json()
         env[ENV_OUT] = str(out)
-        env.pop("HYPERACC_RUN_DIR", None)  # the check is not a traced training job
+        for key in ("HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_STABILIZE", "HYPERACC_PACE", "HYPERACC_CHAOS"):
+            env.pop(key, None)  # the check measures the bare host, not a traced or stabilized job
         if chaos_json is not None:
             env["HYPERACC_CHAOS"] = chaos_json
         if not as_json:
