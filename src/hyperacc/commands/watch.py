@@ -1,0 +1,83 @@
+"""``hyperacc watch RUN_DIR [RUN_DIR ...]``: the live view of a running (or finished) job, from another
+terminal or another node on a shared file system. Several run directories of one job (agents with
+local disks) are read together. docs/presentation.md, "Live view".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+def follow(run_dirs: list[Path], *, interval: float, window: int, live: bool, once: bool, idle: float | None,
+           as_json: bool = False) -> int:  # fmt: skip
+    """Refresh the view every ``interval`` seconds until Ctrl-C, ``once``, or ``idle`` seconds without news.
+
+    ``live``: a rich live panel (a terminal); otherwise one line each time a window of steps completes.
+    """
+    from hyperacc.present.live_view import RunFollower, line, render
+
+    follower = RunFollower(run_dirs, keep=max(4 * window, 200))
+    printed = -1
+    if live and not once:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console()
+        with Live(console=console, refresh_per_second=4, transient=False) as view:
+            while True:
+                follower.poll()
+                snap = follower.snapshot(window)
+                if snap is not None:
+                    view.update(render(snap))
+                if idle is not None and follower_idle(follower) > idle:
+                    return 0
+                time.sleep(interval)
+    while True:
+        follower.poll()
+        snap = follower.snapshot(window)
+        if snap is not None and (once or snap.step >= printed + window):
+            printed = snap.step
+            if as_json:
+                click.echo(json.dumps(snap.to_dict()))
+            elif once and live:
+                from rich.console import Console
+
+                Console().print(render(snap))
+            else:
+                click.echo(line(snap))
+            sys.stdout.flush()
+        if once:
+            return 0 if snap is not None else 1
+        if idle is not None and follower_idle(follower) > idle:
+            return 0
+        time.sleep(interval)
+
+
+def follower_idle(follower: object) -> float:
+    snap_idle = getattr(follower, "_last_new", None)
+    return time.monotonic() - snap_idle if snap_idle is not None else 0.0
+
+
+@click.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=Path))
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(0.1, 3600), help="Seconds between refreshes.")
+@click.option("--window", default=50, show_default=True, type=click.IntRange(2, 100_000), help="Steps the figures cover.")
+@click.option("--once", is_flag=True, help="Show one snapshot and exit (1 when there is nothing to show yet).")
+@click.option("--idle", default=None, type=click.FloatRange(0, None), help="Exit after this many seconds without new records.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per snapshot instead of text.")
+def command(run_dirs: tuple[Path, ...], interval: float, window: int, once: bool, idle: float | None, as_json: bool) -> None:
+    """Show the live view of the job writing RUN_DIRS (a rich panel in a terminal, else one line per window)."""
+    for d in run_dirs:
+        if not d.is_dir():
+            raise click.BadParameter(f"{d} does not exist; pass the --run-dir of a traced job", param_hint="RUN_DIRS")
+    live = sys.stdout.isatty() and not as_json
+    try:
+        code = follow(list(run_dirs), interval=interval, window=window, live=live, once=once, idle=idle, as_json=as_json)
+    except KeyboardInterrupt:
+        code = 0
+    sys.exit(code)

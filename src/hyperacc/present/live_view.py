@@ -1,0 +1,313 @@
+"""The live view of a run: what `hyperacc run` shows while the job trains and `hyperacc watch` shows from
+another terminal (or another node on a shared file system), read from what the run writes.
+
+``RunFollower`` reads each rank's new step segments as they appear (never a segment twice) and keeps the
+last ``keep`` steps of every rank, plus the live findings rank 0 logged and the latest resource sample;
+``Snapshot`` is what one refresh shows, computed with the analysis' own rules over the last ``window``
+steps every reporting rank has: step-time p50/p99 and CV of the cluster (the slowest rank's step, as
+the cluster waits for it), steps/s, the share of steps that spiked on any rank (``judge_spikes``, the
+rule of ``hyperacc analyze``), the share of time spent waiting at collectives and the arrival spread
+(largest minus least wait), the culprit of the latest step (the rank that waited least) and how often
+each rank was it, and every rank's self-time, wait, CPU time and memory. ``render`` draws it with rich;
+``line`` is the one-line form for a log or a pipe. docs/presentation.md, "Live view".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hyperacc.analysis.options import DetectionOptions
+
+_COLUMNS = (
+    "step", "t_start_ns", "step_ns", "self_ns", "comm_wait_ns", "dev_comm_wait_ns", "cpu_ns", "data_ns",
+    "h2d_ns", "forward_ns", "backward_ns", "optimizer_ns", "other_ns", "gc_ns", "major_faults",
+    "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class RankView:
+    rank: int
+    node: int
+    step: int
+    self_ms: float
+    wait_ms: float
+    cpu_ms: float
+    rss_mb: float | None
+    spikes: int
+    culprit_share: float
+
+
+@dataclasses.dataclass
+class Snapshot:
+    run: str
+    ranks: int
+    world_size: int
+    step: int  # the latest step every reporting rank has
+    window: int  # steps the figures cover
+    steps_per_s: float
+    p50_ms: float
+    p99_ms: float
+    cv: float
+    spike_rate: float
+    wait_share: float
+    spread_ms: float
+    culprit: int | None
+    findings: list[str]
+    per_rank: list[RankView]
+    idle_s: float  # seconds since new records last arrived
+
+    def to_dict(self) -> dict[str, Any]:
+        def plain(v: Any) -> Any:
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        d = dataclasses.asdict(self)
+        return {k: ([{kk: plain(vv) for kk, vv in r.items()} for r in v] if k == "per_rank" else plain(v))
+                for k, v in d.items()}  # fmt: skip
+
+
+class RunFollower:
+    """Follows one or more run directories of one job (several agents with local disks)."""
+
+    def __init__(self, run_dirs: Sequence[str | Path], keep: int = 400) -> None:
+        self.run_dirs = [Path(d) for d in run_dirs]
+        self.keep = keep
+        self._seen: set[Path] = set()
+        self._events_seen: set[Path] = set()
+        self._rows: dict[int, dict[str, np.ndarray]] = {}
+        self._node: dict[int, int] = {}
+        self._rss: dict[int, float] = {}
+        self._findings: dict[str, str] = {}
+        self._resources_seen: set[Path] = set()
+        self._last_new = time.monotonic()
+        self.world_size = 0
+
+    def poll(self) -> bool:
+        """Read what appeared since the last call; True when there was anything new."""
+        new = False
+        for run_dir in self.run_dirs:
+            for meta in sorted(run_dir.glob("meta/rank-*.json")):
+                try:
+                    m = json.loads(meta.read_text())
+                    self._node[int(m["rank"])] = int(m.get("node", 0))
+                    self.world_size = max(self.world_size, int(m.get("world_size", 0)))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+            for path in sorted(run_dir.glob("steps/rank-*/seg-*.parquet")):
+                if path in self._seen:
+                    continue
+                self._seen.add(path)
+                table = _read(path, _COLUMNS)
+                if table is None or not table.num_rows:
+                    continue
+                self._add(int(path.parent.name.split("-")[1]), table)
+                new = True
+            new |= self._read_events(run_dir)
+            self._read_resources(run_dir)
+        if new:
+            self._last_new = time.monotonic()
+        return new
+
+    def _add(self, rank: int, table: pa.Table) -> None:
+        cols = {}
+        for name in _COLUMNS:
+            if name in table.column_names:
+                cols[name] = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+            else:
+                cols[name] = np.full(table.num_rows, np.nan)
+        have = self._rows.get(rank)
+        if have is not None:
+            cols = {k: np.concatenate([have[k], v]) for k, v in cols.items()}
+        order = np.argsort(cols["step"], kind="stable")[-self.keep :]
+        self._rows[rank] = {k: v[order] for k, v in cols.items()}
+
+    def _read_events(self, run_dir: Path) -> bool:
+        new = False
+        for path in sorted(run_dir.glob("events/rank-*/seg-*.parquet")):
+            if path in self._events_seen:
+                continue
+            self._events_seen.add(path)
+            table = _read(path, ("kind", "detail", "rank"))
+            if table is None:
+                continue
+            for row in table.to_pylist():
+                if row.get("kind") == "live_finding" and row.get("detail"):
+                    text = str(row["detail"])
+                    self._findings[_finding_key(text)] = text
+                    new = True
+        remediation = run_dir / "remediation" / "events.jsonl"
+        if remediation.is_file():
+            try:
+                for line in remediation.read_text().splitlines()[-20:]:
+                    event = json.loads(line)
+                    text = event.get("message") or event.get("detail") or json.dumps(event)
+                    self._findings[f"act:{event.get('rule', '')}:{event.get('node', '')}"] = f"action: {text}"
+            except (OSError, ValueError):
+                pass
+        return new
+
+    def _read_resources(self, run_dir: Path) -> None:
+        for path in sorted(run_dir.glob("resources/rank-*/seg-*.parquet")):
+            if path in self._resources_seen:
+                continue
+            self._resources_seen.add(path)
+            table = _read(path, ("rank", "rss_bytes"))
+            if table is not None and table.num_rows:
+                rows = table.to_pylist()
+                self._rss[int(rows[-1]["rank"])] = (rows[-1]["rss_bytes"] or 0) / 2**20
+
+    def snapshot(self, window: int = 50) -> Snapshot | None:
+        """The figures over the last ``window`` steps that every reporting rank has (None: no records)."""
+        from hyperacc.analysis.spikes import judge_spikes
+
+        if not self._rows:
+            return None
+        last = min(int(r["step"][-1]) for r in self._rows.values())
+        first = last - window + 1
+        ranks = sorted(self._rows)
+        opts = DetectionOptions(spike_window=max(3, min(101, self.keep // 2 * 2 - 1)))
+        steps = np.arange(first, last + 1)
+        step_max = np.full(steps.size, np.nan)
+        wait_min = np.full(steps.size, np.inf)
+        wait_max = np.full(steps.size, -np.inf)
+        wait_rank = np.full(steps.size, -1)
+        spiked = np.zeros(steps.size, bool)
+        total = wait_total = 0.0
+        views = []
+        for rank in ranks:
+            cols = self._rows[rank]
+            pos = np.searchsorted(steps, cols["step"])
+            inside = (cols["step"] >= first) & (cols["step"] <= last)
+            p = pos[inside]
+            st = cols["step_ns"][inside]
+            step_max[p] = np.fmax(step_max[p], st)
+            wait = cols["dev_comm_wait_ns"] if not np.isnan(cols["dev_comm_wait_ns"]).all() else cols["comm_wait_ns"]
+            w = wait[inside]
+            ok = ~np.isnan(w)
+            better = ok & (w < wait_min[p])
+            wait_min[p[better]] = w[better]
+            wait_rank[p[better]] = rank
+            wait_max[p[ok]] = np.fmax(wait_max[p[ok]], w[ok])
+            total += float(np.nansum(st))
+            wait_total += float(np.nansum(w))
+            sp = judge_spikes({k: v for k, v in cols.items()}, opts).series.spike
+            spiked[p] |= sp[inside]
+            views.append(
+                RankView(
+                    rank=rank,
+                    node=self._node.get(rank, 0),
+                    step=int(cols["step"][-1]),
+                    self_ms=_median(cols["self_ns"][inside]) / 1e6,
+                    wait_ms=_median(w) / 1e6,
+                    cpu_ms=_median(cols["cpu_ns"][inside]) / 1e6,
+                    rss_mb=self._rss.get(rank),
+                    spikes=int(sp[inside].sum()),
+                    culprit_share=0.0,
+                )
+            )
+        measured = ~np.isnan(step_max)
+        culprits = wait_rank[(wait_rank >= 0)]
+        for v in views:
+            v.culprit_share = float((culprits == v.rank).mean()) if culprits.size else 0.0
+        x = step_max[measured]
+        t = self._rows[ranks[0]]["t_start_ns"]
+        ts = t[(self._rows[ranks[0]]["step"] >= first) & ~np.isnan(t)]
+        rate = (ts.size - 1) / ((ts[-1] - ts[0]) / 1e9) if ts.size >= 2 and ts[-1] > ts[0] else math.nan
+        spread = np.where(np.isfinite(wait_min) & np.isfinite(wait_max), wait_max - wait_min, np.nan)
+        return Snapshot(
+            run=", ".join(str(d) for d in self.run_dirs),
+            ranks=len(ranks),
+            world_size=max(self.world_size, len(ranks)),
+            step=last,
+            window=int(measured.sum()),
+            steps_per_s=rate,
+            p50_ms=float(np.percentile(x, 50)) / 1e6 if x.size else math.nan,
+            p99_ms=float(np.percentile(x, 99)) / 1e6 if x.size else math.nan,
+            cv=float(x.std() / x.mean()) if x.size > 1 and x.mean() > 0 else math.nan,
+            spike_rate=float(spiked[measured].mean()) if measured.any() else math.nan,
+            wait_share=wait_total / total if total > 0 else math.nan,
+            spread_ms=_median(spread) / 1e6,
+            culprit=int(wait_rank[-1]) if wait_rank.size and wait_rank[-1] >= 0 else None,
+            findings=list(self._findings.values())[-6:],
+            per_rank=views,
+            idle_s=time.monotonic() - self._last_new,
+        )
+
+
+def _finding_key(text: str) -> str:
+    words = text.split()
+    return " ".join(words[:2]) if len(words) >= 2 else text
+
+
+def _median(values: np.ndarray) -> float:
+    v = np.asarray(values, dtype=np.float64)
+    v = v[~np.isnan(v)]
+    return float(np.median(v)) if v.size else math.nan
+
+
+def _read(path: Path, columns: Sequence[str]) -> pa.Table | None:
+    try:
+        pf = pq.ParquetFile(path)
+        have = [c for c in columns if c in pf.schema_arrow.names]
+        return pf.read(columns=have)
+    except (OSError, pa.ArrowException):
+        return None  # still being renamed into place, or truncated: skipped (it never comes back)
+
+
+def _fmt(x: float | None, spec: str = ".3g", unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return f"{x:{spec}}{unit}"
+
+
+def line(s: Snapshot) -> str:
+    """One line per refresh, for a log or a pipe."""
+    culprit = "-" if s.culprit is None else str(s.culprit)
+    return (
+        f"hyperacc live: step {s.step}, {s.ranks}/{s.world_size} ranks, {_fmt(s.steps_per_s)} steps/s, "
+        f"step p50 {_fmt(s.p50_ms)} ms p99 {_fmt(s.p99_ms)} ms CV {_fmt(s.cv, '.2f')}, spikes "
+        f"{_fmt(s.spike_rate * 100 if math.isfinite(s.spike_rate) else None, '.1f', '%')}, wait "
+        f"{_fmt(s.wait_share * 100 if math.isfinite(s.wait_share) else None, '.0f', '%')}, spread "
+        f"{_fmt(s.spread_ms)} ms, culprit {culprit}"
+        + (f"; {s.findings[-1]}" if s.findings else "")
+    )
+
+
+def render(s: Snapshot) -> Any:
+    """A rich renderable of the snapshot."""
+    from rich.console import Group
+    from rich.panel import Panel
+    from rich.table import Table
+
+    head = Table.grid(padding=(0, 3))
+    for _ in range(4):
+        head.add_column()
+    pct = lambda x: _fmt(x * 100 if math.isfinite(x) else None, ".1f", " %")  # noqa: E731
+    head.add_row(f"step [bold]{s.step}[/]", f"{_fmt(s.steps_per_s)} steps/s",
+                 f"ranks {s.ranks}/{s.world_size}", f"last {s.window} steps")  # fmt: skip
+    head.add_row(f"step p50 {_fmt(s.p50_ms)} ms", f"p99 {_fmt(s.p99_ms)} ms", f"CV {_fmt(s.cv, '.2f')}",
+                 f"spiked {pct(s.spike_rate)}")  # fmt: skip
+    head.add_row(f"waiting {pct(s.wait_share)}", f"arrival spread {_fmt(s.spread_ms)} ms",
+                 f"culprit now: rank {'-' if s.culprit is None else s.culprit}",
+                 "" if s.idle_s < 10 else f"[yellow]no new records for {s.idle_s:.0f} s[/]")  # fmt: skip
+    ranks = Table(box=None, pad_edge=False, header_style="bold")
+    for name in ("rank", "node", "step", "self ms", "wait ms", "CPU ms", "RSS MB", "spikes", "culprit"):
+        ranks.add_column(name, justify="right")
+    top = sorted(s.per_rank, key=lambda v: -(v.self_ms if math.isfinite(v.self_ms) else -1))[:16]
+    for v in sorted(top, key=lambda v: v.rank):
+        ranks.add_row(str(v.rank), str(v.node), str(v.step), _fmt(v.self_ms), _fmt(v.wait_ms), _fmt(v.cpu_ms),
+                      _fmt(v.rss_mb, ".0f"), str(v.spikes), f"{v.culprit_share:.0%}")  # fmt: skip
+    parts: list[Any] = [head, ranks]
+    if s.findings:
+        parts.append("\n".join(f"[bold red]![/] {f}" for f in s.findings))
+    return Panel(Group(*parts), title=f"hyperacc live: {s.run}", expand=False)
