@@ -1,11 +1,10 @@
 """Map-style dataset over an LMDB database, without cold-read spikes.
 
-A cold random read from a memory-mapped LMDB faults its pages in one by one while the training step
-waits: ~1.5 ms per 100 KB sample with readahead off on this machine, and a 9-14 ms p99 with the kernel
-readahead on (FACTS.md and docs/data.md). Two things remove that from the step:
+A cold random read from a memory-mapped LMDB faults its pages in while the training step waits. Two
+things remove that from the step (defaults chosen by measurement, docs/data.md "Defaults"):
 
-* ``readahead`` is exposed (default off: random access with readahead on reads neighbours nobody
-  asked for and evicts useful pages).
+* ``readahead`` is py-lmdb's flag, on by default: with it off (``MADV_RANDOM``) each page of a value is
+  its own disk read, which made cold p99 several times worse here, with and without the prefetcher.
 * A sampler-aware page prefetcher: ``attach_sampler(sampler, batch_size)`` gives the dataset the
   :class:`~hyperacc.data.sampler.OnDemandDistributedSampler` that drives it. Each process (each
   DataLoader worker) then runs one background thread that, from the index just requested, works out
@@ -428,7 +427,8 @@ class LMDBDataset(Dataset):
 
     ``decode(buffer) -> sample`` turns the raw value (a memoryview valid only during the call) into a
     sample; the default returns a tensor for array databases and ``bytes`` otherwise.
-    ``readahead`` is py-lmdb's flag (False maps to ``MDB_NORDAHEAD``, i.e. ``MADV_RANDOM``).
+    ``readahead`` is py-lmdb's flag (False maps to ``MDB_NORDAHEAD``, i.e. ``MADV_RANDOM``); on by
+    default, as measured in docs/data.md ("Defaults").
     """
 
     def __init__(
@@ -436,7 +436,7 @@ class LMDBDataset(Dataset):
         path: str | os.PathLike,
         *,
         decode: Callable[[memoryview], Any] | None = None,
-        readahead: bool = False,
+        readahead: bool = True,
         lock: bool = False,
         key_format: str | None = None,
         length: int | None = None,
