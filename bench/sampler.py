@@ -95,9 +95,11 @@ def epoch_start_table() -> None:
                 times.append(time.perf_counter() - t0)
             return statistics.median(times)
 
-        exact = timed(lambda rep: ExactPermutation(n, rep)(0))
-        randperm = timed(lambda rep: torch.randperm(n, generator=torch.Generator().manual_seed(rep)).tolist()[0])
-        feistel = timed(lambda rep: next(iter(OnDemandDistributedSampler(n, 1, 0, seed=rep, exact_max=0))))
+        exact = timed(lambda rep, n=n: ExactPermutation(n, rep)(0))
+        randperm = timed(
+            lambda rep, n=n: torch.randperm(n, generator=torch.Generator().manual_seed(rep)).tolist()[0]
+        )
+        feistel = timed(lambda rep, n=n: next(iter(OnDemandDistributedSampler(n, 1, 0, seed=rep, exact_max=0))))
         mem = ExactPermutation(n, 0)._perm.nbytes * 2  # the order and, once position_of is used, its inverse
         print(f"{n:>9,} {fmt_s(exact):>14} {fmt_s(randperm):>10} {fmt_s(feistel):>10} {mem / 2**10:>10.0f} KiB")
     print()
