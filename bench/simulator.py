@@ -138,6 +138,17 @@ def stats(ms: np.ndarray) -> tuple[float, float, float]:
     return float(np.median(ms)), float(np.percentile(ms, 99)), float(ms.std() / ms.mean())
 
 
+def every_rank(run_dir: Path) -> np.ndarray:
+    """Every rank's recorded step_ns (ms) after the start-up steps: the job's steps as analysis sees them."""
+    from hyperacc.store import read_steps
+
+    table = read_steps(run_dir, columns=["step", "step_ns"])
+    step = table.column("step").to_numpy()
+    ms = table.column("step_ns").to_numpy(zero_copy_only=False).astype(float) / 1e6
+    keep = (step >= step.min() + 10) & np.isfinite(ms)
+    return ms[keep]
+
+
 def predict(run_dir: Path, nproc: int, steps: int) -> tuple[float, float, float]:
     from hyperacc.sim import MeasuredRun, SimConfig, simulate
 
@@ -158,6 +169,7 @@ def validation(steps: int, batch: int) -> list[tuple[str, tuple, tuple]]:
     for nproc in (2, 4):
         replay = predict(runs[nproc, "a"][0], nproc, 20_000)
         rows.append((f"{nproc} ranks: run a replayed, vs run a", stats(runs[nproc, "a"][1]), replay))
+        rows.append((f"{nproc} ranks: ... vs run a, every rank", stats(every_rank(runs[nproc, "a"][0])), replay))
         rows.append((f"{nproc} ranks: run a replayed, vs run b", stats(runs[nproc, "b"][1]), replay))
     truth = stats(runs[4, "b"][1])
     rows.append(("4 ranks from a 2-rank run", truth, predict(runs[2, "a"][0], 4, 20_000)))
