@@ -1,8 +1,11 @@
 """Stabilizers against what a user would otherwise run, side by side in one run of this script.
 
-1. Deterministic GC: a DDP loop (this file with ``--worker``) that keeps 300,000 live container objects
-   and makes 20,000 reference cycles per step (each rank 10 % more than the one before, so automatic
-   collections drift apart), under four schemes: Python's automatic GC; torchtitan's
+1. Deterministic GC: a DDP loop (this file with ``--worker``) in two workloads: ``cycles`` keeps
+   300,000 live container objects and makes 20,000 reference cycles per step that die at once;
+   ``survivors`` keeps 1,000,000 live objects and makes 3,000 cycles per step that stay alive for 3
+   steps (as activations or queued batches do), so they survive young collections and CPython's own
+   full collections walk the whole live heap. Each rank makes 10 % more garbage than the one before, so
+   automatic collections drift apart. Four schemes: Python's automatic GC; torchtitan's
    ``GarbageCollection(gc_freq=50)`` (``gc.disable()``, an initial ``gc.collect(1)``, then
    ``gc.collect(1)`` every 50 steps, as in torchtitan/tools/utils.py); hyperacc with a fixed interval of
    50 steps (freeze after set-up, ``gc.collect(2)`` at the same steps on every rank); hyperacc with
@@ -20,6 +23,7 @@ on all of them. Wrap the run in ``flock /tmp/hyperacc-timing.lock``.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import sys
@@ -88,6 +92,11 @@ class TorchtitanGC:
             gc.collect(1)
 
 
+WORKLOADS = {  # name: (reference cycles per step on rank 0, live objects, steps a cycle stays alive)
+    "cycles": (20_000, 300_000, 0),
+    "survivors": (3_000, 1_000_000, 3),
+}
+
 GC_VARIANTS: dict[str, dict[str, Any] | str | None] = {
     "automatic GC": None,
     "torchtitan gc_freq=50": "torchtitan",
@@ -112,6 +121,7 @@ def gc_worker(args: argparse.Namespace) -> None:
     x, y = torch.randn(BATCH, 256), torch.randint(0, 10, (BATCH,))
     live = [{"i": i, "v": [i]} for i in range(args.live // 2)]  # 2 tracked containers each
     garbage = int(args.garbage * (1 + 0.1 * rank))
+    alive: collections.deque[list] = collections.deque(maxlen=max(args.keep, 1))
     pauses: list[float] = []
     t_gc = [0.0]
 
@@ -132,9 +142,14 @@ def gc_worker(args: argparse.Namespace) -> None:
         a = time.perf_counter()
         if titan is not None:
             titan.run(step + 1)  # torchtitan calls it at the start of each step, counting from 1
+        batch = []
         for _ in range(garbage):
             c: list = []
             c.append(c)
+            batch.append(c)
+        if args.keep:
+            alive.append(batch)  # the cycles outlive this step by a few steps
+        del batch, c
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -155,16 +170,19 @@ def gc_worker(args: argparse.Namespace) -> None:
     harness.finish()
 
 
-def gc_bench(steps: int, garbage: int, live: int, nproc: int, repeats: int, timeout: float) -> None:
+def gc_bench(workload: str, steps: int, nproc: int, repeats: int, timeout: float) -> None:
+    garbage, live, keep = WORKLOADS[workload]
     names = list(GC_VARIANTS)
+    alive = f", alive for {keep} steps" if keep else ", dying at once"
     print(
-        f"\n== deterministic GC: a DDP loop, {nproc} ranks, {steps} steps x {repeats} run(s) per scheme; "
-        f"{live:,} live objects, {garbage:,} reference cycles per step on rank 0 (+10 % per rank) =="
+        f"\n== deterministic GC, workload '{workload}': a DDP loop, {nproc} ranks, {steps} steps x {repeats} run(s) "
+        f"per scheme; {live:,} live objects, {garbage:,} reference cycles per step on rank 0 (+10 % per rank){alive} =="
     )
     per: dict[str, dict[str, list]] = {n: {"step": [], "gc_s": [], "max_ms": [], "thr": [], "wall": [],
                                            "interval": []} for n in names}  # fmt: skip
     for name in order(names, repeats):
-        args = ["--worker", "--variant", name, "--steps", str(steps), "--garbage", str(garbage), "--live", str(live)]
+        args = ["--worker", "--variant", name, "--steps", str(steps), "--garbage", str(garbage), "--live", str(live),
+                "--keep", str(keep)]
         t0 = time.monotonic()
         results = launch(Path(__file__), args, {}, timeout, nproc=nproc)
         per[name]["wall"].append(time.monotonic() - t0)
@@ -263,8 +281,10 @@ def main() -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--garbage", type=int, default=20_000, help="reference cycles per step (rank 0)")
-    p.add_argument("--live", type=int, default=300_000, help="live container objects")
+    p.add_argument("--garbage", type=int, default=20_000, help=argparse.SUPPRESS)
+    p.add_argument("--live", type=int, default=300_000, help=argparse.SUPPRESS)
+    p.add_argument("--keep", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="GC workload(s)")
     p.add_argument("--nproc", type=int, default=2, help="ranks of the GC part")
     args = p.parse_args()
     if args.worker:
@@ -274,8 +294,8 @@ def main() -> int:
     print(machine())
     t0 = time.monotonic()
     if args.only in (None, "gc"):
-        gc_bench(steps=200 if args.quick else 600, garbage=args.garbage, live=args.live, nproc=args.nproc,
-                 repeats=repeats, timeout=600)  # fmt: skip
+        for workload in WORKLOADS if args.workload == "both" else [args.workload]:
+            gc_bench(workload, steps=200 if args.quick else 600, nproc=args.nproc, repeats=repeats, timeout=600)
     if args.only in (None, "memory"):
         if args.quick:
             memory_bench(steps=150, interval=50, burst_mb=128, repeats=repeats, timeout=300)

@@ -311,6 +311,7 @@ def test_cost_model_fits_fixed_and_per_object_cost() -> None:
     # budget 10 ms: 2 ms + 1 ms per step of interval -> 8 steps; the pause fits, one more does not
     assert choose_interval(model, 10e6, 400) == 8
     assert model.pause_ns(8) <= 10e6 < model.pause_ns(9)
+    assert model.cost_per_step_ns(8) == pytest.approx(2e6 / 8 + 1e6)  # a longer interval spreads the fixed part
     assert choose_interval(model, 1e12, 400) == 400  # capped
     # fixed cost above the budget: where the per-object part equals it (pause ~ 2x fixed)
     assert choose_interval(model, 1e6, 400) == 2

@@ -187,7 +187,7 @@ def read_latencies(
     db: str | os.PathLike,
     *,
     prefetch: bool,
-    readahead: bool = True,
+    readahead: bool | None = None,
     compute_ms: float = 2.0,
     lookahead: int = 16,
     seed: int = 0,
@@ -224,7 +224,7 @@ def cold_read_comparison(
     compute_ms: float = 2.0,
     lookahead: int = 16,
     quick: bool = True,
-    readahead: bool = True,
+    readahead: bool | None = None,
 ) -> dict[str, Any]:
     """Cold page cache: per-sample data time without and with the sampler-aware prefetch.
 
@@ -248,7 +248,7 @@ def cold_read_comparison(
 
 
 def _cold_read(
-    base: Path, samples: int, sample_bytes: int, compute_ms: float, lookahead: int, readahead: bool
+    base: Path, samples: int, sample_bytes: int, compute_ms: float, lookahead: int, readahead: bool | None
 ) -> dict[str, Any]:
     db = base / "cold-read.lmdb"
     rng = np.random.default_rng(0)
@@ -280,11 +280,15 @@ def _cold_read(
     }
 
 
+def _readahead_words(readahead: bool | None) -> str:
+    return "default (off with prefetch, on without)" if readahead is None else ("on" if readahead else "off")
+
+
 def cold_read_table(result: dict[str, Any]) -> str:
     """The figures of :func:`cold_read_comparison` as a small text table (what the demo prints)."""
     lines = [
         f"cold LMDB reads: {result['samples']} samples x {result['sample_bytes'] / 1e3:.0f} kB, "
-        f"readahead {'on' if result['readahead'] else 'off'}, "
+        f"readahead {_readahead_words(result['readahead'])}, "
         f"{result['compute_ms']:g} ms compute per sample; page cache evicted before each pass "
         f"({result['resident_after_evict']:.0%} of the file still cached)",
         f"{'per-sample data time':<32} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}",
