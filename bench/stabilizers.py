@@ -142,14 +142,19 @@ def gc_worker(args: argparse.Namespace) -> None:
         a = time.perf_counter()
         if titan is not None:
             titan.run(step + 1)  # torchtitan calls it at the start of each step, counting from 1
-        batch = []
-        for _ in range(garbage):
-            c: list = []
-            c.append(c)
-            batch.append(c)
         if args.keep:
+            batch = []
+            for _ in range(garbage):
+                c: list = []
+                c.append(c)
+                batch.append(c)
             alive.append(batch)  # the cycles outlive this step by a few steps
-        del batch, c
+            del batch
+        else:
+            for _ in range(garbage):  # each cycle is garbage as soon as the next one is made
+                c = []
+                c.append(c)
+        del c
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()

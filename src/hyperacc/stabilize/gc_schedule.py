@@ -315,6 +315,12 @@ class GCSchedule:
                 return first
         return NEVER
 
+    def begin(self, step: int) -> None:
+        """The first step of the run (auto calibrates from here; the freeze, when on, set it already)."""
+        if self.first_step is None:
+            self.first_step = step
+            self._last_collect_step = step
+
     def freeze(self, step: int) -> None:
         t0 = time.perf_counter_ns()
         collected = gc.collect()

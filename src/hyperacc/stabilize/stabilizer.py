@@ -224,6 +224,7 @@ class Stabilizer:
             if gcs is not None:
                 if gcs.opts.freeze and not self._frozen:
                     self._guarded("gc", self._freeze_now, step)
+                gcs.begin(step)
                 self._gc_due = gcs.next_due(step)
             if self._memory is not None:
                 interval = self.config.release_interval()
