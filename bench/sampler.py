@@ -5,6 +5,10 @@ Each measurement runs in a fresh interpreter so its peak RSS is its own. Both sa
 
     .venv/bin/python bench/sampler.py           # N = 1e6, 1e7, 1e8 (+ 1e9 for the on-demand sampler)
     .venv/bin/python bench/sampler.py --quick   # N = 1e6, 1e7 (< 60 s)
+
+A second table times the start of an epoch for small datasets: the exact shuffle
+(``ExactPermutation``, used up to ``exact_max`` indices), DistributedSampler's ``torch.randperm`` and
+the Feistel network, each the median of 7 builds in this process.
 """
 
 from __future__ import annotations
@@ -72,6 +76,35 @@ def fmt_s(s: float) -> str:
     return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
 
 
+def epoch_start_table() -> None:
+    """Time to the first index of an epoch for small N: exact shuffle vs randperm vs Feistel."""
+    import statistics
+
+    import torch
+
+    from hyperacc.data.sampler import EXACT_MAX, ExactPermutation, OnDemandDistributedSampler
+
+    print(f"epoch start for small datasets (the exact shuffle is used up to exact_max = {EXACT_MAX:,}):")
+    print(f"{'N':>9} {'exact shuffle':>14} {'randperm':>10} {'Feistel':>10} {'exact memory':>13}")
+    for n in (1_000, 16_384, 65_536, 262_144, 1_048_576):
+        def timed(fn) -> float:
+            times = []
+            for rep in range(7):
+                t0 = time.perf_counter()
+                fn(rep)
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        exact = timed(lambda rep, n=n: ExactPermutation(n, rep)(0))
+        randperm = timed(
+            lambda rep, n=n: torch.randperm(n, generator=torch.Generator().manual_seed(rep)).tolist()[0]
+        )
+        feistel = timed(lambda rep, n=n: next(iter(OnDemandDistributedSampler(n, 1, 0, seed=rep, exact_max=0))))
+        mem = ExactPermutation(n, 0)._perm.nbytes * 2  # the order and, once position_of is used, its inverse
+        print(f"{n:>9,} {fmt_s(exact):>14} {fmt_s(randperm):>10} {fmt_s(feistel):>10} {mem / 2**10:>10.0f} KiB")
+    print()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="N = 1e6 and 1e7 only (< 60 s)")
@@ -86,6 +119,7 @@ def main() -> None:
     sizes = [10**6, 10**7] if args.quick else [10**6, 10**7, 10**8, 10**9]
     count = min(args.count, 500_000) if args.quick else args.count
     print(f"machine: {machine()}")
+    epoch_start_table()
     print(f"rank 0 of {REPLICAS}, shuffle=True; throughput over the first {count:,} indices of the rank")
     print(f"peak RSS of a bare 'import torch' interpreter: {baseline_rss():.0f} MiB")
     print()

@@ -5,8 +5,10 @@
     job), and with the controller updated every 10th step. Baseline: the same model written as a plain
     per-step numpy loop, which is what one would write without chunking.
 (b) Real DDP jobs (gloo, the tracer's in-band measurement) at 2 and 4 ranks: each is run twice. The
-    simulator, fed the first run's directory (``--from-run``), predicts the second run's median, p99
-    and CV at the same size, and the 2-rank run predicts the 4-rank one (what-if to a larger job).
+    simulator, fed the first run's directory (``--from-run``), replays it at its own size (compared
+    with that run itself: the replay's own error, goal within 10 % on p50 and p99), predicts the second
+    run at the same size, and the 2-rank run predicts the 4-rank one (what-if to a larger job).
+    Wrap the run in ``flock /tmp/hyperacc-timing.lock``.
 
     .venv/bin/python bench/simulator.py [--quick]
 """
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -27,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from _machine import describe as machine  # noqa: E402
 
 # ------------------------------------------------------------------------- the measured job (one rank)
 
@@ -130,14 +131,29 @@ def measure(nproc: int, steps: int, batch: int, work: Path, tag: str) -> tuple[P
     return run_dir, step_ms[10:]  # start-up steps left out, as the simulator does
 
 
+LAST_RUN: list[Path] = []  # the run directory of the latest replay (for its assumptions)
+
+
 def stats(ms: np.ndarray) -> tuple[float, float, float]:
     return float(np.median(ms)), float(np.percentile(ms, 99)), float(ms.std() / ms.mean())
+
+
+def every_rank(run_dir: Path) -> np.ndarray:
+    """Every rank's recorded step_ns (ms) after the start-up steps: the job's steps as analysis sees them."""
+    from hyperacc.store import read_steps
+
+    table = read_steps(run_dir, columns=["step", "step_ns"])
+    step = table.column("step").to_numpy()
+    ms = table.column("step_ns").to_numpy(zero_copy_only=False).astype(float) / 1e6
+    keep = (step >= step.min() + 10) & np.isfinite(ms)
+    return ms[keep]
 
 
 def predict(run_dir: Path, nproc: int, steps: int) -> tuple[float, float, float]:
     from hyperacc.sim import MeasuredRun, SimConfig, simulate
 
     measured = MeasuredRun.from_run_dir(run_dir, skip_steps=10)
+    LAST_RUN[:] = [run_dir]
     cfg = SimConfig(nodes=1, gpus_per_node=nproc, steps=steps, seed=1, pacing=None)
     r = simulate(cfg, measured=measured, keep_steps=True)
     return stats(r.baseline_ns / 1e6)
@@ -146,15 +162,15 @@ def predict(run_dir: Path, nproc: int, steps: int) -> tuple[float, float, float]
 def validation(steps: int, batch: int) -> list[tuple[str, tuple, tuple]]:
     work = Path(tempfile.mkdtemp(prefix="hyperacc-simbench-"))
     runs = {}
-    for nproc in (2, 4):
-        for tag in ("a", "b"):
+    for tag in ("a", "b"):  # interleaved, so load drift falls on both sizes
+        for nproc in (2, 4):
             runs[nproc, tag] = measure(nproc, steps, batch, work, tag)
     rows = []
     for nproc in (2, 4):
-        truth = stats(runs[nproc, "b"][1])
-        rows.append(
-            (f"{nproc} ranks from a {nproc}-rank run", truth, predict(runs[nproc, "a"][0], nproc, 20_000))
-        )
+        replay = predict(runs[nproc, "a"][0], nproc, 20_000)
+        rows.append((f"{nproc} ranks: run a replayed, vs run a", stats(runs[nproc, "a"][1]), replay))
+        rows.append((f"{nproc} ranks: ... vs run a, every rank", stats(every_rank(runs[nproc, "a"][0])), replay))
+        rows.append((f"{nproc} ranks: run a replayed, vs run b", stats(runs[nproc, "b"][1]), replay))
     truth = stats(runs[4, "b"][1])
     rows.append(("4 ranks from a 2-rank run", truth, predict(runs[2, "a"][0], 4, 20_000)))
     # the run-to-run spread of the measurement itself, for scale
@@ -177,9 +193,7 @@ def main() -> None:
 
     sim_steps = 10_000 if args.quick else 100_000
     job_steps = 120 if args.quick else 400
-    print(
-        f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
-    )
+    print(f"machine: {machine()}")
     print(f"\n(a) 2,048 ranks (256 nodes x 8) x {sim_steps:,} steps")
     print(f"{'variant':<86} {'seconds':>8} {'speed-up':>9}")
     for label, dt, ratio in speed(sim_steps):
@@ -195,6 +209,16 @@ def main() -> None:
         for m, q in zip(truth, pred, strict=True):
             cells.append(f"{m:6.2f} /{q:6.2f} /{(q - m) / m * 100:+4.0f}%")
         print(f"{label:<38} {cells[0]:>21} {cells[1]:>21} {cells[2]:>19}")
+    from hyperacc.sim import SimConfig
+    from hyperacc.sim.simulate import replay_assumptions
+
+    print("\nassumptions of the replays (hyperacc simulate --from-run prints the same):")
+    from hyperacc.sim import MeasuredRun
+
+    for line in replay_assumptions(SimConfig(nodes=1, gpus_per_node=4, pacing=None),
+                                   MeasuredRun.from_run_dir(LAST_RUN[0], skip_steps=10)):  # fmt: skip
+        print(f"  - {line}")
+    print(f"\n{machine()}")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,21 @@
-"""Stabilizers against the defaults a user would otherwise run, in one run of this script.
+"""Stabilizers against what a user would otherwise run, side by side in one run of this script.
 
-1. Deterministic GC: ``examples/train_ddp.py`` at 4 ranks with GC pressure injected by
-   ``hyperacc.chaos`` (a long-lived heap and per-rank different garbage rates, so each rank's automatic
-   collections fall on different steps), once with Python's automatic GC and once with
-   ``HYPERACC_STABILIZE`` deterministic GC (freeze after set-up, a collection every N steps on every
-   rank).
-2. Memory release: ``bench/workers/memory_churn.py`` at 4 ranks, host memory that grows and shrinks in
-   per-rank random bursts, once with glibc's default behaviour (trim on free, fault back in on the next
-   burst) and once with the stabilizer (hold freed memory, ``malloc_trim(0)`` every N steps on every rank).
+1. Deterministic GC: a DDP loop (this file with ``--worker``) in two workloads: ``cycles`` keeps
+   300,000 live container objects and makes 20,000 reference cycles per step that die at once;
+   ``survivors`` keeps 1,000,000 live objects and makes 3,000 cycles per step that stay alive for 3
+   steps (as activations or queued batches do), so they survive young collections and CPython's own
+   full collections walk the whole live heap. Each rank makes 10 % more garbage than the one before, so
+   automatic collections drift apart. Four schemes: Python's automatic GC; torchtitan's
+   ``GarbageCollection(gc_freq=50)`` (``gc.disable()``, an initial ``gc.collect(1)``, then
+   ``gc.collect(1)`` every 50 steps, as in torchtitan/tools/utils.py); hyperacc with a fixed interval of
+   50 steps (freeze after set-up, ``gc.collect(2)`` at the same steps on every rank); hyperacc with
+   ``interval="auto"`` (the default: interval from the measured cost and a pause budget).
+2. Memory release: ``bench/workers/memory_churn.py``, host memory that grows and shrinks in per-rank
+   random bursts, with glibc's default behaviour and with the stabilizer (hold freed memory,
+   ``malloc_trim(0)`` every N steps on every rank).
 
-Variants alternate (A B, then B A with ``--repeats 2``) so the machine's background load falls on both.
-Spikes are judged per rank on step time with the analyzer's rule (docs/detection.md, "Spikes").
+Variants alternate (in order, then reversed with ``--repeats 2``) so the machine's background load falls
+on all of them. Wrap the run in ``flock /tmp/hyperacc-timing.lock``.
 
     .venv/bin/python bench/stabilizers.py --quick
 """
@@ -18,9 +23,10 @@ Spikes are judged per rank on step time with the analyzer's rule (docs/detection
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,15 +41,14 @@ from _machine import describe as machine  # noqa: E402
 from hyperacc import harness  # noqa: E402
 from hyperacc.analysis.options import DetectionOptions  # noqa: E402
 from hyperacc.analysis.spikes import detect_spikes  # noqa: E402
-from hyperacc.chaos import read_ground_truth  # noqa: E402
 
 NPROC = 4
 WARMUP = 10  # steps dropped at the start of every run (set-up, first-step freeze)
-BATCH = 32  # examples/train_ddp.py default batch size
+BATCH = 32
 
 
-def launch(script: Path, args: list[str], env: dict[str, str], timeout: float) -> list[dict[str, Any]]:
-    job = harness.launch(script, args, nproc=NPROC, timeout=timeout, env=env)
+def launch(script: Path, args: list[str], env: dict[str, str], timeout: float, nproc: int = NPROC) -> list[dict[str, Any]]:
+    job = harness.launch(script, args, nproc=nproc, timeout=timeout, env=env)
     if not job.ok:
         raise SystemExit(f"{script.name} failed:\n{job.explain()}")
     return sorted(job.results(), key=lambda r: r["rank"])
@@ -74,101 +79,140 @@ def fmt_ratio(a: float, b: float) -> str:
 # ------------------------------------------------------------------ 1. deterministic GC
 
 
-def gc_bench(steps: int, interval: int, live: int, repeats: int, timeout: float) -> None:
-    garbage = [1500, 2000, 2500, 3000]  # per rank: their automatic collections drift apart
-    chaos = {"seed": 1, "faults": [{"kind": "gc_pressure", "ranks": [r], "live": live, "garbage": g}
-                                   for r, g in enumerate(garbage)]}  # fmt: skip
-    variants = {
-        "automatic GC": None,
-        "hyperacc GC": {"gc": {"interval": interval}, "memory": False, "allocator": False},
-    }
+class TorchtitanGC:
+    """torchtitan's GarbageCollection (torchtitan/tools/utils.py), reproduced for the comparison."""
+
+    def __init__(self, gc_freq: int = 50) -> None:
+        self.gc_freq = gc_freq
+        gc.disable()
+        gc.collect(1)
+
+    def run(self, step_count: int) -> None:
+        if step_count > 1 and step_count % self.gc_freq == 0:
+            gc.collect(1)
+
+
+WORKLOADS = {  # name: (reference cycles per step on rank 0, live objects, steps a cycle stays alive)
+    "cycles": (20_000, 300_000, 0),
+    "survivors": (3_000, 1_000_000, 3),
+}
+
+GC_VARIANTS: dict[str, dict[str, Any] | str | None] = {
+    "automatic GC": None,
+    "torchtitan gc_freq=50": "torchtitan",
+    "hyperacc interval 50": {"gc": {"interval": 50}, "memory": False, "allocator": False},
+    "hyperacc auto": {"gc": {"interval": "auto"}, "memory": False, "allocator": False},
+}
+
+
+def gc_worker(args: argparse.Namespace) -> None:
+    """One rank of the GC workload (run through the harness by gc_bench)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hyperacc.stabilize import stabilize
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(BATCH, 256), torch.randint(0, 10, (BATCH,))
+    live = [{"i": i, "v": [i]} for i in range(args.live // 2)]  # 2 tracked containers each
+    garbage = int(args.garbage * (1 + 0.1 * rank))
+    alive: collections.deque[list] = collections.deque(maxlen=max(args.keep, 1))
+    pauses: list[float] = []
+    t_gc = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            t_gc[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - t_gc[0])
+
+    scheme = GC_VARIANTS[args.variant]
+    titan = TorchtitanGC(50) if scheme == "torchtitan" else None
+    stab = stabilize(scheme) if isinstance(scheme, dict) else None
+    gc.callbacks.append(on_gc)
+    step_ms: list[float] = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        a = time.perf_counter()
+        if titan is not None:
+            titan.run(step + 1)  # torchtitan calls it at the start of each step, counting from 1
+        if args.keep:
+            batch = []
+            for _ in range(garbage):
+                c: list = []
+                c.append(c)
+                batch.append(c)
+            alive.append(batch)  # the cycles outlive this step by a few steps
+            del batch
+        else:
+            for _ in range(garbage):  # each cycle is garbage as soon as the next one is made
+                c = []
+                c.append(c)
+        del c
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if stab is not None:
+            stab.step(step)
+        step_ms.append((time.perf_counter() - a) * 1e3)
+        if step == WARMUP - 1:
+            pauses.clear()  # GC time counted after warm-up (freeze and calibration start are in it)
+            t0 = time.perf_counter()
+    loop_s = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
+    summary = stab.close() if stab is not None else None
+    del live
+    harness.write_result({"rank": rank, "step_ms": step_ms, "pauses_ms": [p * 1e3 for p in pauses],
+                          "loop_s": loop_s, "garbage": garbage,
+                          "interval": None if summary is None else summary["gc"].get("interval")})  # fmt: skip
+    harness.finish()
+
+
+def gc_bench(workload: str, steps: int, nproc: int, repeats: int, timeout: float) -> None:
+    garbage, live, keep = WORKLOADS[workload]
+    names = list(GC_VARIANTS)
+    alive = f", alive for {keep} steps" if keep else ", dying at once"
     print(
-        f"\n== deterministic GC: examples/train_ddp.py, {NPROC} ranks, {steps} steps x {repeats} run(s) per variant; "
-        f"chaos gc_pressure live={live} objects, garbage/step per rank={garbage}; GC every {interval} steps =="
+        f"\n== deterministic GC, workload '{workload}': a DDP loop, {nproc} ranks, {steps} steps x {repeats} run(s) "
+        f"per scheme; {live:,} live objects, {garbage:,} reference cycles per step on rank 0 (+10 % per rank){alive} =="
     )
-    per: dict[str, dict[str, Any]] = {n: {"ms": [[] for _ in range(NPROC)], "spike": [[] for _ in range(NPROC)],
-                                          "gc_spike": [[] for _ in range(NPROC)], "sched_spike": [[] for _ in range(NPROC)], "pauses": [],
-                                          "collections": [], "freeze": [], "wall": []}
-                                      for n in variants}  # fmt: skip
-    for name in order(list(variants), repeats):
-        run = Path(tempfile.mkdtemp(prefix="hyperacc-bench-gc-"))
-        (run / "meta").mkdir()
-        env = {"HYPERACC_CHAOS": json.dumps(chaos), "HYPERACC_RUN_DIR": str(run)}
-        if variants[name] is not None:
-            env["HYPERACC_STABILIZE"] = json.dumps({**variants[name], "run_dir": str(run)})
+    per: dict[str, dict[str, list]] = {n: {"step": [], "gc_s": [], "max_ms": [], "thr": [], "wall": [],
+                                           "interval": []} for n in names}  # fmt: skip
+    for name in order(names, repeats):
+        args = ["--worker", "--variant", name, "--steps", str(steps), "--garbage", str(garbage), "--live", str(live),
+                "--keep", str(keep)]
         t0 = time.monotonic()
-        results = launch(ROOT / "examples/train_ddp.py", ["--steps", str(steps)], env, timeout)
+        results = launch(Path(__file__), args, {}, timeout, nproc=nproc)
         per[name]["wall"].append(time.monotonic() - t0)
-        truth = read_ground_truth(run)
-        scheduled: set[int] = set()
-        if variants[name] is not None:
-            from hyperacc.store import read_events
-
-            ev = read_events(run).to_pylist()
-            per[name]["collections"].extend(e["duration_ns"] / 1e6 for e in ev if e["kind"] == "gc_collect")
-            per[name]["freeze"].extend(e["duration_ns"] / 1e6 for e in ev if e["kind"] == "gc_freeze")
-            scheduled = {e["step"] for e in ev if e["kind"] in ("gc_collect", "gc_freeze")}
-        # chaos labels a pause with its step counter, which the optimizer hook has already advanced when
-        # the stabilizer collects: a scheduled collection at example step s is recorded at s + 1.
-        pause_steps = {g["step"] for g in truth if g["kind"] == "gc_pause"} - {s + 1 for s in scheduled}
-        per[name]["pauses"].extend(
-            g["magnitude_ms"] for g in truth if g["kind"] == "gc_pause" and g["step"] >= WARMUP
-        )
-        for res in results:
-            ms = np.asarray(res["step_ms"], dtype=float)
-            flags = spikes(ms)
-            idx = np.arange(len(ms))
-            # A GC pause recorded at chaos step s or s+1 lands in the example's step s (the stabilizer
-            # collects after the optimizer hook has already opened the next chaos step).
-            gc_hit = np.array([(s in pause_steps) or (s + 1 in pause_steps) for s in idx])
-            sched_hit = np.array([s in scheduled for s in idx])
-            r = res["rank"]
-            per[name]["ms"][r].append(ms[WARMUP:])
-            per[name]["spike"][r].append(flags[WARMUP:])
-            per[name]["gc_spike"][r].append((flags & gc_hit & ~sched_hit)[WARMUP:])
-            per[name]["sched_spike"][r].append((flags & sched_hit)[WARMUP:])
-
-    a, b = list(variants)
-    print(f"A = {a}, B = {b}")
-    rows = {}
-    for r in range(NPROC):
-        row = {}
-        for n in variants:
-            ms = np.concatenate(per[n]["ms"][r])
-            row[n] = {
-                "spike": np.concatenate(per[n]["spike"][r]).mean(),
-                "gc_spike": int(np.concatenate(per[n]["gc_spike"][r]).sum()),
-                "sched_spike": int(np.concatenate(per[n]["sched_spike"][r]).sum()),
-                "median": float(np.median(ms)),
-                "p99": float(np.percentile(ms, 99)),
-                "total_s": ms.sum() / 1e3 / len(per[n]["ms"][r]),
-                "n": len(ms),
-            }
-        rows[r] = row
-    print_table(
-        ["rank", "spike rate A", "B", "spikes at random GC A", "B", "at scheduled GC B", "p99/median A", "B",
-         "median ms A", "B"],
-        [[str(r), f"{rows[r][a]['spike']:.2%}", f"{rows[r][b]['spike']:.2%}", str(rows[r][a]["gc_spike"]),
-          str(rows[r][b]["gc_spike"]), str(rows[r][b]["sched_spike"]),
-          f"{rows[r][a]['p99'] / rows[r][a]['median']:.2f}",
-          f"{rows[r][b]['p99'] / rows[r][b]['median']:.2f}", f"{rows[r][a]['median']:.1f}",
-          f"{rows[r][b]['median']:.1f}"] for r in range(NPROC)],
-    )  # fmt: skip
-    thr = {n: NPROC * BATCH * (rows[0][n]["n"] / repeats) / rows[0][n]["total_s"] for n in variants}
-    print(
-        f"throughput (samples/s, rank 0's clock): {a} {thr[a]:.0f}, {b} {thr[b]:.0f}, ratio {fmt_ratio(thr[b], thr[a])}"
-    )
-    pa, cb = per[a]["pauses"], per[b]["collections"]
-    print(
-        f"GC cost: {a}: {len(pa)} pauses >= 1 ms after warm-up, mean {np.mean(pa) if pa else 0:.1f} ms, "
-        f"max {max(pa) if pa else 0:.1f} ms, at different steps on each rank"
-    )
-    print(
-        f"         {b}: {len(cb)} scheduled collections (all ranks), mean {np.mean(cb) if cb else 0:.1f} ms, "
-        f"max {max(cb) if cb else 0:.1f} ms, at the same steps on every rank; one-time freeze at the first step "
-        f"mean {np.mean(per[b]['freeze']) if per[b]['freeze'] else 0:.0f} ms"
-    )
-    print(f"wall per run: {a} {np.mean(per[a]['wall']):.1f} s, {b} {np.mean(per[b]['wall']):.1f} s")
+        ms = np.max([np.asarray(r["step_ms"])[WARMUP:] for r in results], axis=0)  # the job's step: slowest rank
+        per[name]["step"].append(ms)
+        per[name]["gc_s"].append(np.mean([sum(r["pauses_ms"]) / 1e3 for r in results]))
+        per[name]["max_ms"].append(max((max(r["pauses_ms"], default=0.0) for r in results), default=0.0))
+        loop = max(r["loop_s"] for r in results)
+        per[name]["thr"].append(nproc * BATCH * (steps - WARMUP) / loop)
+        per[name]["interval"].append(sorted({r["interval"] for r in results}, key=str))
+    base = names[0]
+    rows = []
+    thr_base = float(np.mean(per[base]["thr"]))
+    for n in names:
+        ms = np.concatenate(per[n]["step"])
+        p50, p99 = np.percentile(ms, [50, 99])
+        thr = float(np.mean(per[n]["thr"]))
+        interval = "-" if n == base else ("50" if "torchtitan" in n else str(per[n]["interval"][-1][0]))
+        rows.append([n, interval, f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.1f}", f"{np.mean(per[n]['gc_s']):.2f}",
+                     f"{np.mean(per[n]['max_ms']):.0f}", f"{thr:.0f}", fmt_ratio(thr, thr_base)])  # fmt: skip
+    print_table(["scheme", "interval", "step p50 ms", "p99 ms", "p99/p50", "GC s per rank", "max pause ms",
+                 "samples/s", "vs automatic"], rows)  # fmt: skip
+    print("step = the slowest rank's step time; GC s = pauses seen by gc.callbacks after warm-up, mean over ranks;")
+    print("interval: what each scheme collected at (auto: the agreed interval); wall per run: "
+          + ", ".join(f"{n} {np.mean(per[n]['wall']):.1f} s" for n in names))
 
 
 # ------------------------------------------------------------------ 2. memory release
@@ -236,18 +280,27 @@ def memory_bench(steps: int, interval: int, burst_mb: int, repeats: int, timeout
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="small sizes (about a minute on 2 idle cores)")
+    p.add_argument("--quick", action="store_true", help="small sizes (a few minutes on 2 idle cores)")
     p.add_argument("--repeats", type=int, default=None, help="runs per variant (alternating order)")
     p.add_argument("--only", choices=["gc", "memory"], default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--garbage", type=int, default=20_000, help=argparse.SUPPRESS)
+    p.add_argument("--live", type=int, default=300_000, help=argparse.SUPPRESS)
+    p.add_argument("--keep", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="GC workload(s)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks of the GC part")
     args = p.parse_args()
+    if args.worker:
+        gc_worker(args)
+        return 0
     repeats = args.repeats or (1 if args.quick else 2)
     print(machine())
     t0 = time.monotonic()
     if args.only in (None, "gc"):
-        if args.quick:
-            gc_bench(steps=150, interval=50, live=500_000, repeats=repeats, timeout=300)
-        else:
-            gc_bench(steps=600, interval=100, live=1_000_000, repeats=repeats, timeout=600)
+        for workload in WORKLOADS if args.workload == "both" else [args.workload]:
+            gc_bench(workload, steps=200 if args.quick else 600, nproc=args.nproc, repeats=repeats, timeout=600)
     if args.only in (None, "memory"):
         if args.quick:
             memory_bench(steps=150, interval=50, burst_mb=128, repeats=repeats, timeout=300)

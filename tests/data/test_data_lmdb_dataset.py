@@ -191,3 +191,17 @@ def test_worker_copies_of_an_attached_sampler_follow_set_epoch(tmp_path):
     finally:
         child.join(30)
     assert pickle.loads(pickle.dumps(sampler)).epoch == 7
+
+
+def test_readahead_default_is_off_with_a_prefetcher_and_on_without(tmp_path):
+    db = build_lmdb(tmp_path / "db", np.zeros((8, 16), dtype=np.uint8))
+    plain = LMDBDataset(db)
+    assert plain.effective_readahead is True
+    plain[0]
+    assert plain._env.flags()["readahead"] is True  # what py-lmdb opened
+    plain.attach_sampler(OnDemandDistributedSampler(plain, 1, 0), batch_size=1)
+    assert plain.effective_readahead is False
+    plain[1]  # reopened without readahead at the next read
+    assert plain._env.flags()["readahead"] is False
+    plain.close()
+    assert LMDBDataset(db, readahead=True).attach_sampler(OnDemandDistributedSampler(8, 1, 0)).effective_readahead

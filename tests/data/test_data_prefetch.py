@@ -173,3 +173,31 @@ def test_cuda_transform_runs_after_the_copy():
     out = [x.cpu() for x in DevicePrefetcher(frames, "cuda", transform=YUVToRGB(field=None))]
     for f, o in zip(frames, out, strict=True):
         assert torch.equal(o, yuv_to_rgb(f))
+
+
+def test_consumer_wait_is_the_traced_steps_data_phase(tmp_path):
+    """Under a running tracer, each step's data phase is the wait the consumer saw in __next__."""
+    from hyperacc.store import read_steps
+    from hyperacc.trace import Tracer
+
+    def slow(n: int):
+        for i in range(n):
+            time.sleep(0.01 if i % 3 == 0 else 0.0)  # every third batch comes late
+            yield torch.full((2,), float(i))
+
+    tracer = Tracer(tmp_path)
+    try:
+        it = iter(DevicePrefetcher(slow(12), "cpu", slots=1))
+        got = []
+        for _ in range(12):
+            with tracer.step():
+                got.append(float(next(it)[0]))
+        with pytest.raises(StopIteration):
+            next(it)
+    finally:
+        tracer.close()
+    assert got == [float(i) for i in range(12)]
+    data = read_steps(tmp_path, columns=["step", "data_ns"]).column("data_ns").to_pylist()
+    assert len(data) == 12 and None not in data  # measured on every step, 0 when the batch was ready
+    assert sum(data) == it.wait_ns > 0
+    assert sum(1 for d in data if d > 0) == it.waits

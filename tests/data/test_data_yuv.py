@@ -33,16 +33,43 @@ def test_default_constants_are_opencvs():
 
 @pytest.mark.parametrize("layout", list(CODES))
 @pytest.mark.parametrize("h,w", SIZES)
-def test_integer_path_is_bit_exact_with_opencv(layout, h, w):
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_integer_path_is_bit_exact_with_opencv(layout, h, w, backend):
+    """The tensor path (what runs on a device) and the CPU default (OpenCV itself) agree bit for bit."""
     frames = _frames(3, h, w, seed=h * w)
-    ours = yuv_to_rgb(torch.from_numpy(frames), layout).numpy()
+    ours = yuv_to_rgb(torch.from_numpy(frames), layout, backend=backend).numpy()
     np.testing.assert_array_equal(ours, _opencv(frames, layout))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"size": (20, 30)}, {"dtype": torch.float32}, {"size": (16, 16), "dtype": torch.float16},
+     {"size": (20, 30), "dtype": torch.float32, "mean": (0.4, 0.5, 0.6), "std": (0.2, 0.25, 0.3)}],
+)  # fmt: skip
+def test_cpu_default_equals_the_tensor_path_for_every_output(options):
+    frames = torch.from_numpy(_frames(2, 34, 62, seed=5))
+    for layout in CODES:
+        a = yuv_to_rgb(frames, layout, **options)
+        b = yuv_to_rgb(frames, layout, backend="torch", **options)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b)
+
+
+def test_backend_choice_is_checked():
+    frames = torch.from_numpy(_frames(1, 8, 8))
+    with pytest.raises(ValueError, match="backend='gpu' is not one of"):
+        yuv_to_rgb(frames, backend="gpu")
+    with pytest.raises(ValueError, match="BT.601 limited-range"):
+        yuv_to_rgb(frames, matrix="bt709", backend="opencv")
+    # other matrices take the tensor path under "auto"
+    assert torch.equal(yuv_to_rgb(frames, matrix="bt709"), yuv_to_rgb(frames, matrix="bt709", backend="torch"))
+
+
 @pytest.mark.parametrize("layout", list(CODES))
-def test_float_path_is_within_one_of_opencv(layout):
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_float_path_is_within_one_of_opencv(layout, backend):
     frames = _frames(2, 48, 66, seed=3)
-    ours = yuv_to_rgb(torch.from_numpy(frames), layout, exact=False).numpy().astype(int)
+    ours = yuv_to_rgb(torch.from_numpy(frames), layout, exact=False, backend=backend).numpy().astype(int)
     assert np.abs(ours - _opencv(frames, layout)).max() <= 1
 
 

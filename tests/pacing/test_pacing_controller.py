@@ -214,3 +214,30 @@ def test_observations_of_the_wrong_shape_are_refused() -> None:
         ctl.observe(0, np.zeros(5), np.zeros(5))
     with pytest.raises(ValueError, match="rank"):
         ctl.delay_ns(7)
+
+
+def test_noise_alone_at_thousands_of_ranks_never_switches_on() -> None:
+    """4,096 ranks of pure 2 ms noise: the raw spread is ~15 ms (the expected range of 4,096 normals is
+    7.3 sigma), far above the 1 ms threshold, but none of it is predictable."""
+    rng = np.random.default_rng(2)
+    ctl = PacingController(ranks=4096)
+    plans = run(ctl, [100 * MS + rng.normal(0, 2 * MS, 4096) for _ in range(200)])
+    st = ctl.state
+    assert st.spread_ns > 10 * MS  # the raw spread the old rule switched on
+    assert not ctl.on and st.switches == 0
+    assert all(not p.any() for p in plans)
+    # the noise-alone range of the estimates: 2 E[max of 4096] x sigma x sqrt(alpha / (2 - alpha))
+    expected = 2 * 3.626 * 2 * MS * np.sqrt(0.1 / 1.9)
+    assert st.noise_ns == pytest.approx(expected, rel=0.15)
+    assert st.predictable_ns < PacingConfig().on_spread_ns
+
+
+def test_one_predictably_late_rank_among_thousands_switches_on() -> None:
+    rng = np.random.default_rng(3)
+    ctl = PacingController(ranks=4096)
+    late = np.zeros(4096)
+    late[17] = 8 * MS  # rank 17 is always 8 ms late, on top of the same 2 ms noise as everyone
+    plans = run(ctl, [100 * MS + late + rng.normal(0, 2 * MS, 4096) for _ in range(200)])
+    assert ctl.on
+    assert ctl.state.predictable_ns > PacingConfig().on_spread_ns
+    assert plans[-1][17] == 0 and np.median(plans[-1]) > 2 * MS  # the late rank is not held back

@@ -80,3 +80,49 @@ def test_bad_input_is_one_clear_line_and_a_nonzero_exit(args, needle) -> None:
     assert len(lines) == 1, res.output
     assert lines[0].startswith("Error:") and needle in lines[0], lines[0]
     assert "Traceback" not in res.output
+
+
+@pytest.fixture
+def measured(tmp_path):
+    run = tmp_path / "run"
+    res = invoke("--nodes", "1", "--gpus-per-node", "4", "--steps", "200", "--locality-gpu", "0.1",
+                 "--write-run", str(run), "--no-pacing")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    return run
+
+
+def test_from_run_prints_every_assumption(measured) -> None:
+    res = invoke("--from-run", str(measured), "--nodes", "1,8", "--gpus-per-node", "4", "--steps", "200")
+    assert res.exit_code == 0, res.output
+    text = res.output
+    assert "assumptions (trace-driven" in text
+    assert "same measured step" in text and "runs of 50 consecutive steps" in text
+    assert "1 nodes: all-reduce: the measured transfer of the replayed step (copy 0), unscaled" in text
+    assert "8 nodes: all-reduce: the measured transfer x " in text and "exposed 100 MB" in text
+    assert "no contention" in text
+    out = json.loads(invoke("--from-run", str(measured), "--nodes", "8", "--gpus-per-node", "4", "--steps",
+                            "100", "--comm-scale", "none", "--json").stdout)  # fmt: skip
+    assert any("unscaled (--comm-scale none)" in line for line in out["assumptions"]["8"])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--base-ms", "50"], "--base-ms has no effect with --from-run"),
+        (["--spike-rate", "0.01"], "--spike-rate has no effect with --from-run"),
+        (["--locality-gpu", "0.1"], "--locality-gpu has no effect with --from-run"),
+        (["--background-load", "0.3"], "--background-load has no effect with --from-run"),
+        (["--comm-scale", "none", "--exposed-mb", "10"], "--exposed-mb only scales the measured transfer"),
+        (["--replay-block", "0"], "--replay-block 0"),
+    ],
+)
+def test_from_run_refuses_options_it_would_ignore(measured, args, needle) -> None:
+    res = invoke("--from-run", str(measured), "--steps", "50", *args)
+    assert res.exit_code != 0
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.output
+
+
+def test_replay_options_need_from_run() -> None:
+    res = invoke("--steps", "50", "--replay-block", "20")
+    assert res.exit_code != 0 and "--replay-block applies to --from-run only" in res.output

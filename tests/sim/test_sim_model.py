@@ -223,3 +223,69 @@ def test_simulated_run_directory_is_read_by_the_shared_store(tmp_path) -> None:
 def test_too_large_a_run_directory_is_refused(tmp_path) -> None:
     with pytest.raises(ValueError, match="too large"):
         simulate(SimConfig(nodes=512, gpus_per_node=8, steps=10_000), write_run=tmp_path)
+
+
+def _write_correlated_run(run_dir, ranks: int, steps: int, seed: int = 0) -> np.ndarray:
+    """What real DDP ranks record: in every step one rank is the late one (the others wait for it), and
+    the machine goes through slow phases that last tens of steps and hit every rank at once."""
+    rng = np.random.default_rng(seed)
+    phase = np.repeat(np.where(rng.random(steps // 40 + 1) < 0.2, 1.6, 1.0), 40)[:steps]  # shared slow phases
+    late = rng.integers(0, ranks, steps)
+    compute = 10e6 * phase * (1 + 0.05 * rng.standard_normal((ranks, steps)))
+    compute[late, np.arange(steps)] *= 1.5  # the one late rank of each step
+    comm = 1e6 * (1 + 0.1 * rng.random(steps))
+    step_ns = compute.max(axis=0) + comm
+    for r in range(ranks):
+        write_meta(run_dir, RankMeta(r, r, 0, ranks, ranks, "host", 1))
+        cols = {
+            "rank": np.full(steps, r, np.int32), "node": np.zeros(steps, np.int32),
+            "step": np.arange(steps), "step_ns": step_ns.astype(np.int64),
+            "self_ns": compute[r].astype(np.int64), "comm_wait_ns": (step_ns - compute[r]).astype(np.int64),
+        }  # fmt: skip
+        arrays = [
+            pa.array(cols[n], type=f.type) if n in cols else pa.nulls(steps, f.type)
+            for n, f in zip(STEP_SCHEMA.names, STEP_SCHEMA, strict=True)
+        ]
+        step_writer(run_dir, r).write(pa.Table.from_arrays(arrays, schema=STEP_SCHEMA))
+    return step_ns
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_replay_at_the_measured_size_keeps_p50_and_p99_within_ten_percent(tmp_path, ranks) -> None:
+    """Cross-rank correlation (one late rank per step) and over-time correlation (slow phases) are
+    replayed, so the measured job's own step distribution and its time structure come back."""
+    measured_steps = _write_correlated_run(tmp_path, ranks=ranks, steps=2000)[5:] / 1e6
+    run = MeasuredRun.from_run_dir(tmp_path)
+    assert run.compute.shape == (ranks, 1995)
+    r = simulate(SimConfig(nodes=1, gpus_per_node=ranks, steps=20_000, seed=1, pacing=None), measured=run,
+                 keep_steps=True)  # fmt: skip
+    p50, p99 = np.percentile(measured_steps, [50, 99])
+    assert r.baseline.p50_ms == pytest.approx(p50, rel=0.10)
+    assert r.baseline.p99_ms == pytest.approx(p99, rel=0.10)
+    # the slow phases stay together: neighbouring simulated steps are correlated as measured ones are
+    sim = r.baseline_ns
+    measured_lag1 = np.corrcoef(measured_steps[:-1], measured_steps[1:])[0, 1]
+    assert np.corrcoef(sim[:-1], sim[1:])[0, 1] == pytest.approx(measured_lag1, abs=0.1)
+    assert measured_lag1 > 0.3  # (an independent resample of each step would have none)
+
+
+def test_copies_of_the_measured_job_replay_independent_runs(tmp_path) -> None:
+    from hyperacc.sim.model import block_steps, draw_measured_compute, replica_map
+
+    _write_correlated_run(tmp_path, ranks=2, steps=400)
+    run = MeasuredRun.from_run_dir(tmp_path)
+    cfg = SimConfig(nodes=2, gpus_per_node=4, steps=100, pacing=None, replay_block=10)
+    assert replica_map(cfg, 2).tolist() == [[0, 2], [0, 2], [1, 3], [1, 3]]  # slot-major: ranks 0-3, 4-7
+    C, _, comm = draw_measured_compute(np.random.default_rng(0), cfg, run, 0, 100, 0.5)
+    compute, _ = run.replayable()
+    flat = C.transpose(0, 2, 1).reshape(100, 8)  # [step, rank]
+    # each copy replays whole measured steps: its two ranks come from the same measured step
+    for k in range(4):
+        pair = flat[:, 2 * k : 2 * k + 2].astype(np.float64)
+        dist = np.abs(compute[0][None, :] - pair[:, :1]) + np.abs(compute[1][None, :] - pair[:, 1:])
+        steps = dist.argmin(axis=1)
+        assert (dist.min(axis=1) < 8).all()  # both ranks' values are one measured step's (float32 rounding)
+        assert (np.diff(steps)[np.arange(99) % 10 != 9] == 1).all()  # runs of 10 consecutive steps
+    assert not np.array_equal(flat[:, 0], flat[:, 2])  # copies are independent
+    idx = block_steps(np.random.default_rng(1), 50, 10, 25, 15)
+    assert idx.shape == (25,) and (np.diff(idx)[[0, 1, 2, 3, 5, 6]] == 1).all()

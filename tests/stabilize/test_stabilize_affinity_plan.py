@@ -144,6 +144,59 @@ def test_more_ranks_than_cores(tiny_cpu_node: Path) -> None:
         assert r.worker_cpus == (r.main_cpus,)
 
 
+@pytest.fixture
+def twelve_cores_per_rank(tmp_path: Path) -> Path:
+    """One node of 24 cores, no GPU: two ranks get 12 cores each."""
+    return make_sysfs(tmp_path / "sys", {0: range(0, 24)})
+
+
+def test_no_core_idles_with_main_cores(twelve_cores_per_rank: Path) -> None:
+    # 12 cores, main keeps 2, 4 workers: the other 10 cores all go to the workers (2, 3, 2, 3)
+    plan = plan_affinity(2, 4, sysfs_root=twelve_cores_per_rank, main_cores=2)
+    check_invariants(plan, read_topology(twelve_cores_per_rank).numa_nodes, {})
+    for r in plan.ranks:
+        used = set(r.main_cpus).union(*map(set, r.worker_cpus))
+        assert used == set(r.cpus), f"rank {r.local_rank}: idle cores {set(r.cpus) - used}"
+        assert len(r.main_cpus) == 2 and r.threads == 2
+        assert [len(w) for w in r.worker_cpus] == [2, 3, 2, 3]
+    assert plan.warnings == ()
+
+
+def test_main_process_keeps_two_cores_when_workers_outnumber_the_share(twelve_cores_per_rank: Path) -> None:
+    plan = plan_affinity(2, 11, sysfs_root=twelve_cores_per_rank)
+    for r in plan.ranks:
+        assert len(r.main_cpus) == 2 and r.threads == 2  # not 1 core and 1 thread
+        rest = set(r.cpus) - set(r.main_cpus)
+        assert set().union(*map(set, r.worker_cpus)) == rest  # 10 cores for 11 workers, none idle
+        assert all(len(w) == 1 for w in r.worker_cpus)
+    assert any("11 workers on 10 cores" in w for w in plan.warnings)
+    # with few workers the main process keeps the rest, one core per worker
+    plan = plan_affinity(2, 4, sysfs_root=twelve_cores_per_rank)
+    assert [len(plan.ranks[0].main_cpus), *map(len, plan.ranks[0].worker_cpus)] == [8, 1, 1, 1, 1]
+
+
+def test_main_core_count_rule() -> None:
+    from hyperacc.stabilize.affinity import main_core_count
+
+    assert main_core_count(12, 0, None) == 12
+    assert main_core_count(12, 4, None) == 8
+    assert main_core_count(12, 11, None) == 2
+    assert main_core_count(12, 20, None) == 2
+    assert main_core_count(2, 3, None) == 1  # a share of 2: one for the main process, one for the workers
+    assert main_core_count(1, 3, None) == 1
+    assert main_core_count(12, 4, 2) == 2 and main_core_count(12, 4, 30) == 11
+
+
+def test_text_plan_is_format_plan(two_sockets_4_gpus_each: Path) -> None:
+    from hyperacc.commands.affinity import command
+    from hyperacc.stabilize.affinity import format_plan
+
+    res = CliRunner().invoke(command, ["--nproc-per-node", "8", "--workers-per-rank", "4", "--sysfs-root",
+                                       str(two_sockets_4_gpus_each)])  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert res.output.rstrip("\n") == format_plan(plan_affinity(8, 4, sysfs_root=two_sockets_4_gpus_each))
+
+
 def test_cpu_only_ranks_spread_over_nodes(eight_gpus_one_socket: Path, tmp_path: Path) -> None:
     root = make_sysfs(tmp_path / "cpu-only", {0: range(0, 8), 1: range(8, 16)})
     plan = plan_affinity(4, 0, sysfs_root=root)

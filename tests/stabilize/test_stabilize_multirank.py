@@ -64,6 +64,37 @@ def test_gc_valve_collects_at_the_same_step_on_every_rank() -> None:
     assert set(valve0) | {50, 100, 150} <= set(rel0)
 
 
+def test_gc_auto_interval_is_agreed_and_shortened_on_every_rank() -> None:
+    job = harness.launch(WORKERS / "gc_auto_rank.py", nproc=2, timeout=180)
+    assert job.ok, job.explain()
+    r0, r1 = job.results()
+
+    def plans(res: dict) -> list[tuple[int, int]]:
+        return [(int(r["value"]), r["step"]) for r in res["records"] if r["kind"] == "gc_auto_interval"]
+
+    def candidates(res: dict) -> list[int]:
+        return [int(r["value"]) for r in res["records"] if r["kind"] == "gc_auto_candidate"]
+
+    p0, p1 = plans(r0), plans(r1)
+    assert p0 == p1 and len(p0) >= 2, (p0, p1)  # the first agreement, then shorter ones
+    assert p0[0][0] == 20  # calibration without heavy garbage: pauses far below 20 ms, capped at max_interval
+    intervals = [p[0] for p in p0]
+    assert intervals == sorted(intervals, reverse=True) and intervals[-1] < 20  # only ever shortened
+    # the agreed interval is the smallest candidate of any rank, round by round
+    c0, c1 = candidates(r0), candidates(r1)
+    assert [min(a, b) for a, b in zip(c0, c1, strict=True)] == intervals
+
+    def scheduled(res: dict) -> list[int]:
+        return [r["step"] for r in res["records"] if r["kind"] == "gc_collect" and r["detail"].startswith("scheduled")]
+
+    s0, s1 = scheduled(r0), scheduled(r1)
+    assert s0 == s1  # the same steps on every rank, through every change of plan
+    bounds = [p[1] for p in p0] + [10**9]
+    for (interval, begin), end in zip(p0, bounds[1:], strict=True):
+        if end > begin:  # each plan's grid holds until the next plan starts
+            assert [x for x in s0 if begin <= x < end] == [x for x in range(begin, end, interval) if x < 400]
+
+
 def test_audit_finds_barrier_and_item_and_elision_keeps_results() -> None:
     script = WORKERS / "train_audit_rank.py"
     job = harness.launch(script, nproc=2, timeout=150)
@@ -75,6 +106,7 @@ def test_audit_finds_barrier_and_item_and_elision_keeps_results() -> None:
         # None of the stabilizers changes training results.
         assert res["audited"] == res["base"]
         assert res["elided"] == res["base"]
+        assert res["dry"] == res["base"]
         assert res["summary"]["disabled"] == {}
         assert res["summary"]["gc"]["scheduled"] >= 3
 
@@ -82,8 +114,14 @@ def test_audit_finds_barrier_and_item_and_elision_keeps_results() -> None:
         barrier = sites[("barrier", barrier_site)]
         assert barrier["calls"] == 20 and barrier["redundant"] and barrier["in_loop"]
         assert barrier_site in res["audit"]["redundant_barriers"]
-        item = sites[("host_sync", item_site)]
-        assert item["calls"] == 20 and not item["redundant"]
+        # CPU tensors: no host sync waits on a device, and AdamW's/the sampler's own .item() are not counted
+        assert [s for s in res["audit"]["sites"] if s["kind"] == "host_sync"] == []
+        assert res["audit"]["visibility"].startswith("CPU-only run")
+        dry = {(s["kind"], s["site"]): s for s in res["dry_run"]["sites"] if s["kind"] == "host_sync"}
+        checksum_site = marked_line(script, "CHECKSUM-LINE")
+        assert sorted(dry) == sorted([("host_sync", item_site), ("host_sync", checksum_site)])
+        assert dry[("host_sync", item_site)]["calls"] == 20 and dry[("host_sync", item_site)]["in_loop"]
+        assert dry[("host_sync", checksum_site)]["calls"] == 1 and not dry[("host_sync", checksum_site)]["in_loop"]
 
         el = {(s["kind"], s["site"]): s for s in res["elision"]["sites"]}[("barrier", barrier_site)]
         assert el["calls"] + el["elided"] == 20

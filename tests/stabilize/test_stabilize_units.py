@@ -42,7 +42,8 @@ def restore_gc():
 
 def test_defaults_and_parts_on_off() -> None:
     cfg = S.config_from_dict({})
-    assert cfg.gc is not None and cfg.gc.interval == 400 and cfg.gc.generation == 2
+    assert cfg.gc is not None and cfg.gc.interval == "auto" and cfg.gc.generation == 2
+    assert cfg.release_interval() == cfg.gc.max_interval == 400  # memory follows auto's ceiling
     assert cfg.memory is not None and cfg.allocator is not None
     assert cfg.affinity is None and cfg.sync_audit is None
     cfg = S.config_from_dict({"gc": {"interval": 50, "generation": 1}, "memory": False, "affinity": True,
@@ -56,8 +57,16 @@ def test_bad_configuration_is_named() -> None:
         S.config_from_dict({"gcc": True})
     with pytest.raises(ValueError, match=r"unknown gc option\(s\) \['every'\]"):
         S.config_from_dict({"gc": {"every": 5}})
-    with pytest.raises(ValueError, match="gc.interval must be >= 1"):
+    with pytest.raises(ValueError, match="gc.interval must be a whole number of steps >= 1 or 'auto'"):
         S.config_from_dict({"gc": {"interval": 0}})
+    with pytest.raises(ValueError, match="gc.interval must be"):
+        S.config_from_dict({"gc": {"interval": "sometimes"}})
+    with pytest.raises(ValueError, match="gc.pause_budget_ms must be > 0"):
+        S.config_from_dict({"gc": {"pause_budget_ms": -1}})
+    with pytest.raises(ValueError, match="affinity.main_cores must be >= 1"):
+        S.config_from_dict({"affinity": {"main_cores": 0}})
+    with pytest.raises(ValueError, match="memory.interval must be"):
+        S.config_from_dict({"memory": {"interval": 0}})
     with pytest.raises(ValueError, match="gc.workers must be one of"):
         S.config_from_dict({"gc": {"workers": "never"}})
 
@@ -242,7 +251,7 @@ def test_scheduled_collections_at_multiples_of_the_interval() -> None:
     assert kinds[0] == ("gc_freeze", 0)
     assert [s for k, s in kinds if k == "gc_collect"] == [10, 20, 30]
     assert [s for k, s in kinds if k == "memory_release"] == [15, 30]
-    assert all(r["detail"] == "scheduled gen=1" for r in stab.records if r["kind"] == "gc_collect")
+    assert all(r["detail"].startswith("scheduled gen=1 young=") for r in stab.records if r["kind"] == "gc_collect")
     assert summary["gc"]["scheduled"] == 3 and summary["gc"]["scheduled_ms_max"] >= 0
 
 
@@ -282,6 +291,71 @@ def test_valve_collects_early_when_garbage_piles_up() -> None:
     assert proposed["step"] >= 5
     # collected at the proposed step, or (a thread descheduled on a loaded machine) one step later, said so
     assert valve[0]["step"] == proposed["value"] or "late" in valve[0]["detail"]
+
+
+def test_cost_model_fits_fixed_and_per_object_cost() -> None:
+    from hyperacc.stabilize.gc_schedule import choose_interval, fit_cost_model
+
+    # pause = 2 ms + 100 ns per object; 10k objects per step; 20 ms of work per step
+    samples, t = [], 0
+    for k in (1, 1, 4, 1, 4, 8):
+        n = 10_000 * k
+        d = 2_000_000 + 100 * n
+        t += k * 20_000_000
+        samples.append((t, n, d, k))
+        t += d
+    model = fit_cost_model(samples)
+    assert model is not None
+    assert model.fixed_ns == pytest.approx(2e6, rel=1e-6) and model.per_object_ns == pytest.approx(100, rel=1e-6)
+    assert model.objects_per_step == pytest.approx(10_000) and model.step_ns == pytest.approx(20e6, rel=1e-6)
+    # budget 10 ms: 2 ms + 1 ms per step of interval -> 8 steps; the pause fits, one more does not
+    assert choose_interval(model, 10e6, 400) == 8
+    assert model.pause_ns(8) <= 10e6 < model.pause_ns(9)
+    assert model.cost_per_step_ns(8) == pytest.approx(2e6 / 8 + 1e6)  # a longer interval spreads the fixed part
+    assert choose_interval(model, 1e12, 400) == 400  # capped
+    # fixed cost above the budget: where the per-object part equals it (pause ~ 2x fixed)
+    assert choose_interval(model, 1e6, 400) == 2
+    # one interval only (calibration): proportional model, which over-predicts a longer interval's pause
+    flat = fit_cost_model([(i * 30_000_000, 10_000, 3_000_000, 1) for i in range(10)])
+    assert flat.fixed_ns == 0 and flat.per_object_ns == pytest.approx(300)
+    assert choose_interval(flat, 10e6, 400) == 3
+    assert fit_cost_model([(0, 10, 5, 1)]) is None
+
+
+def make_cycles(n: int) -> None:
+    for _ in range(n):
+        a: list = []
+        a.append(a)
+
+
+@pytest.mark.parametrize(("budget_ms", "expected", "freeze"), [(1e6, 40, True), (1e-6, 1, True), (1e6, 40, False)])
+def test_auto_interval_follows_the_budget_in_one_process(budget_ms: float, expected: int, freeze: bool) -> None:
+    stab = S.stabilize(
+        gc={"interval": "auto", "pause_budget_ms": budget_ms, "max_interval": 40, "calibration_steps": 5,
+            "valve": False, "valve_poll_s": 0.01, "freeze": freeze},
+        memory=False, allocator=False,
+    )  # fmt: skip
+    try:
+        step = 0
+        while step < 3000:
+            make_cycles(500)
+            stab.step(step)
+            time.sleep(0.002)
+            if stab.summary()["gc"]["agreements"] and step > 200:
+                break
+            step += 1
+        summary = stab.summary()
+    finally:
+        stab.close()
+    assert summary["gc"]["agreements"] == 1 and summary["gc"]["interval"] == expected
+    plan = [r for r in stab.records if r["kind"] == "gc_auto_interval"]
+    assert len(plan) == 1 and plan[0]["value"] == expected and "per_object_ns=" in plan[0]["detail"]
+    start = summary["gc"]["plan_start"]
+    steps = [r["step"] for r in stab.records if r["kind"] == "gc_collect"]
+    assert steps[:5] == [1, 2, 3, 4, 5]  # calibration: every step after the first (and its freeze)
+    before = [s for s in steps if s < start]
+    assert before == list(range(1, start))  # every step until the agreed plan starts
+    assert [s for s in steps if s >= start] == list(range(start, step + 1, expected))
 
 
 def test_forked_children_get_automatic_gc_back() -> None:
@@ -367,29 +441,73 @@ def test_records_are_written_as_events(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ sync audit (one process)
 
 
-def test_audit_counts_host_syncs_with_file_and_line_and_unpatches() -> None:
+def _audited_loop(stab: S.Stabilizer, steps: int = 5) -> tuple[int, dict]:
+    """A loop with the host syncs a user writes, plus Adam and a shuffling DataLoader (whose own
+    internal .item() calls are not the user's). Returns the line of the first sync and the report."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    loader = DataLoader(list(range(20)), batch_size=4, shuffle=True)
+    x = torch.ones(3)
+    line = 0
+    for step, _batch in enumerate(loader):
+        if step == steps:
+            break
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        x.sum().item()
+        line = inspect.currentframe().f_lineno - 1
+        if x.sum() > 0:  # bool(tensor)
+            pass
+        float(x.sum())
+        int(x.sum())
+        x.cpu()
+        stab.step(step)
+    return line, stab.audit_report()
+
+
+def test_audit_counts_no_host_sync_of_cpu_tensors_and_says_what_it_sees() -> None:
     original_item, original_barrier = torch.Tensor.item, dist.barrier
     stab = S.stabilize(gc=False, memory=False, allocator=False, sync_audit=True)
-    x = torch.ones(3)
     try:
-        for step in range(5):
-            x.sum().item()
-            line = inspect.currentframe().f_lineno - 1
-            if x.sum() > 0:
-                pass
-            stab.step(step)
-        report = stab.audit_report()
+        _, report = _audited_loop(stab)
     finally:
         stab.close()
-    sites = {(s["kind"], s["site"]): s for s in report["sites"]}
-    here = __file__
-    assert sites[("host_sync", f"{here}:{line}")]["calls"] == 5
-    assert sites[("host_sync", f"{here}:{line + 2}")]["calls"] == 5  # bool(tensor)
-    assert report["steps"] == 5
+    assert [s for s in report["sites"] if s["kind"] == "host_sync"] == []  # nothing here waits on a device
+    assert report["visibility"].startswith("CPU-only run")
+    assert "cpu_as_device" in report["visibility"]
     assert torch.Tensor.item is original_item and "item" not in vars(torch.Tensor)
     assert dist.barrier is original_barrier
+
+
+def test_audit_dry_run_lists_the_users_host_syncs_only() -> None:
+    stab = S.stabilize(gc=False, memory=False, allocator=False, sync_audit={"cpu_as_device": True})
+    try:
+        line, report = _audited_loop(stab)
+    finally:
+        stab.close()
+    here = __file__
+    sites = {(s["kind"], s["site"]): s for s in report["sites"]}
+    for offset in (0, 2, 4, 5):  # .item(), bool(), float(), int(); .cpu() of a CPU tensor copies nothing
+        assert sites[("host_sync", f"{here}:{line + offset}")]["calls"] == 5, sites
+    # AdamW's and the sampler's own .item() calls (inside torch) are not reported
+    assert all(s["site"].startswith(here) for s in report["sites"]), report["sites"]
+    assert len(sites) == 4
+    assert report["visibility"].startswith("dry run")
     recorded = [r["detail"] for r in stab.records if r["kind"] == "sync_site"]
     assert any(f"host_sync {here}:{line} calls=5" in d for d in recorded)  # the report lands in the events
+
+
+def test_to_host_blocking_reads_every_form_of_to() -> None:
+    from hyperacc.stabilize.sync_audit import _to_host_blocking
+
+    assert _to_host_blocking(("cpu",), {})
+    assert _to_host_blocking((torch.device("cpu"), torch.float32), {})
+    assert _to_host_blocking((), {"device": "cpu"})
+    assert _to_host_blocking((torch.ones(1),), {})
+    assert not _to_host_blocking(("cpu",), {"non_blocking": True})
+    assert not _to_host_blocking(("cpu", torch.float16, True), {})
+    assert not _to_host_blocking((torch.float16,), {})
+    assert not _to_host_blocking(("meta",), {})
 
 
 def test_only_one_audit_at_a_time() -> None:

@@ -36,7 +36,7 @@ def command(
     as_json: bool,
 ) -> None:  # fmt: skip
     """Show the NUMA/CPU binding plan for this node."""
-    from hyperacc.stabilize.affinity import format_cpulist, plan_affinity, read_topology
+    from hyperacc.stabilize.affinity import format_plan, plan_affinity, read_topology
 
     if not os.path.isdir(sysfs_root):
         raise click.ClickException(
@@ -59,32 +59,5 @@ def command(
 
     if as_json:
         click.echo(json.dumps(plan.to_dict(), indent=2))
-        return
-
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    nodes = ", ".join(f"node{n}: {format_cpulist(c)}" for n, c in sorted(plan.numa_nodes.items()))
-    console.print(f"NUMA nodes: {nodes}")
-    console.print(
-        f"allowed CPUs: {format_cpulist(plan.allowed)}  (inherited mask: {plan.inherited})  "
-        f"ranks: {plan.nproc}  workers/rank: {plan.workers_per_rank}"
-    )
-    table = Table(show_header=True, header_style="bold")
-    for col in ("rank", "GPU", "PCI bus id", "node", "main CPUs", "threads"):
-        table.add_column(col, no_wrap=True)
-    table.add_column("worker CPUs")
-    for r in plan.ranks:
-        table.add_row(
-            str(r.local_rank),
-            "-" if r.gpu is None else str(r.gpu.index),
-            "-" if r.gpu is None else r.gpu.bus_id,
-            "?" if r.numa_node is None else str(r.numa_node),
-            format_cpulist(r.main_cpus) + (" (shared)" if r.shared else ""),
-            str(r.threads),
-            " | ".join(format_cpulist(w) for w in r.worker_cpus) or "-",
-        )
-    console.print(table)
-    for w in plan.warnings:
-        console.print(f"[yellow]warning:[/yellow] {w}")
+    else:
+        click.echo(format_plan(plan))

@@ -16,6 +16,14 @@ import click
 from hyperacc.pacing.controller import PacingConfig, PacingConfigError
 
 MAX_RANKS = 65536
+# With --from-run the compute comes from the trace: these options would have no effect, so they are
+# refused when given (docs/pacing.md, "Trace-driven").
+COMPUTE_OPTIONS = ("base_ms", "noise_cv", "locality_gpu", "locality_node", "spike_rate", "spike_ms", "spike_dist",
+                   "node_spike_rate", "node_spike_ms", "sync_every", "sync_ms")  # fmt: skip
+# The measured transfer replaces the fabric's own draws: background load is not applied to it.
+REPLAY_IGNORES = ("background_load",)
+# Only used to scale the measured transfer to another shape.
+FABRIC_SCALING = ("exposed_mb", "intra_gbps", "inter_gbps", "nodes_per_leaf", "oversubscription")
 
 
 class _OneLineErrors(click.Command):
@@ -176,8 +184,14 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     type=click.Path(path_type=Path),
     help="Write the simulated steps as a run directory (one node count).",
 )
-def command(nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Path | None, as_json: bool,
-            write_run: Path | None, pacing: bool, **opts: float) -> None:  # fmt: skip
+@click.option("--replay-block", type=int, default=50, show_default=True,
+              help="--from-run: consecutive measured steps replayed together.")
+@click.option("--comm-scale", type=click.Choice(["fabric", "none"]), default="fabric", show_default=True,
+              help="--from-run: scale the measured transfer to the target shape with the fabric model, or not.")
+@click.pass_context
+def command(ctx: click.Context, nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Path | None,
+            as_json: bool, write_run: Path | None, pacing: bool, replay_block: int, comm_scale: str,
+            **opts: float) -> None:  # fmt: skip
     """Simulate bulk-synchronous data-parallel training at scale (docs/pacing.md)."""
     from hyperacc.sim import (
         ComputeModel,
@@ -192,6 +206,7 @@ def command(nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Pa
 
     if gpus_per_node < 1:
         raise click.ClickException(f"--gpus-per-node {gpus_per_node}: must be >= 1")
+    _check_replay_options(ctx, from_run, comm_scale)
     counts = _node_counts(nodes_text, gpus_per_node)
     if write_run is not None and len(counts) != 1:
         raise click.ClickException("--write-run writes one simulated job: give a single --nodes value")
@@ -237,6 +252,8 @@ def command(nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Pa
             ),
             pacing=pace,
             pace_every=int(opts["pace_every"]),
+            replay_block=replay_block,
+            comm_scale=comm_scale,
         )
         measured = MeasuredRun.from_run_dir(from_run) if from_run is not None else None
     except (SimConfigError, PacingConfigError) as exc:
@@ -264,20 +281,80 @@ def command(nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Pa
         except ValueError as exc:
             raise click.ClickException(str(exc)) from None
 
+    from hyperacc.sim.simulate import replay_assumptions
+
+    assumptions = (
+        {r.nodes: replay_assumptions(dataclasses.replace(cfg, nodes=r.nodes), measured) for r in results}
+        if measured is not None else {}
+    )  # fmt: skip
     if as_json:
         payload = {
             "config": dataclasses.asdict(cfg)
             | {"nodes": counts, "from_run": str(from_run) if from_run else None},
+            "assumptions": {str(k): v for k, v in assumptions.items()},
             "results": [r.to_dict() for r in results],
         }
         click.echo(json.dumps(payload, indent=2, default=str))
     else:
+        _print_assumptions(assumptions)
         _print_table(results, measured is not None)
     if plot is not None:
         written = write_plot(results, plot)
         click.echo(f"plot written to {written}", err=as_json)
     if write_run is not None:
         click.echo(f"simulated run directory written to {write_run}", err=as_json)
+
+
+def _check_replay_options(ctx: click.Context, from_run: Path | None, comm_scale: str) -> None:
+    """Refuse an option that would silently do nothing: a compute option with --from-run (the trace is
+    the compute), background load with --from-run, fabric options with --comm-scale none, and the
+    replay options without --from-run."""
+    from click.core import ParameterSource
+
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if from_run is None:
+        unused = [n for n in ("replay_block", "comm_scale") if given(n)]
+        if unused:
+            raise click.ClickException(f"{flag(unused[0])} applies to --from-run only; drop it or add --from-run RUN_DIR")
+        return
+    refused = [n for n in COMPUTE_OPTIONS if given(n)]
+    if refused:
+        raise click.ClickException(
+            f"{flag(refused[0])} has no effect with --from-run (the compute is replayed from the trace); drop it, "
+            "or simulate without --from-run"
+        )
+    refused = [n for n in REPLAY_IGNORES if given(n)]
+    if refused:
+        raise click.ClickException(
+            f"{flag(refused[0])} has no effect with --from-run (the measured transfer is replayed); drop it"
+        )
+    if comm_scale == "none":
+        refused = [n for n in FABRIC_SCALING if given(n)]
+        if refused:
+            raise click.ClickException(
+                f"{flag(refused[0])} only scales the measured transfer, which --comm-scale none keeps as measured; "
+                "drop one of them"
+            )
+
+
+def _print_assumptions(assumptions: dict[int, list[str]]) -> None:
+    """Every assumption of a trace-driven run; lines that differ between node counts are shown per count."""
+    if not assumptions:
+        return
+    sizes = sorted(assumptions)
+    shared = [line for line in assumptions[sizes[0]] if all(line in assumptions[k] for k in sizes)]
+    click.echo("assumptions (trace-driven, docs/pacing.md):")
+    for line in shared:
+        click.echo(f"  - {line}")
+    for k in sizes:
+        for line in assumptions[k]:
+            if line not in shared:
+                click.echo(f"  - {k} nodes: {line}")
 
 
 def _print_table(results: list, from_run: bool) -> None:

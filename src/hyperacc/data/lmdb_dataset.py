@@ -1,11 +1,12 @@
 """Map-style dataset over an LMDB database, without cold-read spikes.
 
-A cold random read from a memory-mapped LMDB faults its pages in one by one while the training step
-waits: ~1.5 ms per 100 KB sample with readahead off on this machine, and a 9-14 ms p99 with the kernel
-readahead on (FACTS.md and docs/data.md). Two things remove that from the step:
+A cold random read from a memory-mapped LMDB faults its pages in while the training step waits. Two
+things remove that from the step (defaults chosen by measurement, docs/data.md "Defaults"):
 
-* ``readahead`` is exposed (default off: random access with readahead on reads neighbours nobody
-  asked for and evicts useful pages).
+* ``readahead`` is py-lmdb's flag. By default (``None``) it is off when a sampler-aware prefetcher is
+  attached (the prefetcher reads exactly the pages that will be asked for; readahead's neighbours cost
+  I/O, and on a sparse file they kept a 9 ms p99 tail) and on otherwise (with nothing else reading
+  ahead, it gives the lowest mean read).
 * A sampler-aware page prefetcher: ``attach_sampler(sampler, batch_size)`` gives the dataset the
   :class:`~hyperacc.data.sampler.OnDemandDistributedSampler` that drives it. Each process (each
   DataLoader worker) then runs one background thread that, from the index just requested, works out
@@ -428,7 +429,9 @@ class LMDBDataset(Dataset):
 
     ``decode(buffer) -> sample`` turns the raw value (a memoryview valid only during the call) into a
     sample; the default returns a tensor for array databases and ``bytes`` otherwise.
-    ``readahead`` is py-lmdb's flag (False maps to ``MDB_NORDAHEAD``, i.e. ``MADV_RANDOM``).
+    ``readahead`` is py-lmdb's flag (False maps to ``MDB_NORDAHEAD``, i.e. ``MADV_RANDOM``); ``None``
+    (default): off once :meth:`attach_sampler` was called, on otherwise, as measured in docs/data.md
+    ("Defaults"). It applies when a process opens the file (lazily, at its first read).
     """
 
     def __init__(
@@ -436,7 +439,7 @@ class LMDBDataset(Dataset):
         path: str | os.PathLike,
         *,
         decode: Callable[[memoryview], Any] | None = None,
-        readahead: bool = False,
+        readahead: bool | None = None,
         lock: bool = False,
         key_format: str | None = None,
         length: int | None = None,
@@ -500,7 +503,7 @@ class LMDBDataset(Dataset):
                 subdir=subdir,
                 readonly=True,
                 lock=self.lock,
-                readahead=self.readahead,
+                readahead=self.effective_readahead,
                 meminit=False,
                 max_readers=256,
             )
@@ -508,6 +511,13 @@ class LMDBDataset(Dataset):
             raise CorruptDatabaseError(
                 f"cannot open {self.path} as an LMDB database ({exc}); it is corrupt or not LMDB: rebuild it"
             ) from exc
+
+    @property
+    def effective_readahead(self) -> bool:
+        """The readahead this process opens the file with: the given one, else off with a prefetcher."""
+        if self.readahead is not None:
+            return bool(self.readahead)
+        return getattr(self, "_sampler", None) is None
 
     def _environment(self):
         pid = os.getpid()
@@ -600,6 +610,10 @@ class LMDBDataset(Dataset):
         if batch_size < 1 or lookahead < 1 or max_ahead_bytes < 1:
             raise ValueError("batch_size, lookahead and max_ahead_bytes must be >= 1")
         self.detach_sampler()
+        if self.readahead is None and self._env is not None and self._pid == os.getpid():
+            # Opened with readahead on before a prefetcher was attached: reopen at the next read.
+            _ENVIRONMENTS.release(self._env_key)
+            self._env, self._env_key, self._pid = None, None, None
         share = getattr(sampler, "share_epoch", None)
         if callable(share):
             share()  # so worker copies (persistent workers too) follow set_epoch
@@ -676,4 +690,4 @@ class LMDBDataset(Dataset):
             pass
 
     def __repr__(self) -> str:
-        return f"LMDBDataset({str(self.path)!r}, length={self.length}, readahead={self.readahead})"
+        return f"LMDBDataset({str(self.path)!r}, length={self.length}, readahead={self.effective_readahead})"

@@ -187,7 +187,7 @@ def read_latencies(
     db: str | os.PathLike,
     *,
     prefetch: bool,
-    readahead: bool = False,
+    readahead: bool | None = None,
     compute_ms: float = 2.0,
     lookahead: int = 16,
     seed: int = 0,
@@ -224,8 +224,9 @@ def cold_read_comparison(
     compute_ms: float = 2.0,
     lookahead: int = 16,
     quick: bool = True,
+    readahead: bool | None = None,
 ) -> dict[str, Any]:
-    """Cold page cache, readahead off: per-sample data time without and with the sampler-aware prefetch.
+    """Cold page cache: per-sample data time without and with the sampler-aware prefetch.
 
     Builds an LMDB of ``samples`` random values of ``sample_bytes`` under ``workdir`` (a temporary
     directory when None), evicts it from the page cache before each pass (``posix_fadvise``), then
@@ -239,15 +240,15 @@ def cold_read_comparison(
         raise ValueError("samples must be >= 2 and sample_bytes >= 1")
     if workdir is None:
         with tempfile.TemporaryDirectory(prefix="hyperacc-cold-") as tmp:
-            result = _cold_read(Path(tmp), samples, sample_bytes, compute_ms, lookahead)
+            result = _cold_read(Path(tmp), samples, sample_bytes, compute_ms, lookahead, readahead)
             result["db"] = None  # removed with the temporary directory
             return result
     Path(workdir).mkdir(parents=True, exist_ok=True)
-    return _cold_read(Path(workdir), samples, sample_bytes, compute_ms, lookahead)
+    return _cold_read(Path(workdir), samples, sample_bytes, compute_ms, lookahead, readahead)
 
 
 def _cold_read(
-    base: Path, samples: int, sample_bytes: int, compute_ms: float, lookahead: int
+    base: Path, samples: int, sample_bytes: int, compute_ms: float, lookahead: int, readahead: bool | None
 ) -> dict[str, Any]:
     db = base / "cold-read.lmdb"
     rng = np.random.default_rng(0)
@@ -260,7 +261,7 @@ def _cold_read(
     for name, prefetch in (("without_prefetch", False), ("with_prefetch", True)):
         evict_from_page_cache(db)
         resident[name] = resident_fraction(db)
-        ms = read_latencies(db, prefetch=prefetch, compute_ms=compute_ms, lookahead=lookahead)
+        ms = read_latencies(db, prefetch=prefetch, readahead=readahead, compute_ms=compute_ms, lookahead=lookahead)
         runs[name] = _percentiles(ms)
     without, with_ = runs["without_prefetch"], runs["with_prefetch"]
     return {
@@ -269,7 +270,7 @@ def _cold_read(
         "sample_bytes": sample_bytes,
         "compute_ms": compute_ms,
         "lookahead": lookahead,
-        "readahead": False,
+        "readahead": readahead,
         "build_s": build_s,
         "resident_after_evict": max(resident.values()),
         "without_prefetch": without,
@@ -279,10 +280,15 @@ def _cold_read(
     }
 
 
+def _readahead_words(readahead: bool | None) -> str:
+    return "default (off with prefetch, on without)" if readahead is None else ("on" if readahead else "off")
+
+
 def cold_read_table(result: dict[str, Any]) -> str:
     """The figures of :func:`cold_read_comparison` as a small text table (what the demo prints)."""
     lines = [
-        f"cold LMDB reads: {result['samples']} samples x {result['sample_bytes'] / 1e3:.0f} kB, readahead off, "
+        f"cold LMDB reads: {result['samples']} samples x {result['sample_bytes'] / 1e3:.0f} kB, "
+        f"readahead {_readahead_words(result['readahead'])}, "
         f"{result['compute_ms']:g} ms compute per sample; page cache evicted before each pass "
         f"({result['resident_after_evict']:.0%} of the file still cached)",
         f"{'per-sample data time':<32} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}",

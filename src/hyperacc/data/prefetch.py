@@ -14,8 +14,12 @@ has no such guard; FFCV uses the same event-guarded slot idea).
 
 Without CUDA (or for a non-CUDA device) it degrades to a bounded prefetch queue with the same
 semantics: order kept, at most ``slots`` batches ahead, producer exceptions re-raised in the consumer
-with their original traceback, ``close()``/early ``break`` stop the thread. Rules and defaults:
-docs/data.md.
+with their original traceback, ``close()``/early ``break`` stop the thread.
+
+The consumer's wait for each batch is its data time: while a hyper-trace tracer runs in the process
+(``hyperacc.trace.current()``), ``__next__`` adds it to the step's ``data`` phase (0 when the batch was
+ready), so a tracer that counts DataLoader fetches only on the training thread still sees the wait
+behind the prefetcher. Rules and defaults: docs/data.md.
 """
 
 from __future__ import annotations
@@ -33,6 +37,19 @@ import torch
 __all__ = ["DevicePrefetcher", "PrefetchIterator"]
 
 log = logging.getLogger(__name__)
+
+
+def _no_tracer() -> None:
+    return None
+
+
+def _tracer_lookup() -> Callable[[], Any]:
+    """``hyperacc.trace.current`` when the trace layer is importable, else a function returning None."""
+    try:
+        from hyperacc.trace import current
+    except Exception:  # noqa: BLE001 - the prefetcher works without the trace layer
+        return _no_tracer
+    return current
 
 _ALIGN = 256  # byte alignment of each tensor inside a slot (any dtype's element size divides it)
 _POLL_S = 0.05  # how often a blocked producer re-checks the stop flag
@@ -281,6 +298,7 @@ class PrefetchIterator:
         self.batches = 0
         self.waits = 0
         self.wait_ns = 0
+        self._current_tracer = _tracer_lookup()
         self._thread = threading.Thread(
             target=_produce,
             args=(self._pipe, source, stager, device, transform),
@@ -296,14 +314,19 @@ class PrefetchIterator:
         if self._done:
             raise StopIteration
         ready = self._pipe.ready
+        waited = 0
         try:
             item = ready.get_nowait()
         except queue.Empty:
             # The producer is behind: this wait is the data time the step sees.
             t0 = time.perf_counter_ns()
             item = self._wait(ready)
+            waited = time.perf_counter_ns() - t0
             self.waits += 1
-            self.wait_ns += time.perf_counter_ns() - t0
+            self.wait_ns += waited
+        tracer = self._current_tracer()
+        if tracer is not None:
+            self._report_wait(tracer, waited)
         if item is _END:
             self.close()
             raise StopIteration
@@ -319,6 +342,13 @@ class PrefetchIterator:
             self._pipe.free.put_nowait(slot)
         self.batches += 1
         return batch
+
+    def _report_wait(self, tracer: Any, waited: int) -> None:
+        try:
+            tracer.add_phase("data", waited)
+        except Exception as exc:  # noqa: BLE001 - reporting must never break the data path
+            self._current_tracer = _no_tracer
+            log.warning("hyperacc prefetch: reporting data waits to the tracer switched off: %r", exc)
 
     def _wait(self, ready: queue.Queue) -> Any:
         while True:

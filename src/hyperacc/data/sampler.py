@@ -7,7 +7,10 @@ shuffle, seed, drop_last, ``set_epoch``, wrap-around padding, identical per-rank
 takes positions ``r, r + R, r + 2R, ...``) but computes the permutation on demand: position ``p`` maps
 to ``perm(p)`` through a keyed Feistel network on ``[0, 2^b)`` (``2^b >= N``, so ``2^b < 2N``) with
 cycle walking back into ``[0, N)``. Memory is O(1) in N, the first index is immediate, and indices are
-produced in vectorised numpy blocks. The rule and its defaults are documented in docs/data.md.
+produced in vectorised numpy blocks. A Feistel network only ever makes even permutations and, for small
+N, is far from uniform over orderings, so up to ``exact_max`` indices (default 65,536: 512 KiB) the
+order is an exact seeded shuffle instead (``ExactPermutation``), with the same contract and resume. The
+rule and its defaults are documented in docs/data.md.
 
 The permutation is a pure function of ``(seed, epoch)``, so every rank computes the same one without
 communicating, and any position can be mapped forward (``index_at``) or back (``position_of``): the
@@ -26,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["FeistelPermutation", "OnDemandDistributedSampler"]
+__all__ = ["EXACT_MAX", "ExactPermutation", "FeistelPermutation", "OnDemandDistributedSampler"]
 
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
@@ -35,6 +38,7 @@ _F32_2 = 0xC2B2AE35
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 _GOLDEN = 0x9E3779B97F4A7C15
+EXACT_MAX = 1 << 16  # up to this many indices the order is an exact shuffle (docs/data.md)
 
 
 def _splitmix64(state: int) -> tuple[int, int]:
@@ -168,12 +172,60 @@ class FeistelPermutation:
         return x.astype(np.uint64, copy=False)
 
 
+class ExactPermutation:
+    """A uniformly random permutation of ``[0, n)`` for key ``key``, held in memory (8 bytes per index).
+
+    Sort order of ``n`` distinct pseudo-random 64-bit keys: key ``i`` is splitmix64's output for state
+    ``key + (i + 1) x golden``, a bijection of ``i`` (so no two keys tie), and the order of ``n``
+    distinct i.i.d. uniform keys is a uniformly random permutation: every ordering, even or odd, is
+    equally likely. Same interface as :class:`FeistelPermutation`; no numpy version changes it (the
+    keys are computed here, the sort of distinct keys has one answer)."""
+
+    def __init__(self, n: int, key: int) -> None:
+        if n < 0:
+            raise ValueError(f"permutation size must be >= 0, got {n}")
+        self.n = int(n)
+        with np.errstate(over="ignore"):
+            z = np.arange(1, self.n + 1, dtype=np.uint64)
+            z *= np.uint64(_GOLDEN)
+            z += np.uint64(key & _M64)
+            z ^= z >> np.uint64(30)
+            z *= np.uint64(_MUL1)
+            z ^= z >> np.uint64(27)
+            z *= np.uint64(_MUL2)
+            z ^= z >> np.uint64(31)
+        dtype = np.uint32 if self.n <= _M32 else np.uint64
+        self._perm = np.argsort(z, kind="stable").astype(dtype)
+        self._inv: np.ndarray | None = None
+
+    def __call__(self, position: int) -> int:
+        if not 0 <= position < self.n:
+            raise IndexError(f"position {position} outside [0, {self.n})")
+        return int(self._perm[position])
+
+    def inverse(self, value: int) -> int:
+        if not 0 <= value < self.n:
+            raise IndexError(f"value {value} outside [0, {self.n})")
+        inv = self._inv
+        if inv is None:
+            inv = np.empty_like(self._perm)
+            inv[self._perm] = np.arange(self.n, dtype=self._perm.dtype)
+            self._inv = inv
+        return int(inv[value])
+
+    def apply(self, positions: np.ndarray) -> np.ndarray:
+        """Map an array of positions (each in ``[0, n)``) to their permuted values (uint64)."""
+        return self._perm[np.asarray(positions, dtype=np.int64)].astype(np.uint64)
+
+
 class OnDemandDistributedSampler(Sampler[int]):
     """Drop-in replacement for ``DistributedSampler`` with O(1) memory and an immediate first index.
 
     Args mirror ``torch.utils.data.DistributedSampler``; ``dataset`` may also be the length itself.
     ``block_size`` is how many indices are generated per vectorised block (the first block is small
-    so the first index is immediate). ``rounds`` is the number of Feistel rounds.
+    so the first index is immediate). ``rounds`` is the number of Feistel rounds. Datasets of up to
+    ``exact_max`` indices get an exact shuffle (:class:`ExactPermutation`) instead of the Feistel
+    network; ``exact_max=0`` always uses the network.
 
     Mid-epoch resume follows torchdata's convention: ``state_dict()`` returns ``{"yielded", "epoch",
     "seed"}`` for the iteration in progress, and ``load_state_dict`` makes the next ``__iter__`` start
@@ -191,6 +243,7 @@ class OnDemandDistributedSampler(Sampler[int]):
         *,
         block_size: int = 65536,
         rounds: int = 6,
+        exact_max: int = EXACT_MAX,
     ) -> None:
         n = int(dataset) if isinstance(dataset, int | np.integer) else len(dataset)
         if n < 0:
@@ -211,6 +264,8 @@ class OnDemandDistributedSampler(Sampler[int]):
             raise ValueError(f"Invalid rank {rank}, rank should be in the interval [0, {num_replicas - 1}]")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if exact_max < 0:
+            raise ValueError(f"exact_max must be >= 0, got {exact_max}")
         self.n = n
         self.num_replicas = int(num_replicas)
         self.rank = int(rank)
@@ -219,6 +274,7 @@ class OnDemandDistributedSampler(Sampler[int]):
         self.drop_last = bool(drop_last)
         self.block_size = int(block_size)
         self.rounds = int(rounds)
+        self.exact_max = int(exact_max)
         self._shared_epoch: torch.Tensor | None = None
         self._epoch = 0
         # Same arithmetic as DistributedSampler.
@@ -227,7 +283,7 @@ class OnDemandDistributedSampler(Sampler[int]):
         else:
             self.num_samples = math.ceil(n / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
-        self._perm_cache: tuple[tuple[int, int], FeistelPermutation] | None = None
+        self._perm_cache: tuple[tuple[int, int], FeistelPermutation | ExactPermutation] | None = None
         self._resume_at: int | None = None
         self._live: _Progress | None = None
 
@@ -282,7 +338,7 @@ class OnDemandDistributedSampler(Sampler[int]):
         progress.block_stop = self.num_samples
 
     # ------------------------------------------------------------ on-demand lookups
-    def permutation(self) -> FeistelPermutation | None:
+    def permutation(self) -> FeistelPermutation | ExactPermutation | None:
         """The permutation of ``[0, N)`` for the current (seed, epoch); None when not shuffling."""
         if not self.shuffle or self.n == 0:
             return None
@@ -292,7 +348,10 @@ class OnDemandDistributedSampler(Sampler[int]):
             return cached[1]
         state, _ = _splitmix64((self.seed & _M64) ^ 0x243F6A8885A308D3)
         state, k = _splitmix64(state ^ (self.epoch & _M64))
-        perm = FeistelPermutation(self.n, k, self.rounds)
+        if self.n <= self.exact_max:
+            perm: FeistelPermutation | ExactPermutation = ExactPermutation(self.n, k)
+        else:
+            perm = FeistelPermutation(self.n, k, self.rounds)
         self._perm_cache = (key, perm)
         return perm
 

@@ -10,7 +10,13 @@ Input: ``uint8`` tensors shaped like OpenCV's YUV 4:2:0 images, ``(..., H * 3 //
 frame or any batch shape), with even ``H`` and ``W``; layouts ``nv12`` (Y plane, then interleaved U,V),
 ``nv21`` (V,U), ``i420`` (Y, U plane, V plane) and ``yv12`` (Y, V, U). Output ``(..., 3, H', W')``.
 
-Two arithmetic paths:
+Backends: on a CPU the bit-exact BT.601 limited-range conversion is OpenCV's own ``cvtColor`` when
+OpenCV is installed (``backend="auto"``, the default): its hand-vectorised kernel is many times faster
+than generic tensor operations on a CPU, and it is the result the tensor path reproduces bit for bit.
+The tensor path is for the device (and for the CPU when OpenCV is missing, or ``backend="torch"``).
+``exact=False`` on a CPU also takes OpenCV's result, which is within the float path's tolerance.
+
+Two arithmetic paths of the tensor backend:
 
 * ``exact=True`` (default): Q20 fixed-point integers. For BT.601 limited range (the default) these are
   OpenCV's own constants (``cv2.COLOR_YUV2RGB_NV12/NV21/I420/YV12``), so the result is bit-exact with
@@ -31,9 +37,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LAYOUTS", "MATRICES", "YUVToRGB", "q20_constants", "yuv_to_rgb"]
+__all__ = ["BACKENDS", "LAYOUTS", "MATRICES", "YUVToRGB", "opencv_available", "q20_constants", "yuv_to_rgb"]
 
 LAYOUTS = ("nv12", "nv21", "i420", "yv12")
+BACKENDS = ("auto", "opencv", "torch")
 MATRICES = {"bt601": (0.299, 0.114), "bt709": (0.2126, 0.0722)}  # (Kr, Kb)
 
 # OpenCV's BT.601 limited-range constants (modules/imgproc colour_yuv): 3-decimal coefficients in Q20.
@@ -154,6 +161,60 @@ def _convert(
             torch.add(y4, rows.view(b, h2, 1, w), out=planes[:, c])
 
 
+_CV2: Any = None  # the cv2 module once imported; False when it is not installed
+
+
+def opencv_available() -> bool:
+    """Is OpenCV importable (``pip install 'hyperacc[data]'``)?"""
+    global _CV2
+    if _CV2 is None:
+        try:
+            import cv2
+
+            _CV2 = cv2
+        except ImportError:
+            _CV2 = False
+    return _CV2 is not False
+
+
+def _opencv_codes() -> dict[str, int]:
+    cv2 = _CV2
+    return {"nv12": cv2.COLOR_YUV2RGB_NV12, "nv21": cv2.COLOR_YUV2RGB_NV21,
+            "i420": cv2.COLOR_YUV2RGB_I420, "yv12": cv2.COLOR_YUV2RGB_YV12}  # fmt: skip
+
+
+def _convert_opencv(flat: torch.Tensor, layout: str, h: int, w: int) -> torch.Tensor:
+    """OpenCV's conversion of each frame into one ``(B, H, W, 3)`` buffer, returned as a ``(B, 3, H, W)``
+    view (channels-last strides: the values of the tensor path, without a transposing copy)."""
+    code = _opencv_codes()[layout]
+    src = flat.contiguous().numpy()
+    hwc = torch.empty((flat.shape[0], h, w, 3), dtype=torch.uint8)
+    dst = hwc.numpy()
+    for i in range(src.shape[0]):
+        _CV2.cvtColor(src[i], code, dst=dst[i])
+    return hwc.permute(0, 3, 1, 2)
+
+
+def _use_opencv(backend: str, device: torch.device, exact: bool, matrix: str, full_range: bool) -> bool:
+    """OpenCV converts on the CPU when it computes exactly what was asked (BT.601 limited, exact)."""
+    if backend == "torch" or device.type != "cpu":
+        if backend == "opencv" and device.type != "cpu":
+            raise ValueError(f"backend='opencv' converts CPU tensors only; the frames are on {device}")
+        return False
+    # exact=False asks for the float path's accuracy (within 1 of OpenCV): OpenCV itself meets it.
+    fits = matrix == "bt601" and not full_range
+    if backend == "opencv":
+        if not opencv_available():
+            raise ValueError("backend='opencv' needs OpenCV: pip install 'hyperacc[data]' (or backend='auto')")
+        if not fits:
+            raise ValueError(
+                "backend='opencv' does only OpenCV's BT.601 limited-range conversion (matrix='bt601', "
+                "full_range=False); use backend='auto' or 'torch' for the others"
+            )
+        return True
+    return fits and opencv_available()
+
+
 def _convert_frames(y8, u8, v8, h, w, exact, coef, full_range, out, ws) -> None:
     if out.device.type != "cpu":
         _convert(y8, u8, v8, h, w, exact, coef, full_range, out, ws)
@@ -177,6 +238,7 @@ def yuv_to_rgb(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
     workspace: dict | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Convert YUV 4:2:0 frames ``(..., H*3/2, W)`` uint8 to RGB ``(..., 3, H', W')`` on their device.
 
@@ -186,6 +248,9 @@ def yuv_to_rgb(
     ``antialias``). ``dtype``: ``torch.uint8`` (0..255) or a float dtype (0..1, then ``(x-mean)/std``
     per channel when ``mean``/``std`` are given). ``workspace``: a dict in which temporaries are kept
     between calls (what :class:`YUVToRGB` does); the returned tensor is always freshly allocated.
+    ``backend``: ``"auto"`` (OpenCV for CPU frames when it computes exactly this conversion and is
+    installed, else tensor operations), ``"opencv"`` (or a ``ValueError``) or ``"torch"``. The OpenCV
+    path returns channels-last strides (same shape and values; ``.contiguous()`` for NCHW strides).
     """
     if not isinstance(frames, torch.Tensor) or frames.dtype != torch.uint8:
         raise TypeError(
@@ -195,6 +260,8 @@ def yuv_to_rgb(
         raise ValueError(f"frames must be (..., H*3/2, W), got shape {tuple(frames.shape)}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
     floating = dtype.is_floating_point
     if not floating and dtype != torch.uint8:
         raise ValueError(f"dtype must be torch.uint8 or a float dtype, got {dtype}")
@@ -214,13 +281,19 @@ def yuv_to_rgb(
     resize = size is not None and tuple(size) != (h, w)
     coef = q20_constants(matrix, full_range) if exact else _coefficients(matrix, full_range)
 
-    if exact:
-        if not resize and not floating:
+    opencv = _use_opencv(backend, device, exact, matrix, full_range)
+    if exact or opencv:
+        if opencv:
+            rgb8 = _convert_opencv(flat, layout, h, w)
+            if not resize and not floating:
+                return rgb8.reshape(*lead, 3, h, w)
+        elif not resize and not floating:
             rgb8 = torch.empty((b, 3, h, w), dtype=torch.uint8, device=device)
             _convert_frames(y8, u8, v8, h, w, True, coef, full_range, rgb8, ws)
             return rgb8.reshape(*lead, 3, h, w)
-        rgb8 = _scratch(ws, "rgb8", (b, 3, h, w), torch.uint8, device)
-        _convert_frames(y8, u8, v8, h, w, True, coef, full_range, rgb8, ws)
+        else:
+            rgb8 = _scratch(ws, "rgb8", (b, 3, h, w), torch.uint8, device)
+            _convert_frames(y8, u8, v8, h, w, True, coef, full_range, rgb8, ws)
         if resize and device.type == "cpu":
             # torch's CPU antialiased resize is fastest on uint8 channels-last (a SIMD path).
             src = rgb8.contiguous(memory_format=torch.channels_last)

@@ -12,9 +12,22 @@ ranks per step). It is vectorised over ranks and works in preallocated buffers: 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
+
+_SQRT_HALF_PI = math.sqrt(math.pi / 2)  # standard deviation / mean absolute deviation of a normal
+
+
+@functools.lru_cache(maxsize=64)
+def noise_range_factor(ranks: int) -> float:
+    """E[max - min] of ``ranks`` independent standard normals: 2 E[max] (``hyperacc.theory``)."""
+    if ranks < 2:
+        return 0.0
+    from hyperacc.theory import expected_max_normal  # scipy: imported once, when the rank count is known
+
+    return 2.0 * expected_max_normal(ranks)
 
 
 class PacingConfigError(ValueError):
@@ -29,7 +42,7 @@ class PacingConfig:
     clip: float = 3.0  # a sample moves an estimate by at most clip x its smoothed deviation ...
     clip_floor: float = 0.02  # ... or clip x this fraction of the smoothed step, whichever is larger
     warmup_steps: int = 5  # observations ignored at the start (DDP rebuilds buckets at step 1)
-    on_spread_ns: int = 1_000_000  # switch on above this smoothed spread ...
+    on_spread_ns: int = 1_000_000  # switch on above this predictable spread (beyond noise) ...
     on_spread_frac: float = 0.05  # ... and above this fraction of the smoothed step
     on_steps: int = 5  # k: for this many consecutive steps
     off_spread_ns: int = 500_000  # switch off below max(off_spread_ns, off_spread_frac x step) ...
@@ -79,6 +92,8 @@ class PacingState:
     max_delay_ns: int  # largest delay of the current plan
     steps_observed: int
     switches: int  # number of on/off transitions so far
+    predictable_ns: float = 0.0  # spread of the ranks' predicted arrivals beyond what noise alone gives
+    noise_ns: float = 0.0  # that noise-alone spread at this rank count (order statistics)
 
 
 class PacingController:
@@ -105,6 +120,9 @@ class PacingController:
         self._seen = 0  # observations counted, including warm-up
         self._spread = math.nan
         self._spread_dev = 0.0
+        self._predictable = 0.0
+        self._noise = 0.0
+        self._noise_factor = 0.0
         self._step = math.nan
         self._step_dev = 0.0
         self._plans: dict[int, np.ndarray] = {}
@@ -130,6 +148,8 @@ class PacingController:
         self._vf = np.empty(ranks, f)
         self._lead = np.empty(ranks, f)
         self._spare = [np.zeros(ranks, np.int64) for _ in range(self._PLAN_MEMORY)]
+        self._scratch = np.empty(ranks, f)
+        self._noise_factor = noise_range_factor(ranks)
         self._plans.clear()
         self._all_started = False
         self._any_invalid = False
@@ -201,13 +221,14 @@ class PacingController:
 
         # Each rank's typical arrival: running mean for the first 1/alpha samples, then a clipped EWMA.
         self._robust_vector(x, valid)
+        self._predictable_spread()
 
-        # Switching with hysteresis.
+        # Switching with hysteresis, on the predictable part of the spread only.
         on_thr, off_thr = self._thresholds()
-        if self._spread > on_thr:
+        if self._predictable > on_thr:
             self._above += 1
             self._below = 0
-        elif self._spread < off_thr:
+        elif self._predictable < off_thr:
             self._below += 1
             self._above = 0
         else:
@@ -252,6 +273,28 @@ class PacingController:
         r -= self._dev
         r *= weight
         self._dev += r
+
+    def _predictable_spread(self) -> None:
+        """docs/pacing.md, "Switching": the range of the ranks' predicted arrivals less the range that
+        N equal ranks would show from the noise of their estimates alone."""
+        cfg = self.config
+        if self._all_started or not self._any_invalid and bool((self._count > 0).all()):
+            means, devs, counts = self._mean, self._dev, self._count
+            factor = self._noise_factor
+        else:
+            known = self._count > 0
+            means, devs, counts = self._mean[known], self._dev[known], self._count[known]
+            factor = noise_range_factor(int(means.shape[0]))
+        if means.shape[0] < 2:
+            self._predictable = self._noise = 0.0
+            return
+        scratch = self._scratch[: devs.shape[0]]
+        np.copyto(scratch, devs)
+        sigma = _median_inplace(scratch) * _SQRT_HALF_PI  # one arrival's noise, from the deviations
+        weight = max(1.0 / float(counts.min()), cfg.alpha)  # a running mean, then the EWMA's weight
+        noise = factor * sigma * math.sqrt(weight / (2.0 - weight))  # E[range] of N estimates of one value
+        self._noise = noise
+        self._predictable = max(0.0, float(means.max()) - float(means.min()) - noise)
 
     def _thresholds(self) -> tuple[float, float]:
         cfg = self.config
@@ -325,6 +368,8 @@ class PacingController:
             max_delay_ns=int(self._delay.max()) if self.ranks else 0,
             steps_observed=self._observed,
             switches=self._switches,
+            predictable_ns=self._predictable,
+            noise_ns=self._noise,
         )
 
 

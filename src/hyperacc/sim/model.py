@@ -18,6 +18,7 @@ import numpy as np
 from hyperacc.pacing.controller import PacingConfig
 
 SPIKE_DISTS = ("fixed", "exp", "lognormal")
+COMM_SCALES = ("fabric", "none")
 
 
 class SimConfigError(ValueError):
@@ -125,6 +126,8 @@ class SimConfig:
     pacing: PacingConfig | None = dataclasses.field(default_factory=PacingConfig)  # None: no paced run
     slow_step_frac: float = 0.1  # a step is "slow" above (1 + this) x the baseline median
     measured_spike_frac: float = 0.5  # --from-run: a rank spikes above (1 + this) x its median compute
+    replay_block: int = 50  # --from-run: consecutive measured steps replayed together (time correlation)
+    comm_scale: str = "fabric"  # --from-run: "fabric" scales the measured transfer to the target shape, "none"
     pace_every: int = 1  # the controller observes and re-plans every k-th step (1: every step, as in a job)
 
     def __post_init__(self) -> None:
@@ -136,6 +139,8 @@ class SimConfig:
         _check("slow_step_frac", self.slow_step_frac > 0, "> 0", self.slow_step_frac)
         _check("pace_every", self.pace_every >= 1, ">= 1", self.pace_every)
         _check("measured_spike_frac", self.measured_spike_frac > 0, "> 0", self.measured_spike_frac)
+        _check("replay_block", self.replay_block >= 1, ">= 1", self.replay_block)
+        _check("comm_scale", self.comm_scale in COMM_SCALES, f"one of {', '.join(COMM_SCALES)}", self.comm_scale)
 
     @property
     def ranks(self) -> int:
@@ -322,21 +327,40 @@ def burst_factor_rows(starts: np.ndarray, cost: EarlyArrivalCost) -> np.ndarray:
 
 @dataclasses.dataclass
 class MeasuredRun:
-    """Per-rank compute samples and per-step collective times read from a run directory."""
+    """A traced run as the replay needs it: every measured rank's compute and wait at every measured
+    step (``[ranks, steps]``, NaN where a rank has no record). A step's transfer time (``comm_ns``) is
+    the wait of its last arrival, the rank with the most compute (the smallest wait when that rank's
+    wait is missing)."""
 
     path: str
-    compute_ns: list[np.ndarray]  # one array per measured rank
-    comm_ns: np.ndarray  # per step: the smallest wait over ranks (the last arrival's) = the transfer
+    compute: np.ndarray  # [measured rank, step] ns; NaN = not recorded
+    wait: np.ndarray  # [measured rank, step] ns; NaN = not recorded
     ranks: int
     steps: int
     nodes: int = 1
+    first_step: int = 0
+
+    @property
+    def comm_ns(self) -> np.ndarray:
+        """Per measured step: the last arrival's wait (NaN when no rank measured one)."""
+        filled = np.where(np.isfinite(self.compute), self.compute, -np.inf)
+        last = filled.argmax(axis=0)
+        comm = self.wait[last, np.arange(self.wait.shape[1])]
+        with np.errstate(all="ignore"):
+            fallback = np.nanmin(np.where(np.isfinite(self.wait), self.wait, np.nan), axis=0) if self.wait.size else comm
+        return np.where(np.isfinite(comm), comm, fallback)
+
+    @property
+    def compute_ns(self) -> list[np.ndarray]:
+        """Each measured rank's recorded compute samples."""
+        return [row[np.isfinite(row)] for row in self.compute]
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike, skip_steps: int = 5) -> MeasuredRun:
         """Read ``self_ns`` (plus the time after the collective, when recorded) of every rank.
 
         Compute of a step = self_ns + max(0, step_ns - self_ns - comm_wait_ns - pace_delay_ns); the first
-        ``skip_steps`` steps (start-up) are left out.
+        ``skip_steps`` steps (start-up) are left out. Steps are aligned across ranks by their index.
         """
         from hyperacc.store import RunDirError, read_steps
 
@@ -359,17 +383,16 @@ class MeasuredRun:
             np.isfinite(step_ns) & np.isfinite(wait_ns), step_ns - self_ns - wait_ns - delay_ns, 0.0
         )
         compute = self_ns + np.maximum(post, 0.0)
-        ranks = sorted(set(rank[keep].tolist()))
-        samples = [compute[keep & (rank == r)] for r in ranks]
-        waits = np.where(keep & np.isfinite(wait_ns), wait_ns, np.inf)
+        ranks = np.array(sorted(set(rank[keep].tolist())))
         steps_kept = np.unique(step[keep])
-        comm = np.full(steps_kept.size, np.inf)
-        np.minimum.at(comm, np.searchsorted(steps_kept, step[keep]), waits[keep])
-        comm = comm[np.isfinite(comm)]
+        row = np.searchsorted(ranks, rank[keep])
+        col = np.searchsorted(steps_kept, step[keep])
+        matrix = np.full((ranks.size, steps_kept.size), np.nan)
+        matrix[row, col] = compute[keep]
+        waits = np.full((ranks.size, steps_kept.size), np.nan)
+        waits[row, col] = wait_ns[keep]
         nodes = len(set(np.asarray(cols["node"])[keep].tolist()))
-        return cls(
-            str(run_dir), samples, comm if comm.size else np.zeros(1), len(ranks), int(steps_kept.size), nodes
-        )
+        return cls(str(run_dir), matrix, waits, int(ranks.size), int(steps_kept.size), nodes, int(steps_kept[0]))
 
     def spike_threshold(self, frac: float) -> list[float]:
         """Per measured rank: a step is a spike above (1 + frac) x that rank's median compute."""
@@ -386,6 +409,18 @@ class MeasuredRun:
             ]
         )
 
+    def replayable(self) -> tuple[np.ndarray, np.ndarray]:
+        """The measured steps every rank recorded: ``(compute [ranks, steps], comm [steps])``; a step
+        without a measured wait gets the median transfer."""
+        full = np.isfinite(self.compute).all(axis=0)
+        if not full.any():
+            from hyperacc.store import RunDirError
+
+            raise RunDirError(f"{self.path}: no step was recorded by every rank; it cannot be replayed")
+        comm = self.comm_ns[full]
+        fill = float(np.nanmedian(comm)) if np.isfinite(comm).any() else 0.0
+        return self.compute[:, full], np.where(np.isfinite(comm), comm, fill)
+
 
 def measured_rank_map(cfg: SimConfig, measured_ranks: int) -> np.ndarray:
     """Measured rank standing in for each simulated rank, slot-major ``[slot, node]``: rank % measured."""
@@ -394,23 +429,44 @@ def measured_rank_map(cfg: SimConfig, measured_ranks: int) -> np.ndarray:
     return rank % measured_ranks
 
 
-def draw_measured_compute(
-    rng: np.random.Generator, cfg: SimConfig, run: MeasuredRun, steps: int, spike_frac: float
-) -> tuple[np.ndarray, np.ndarray]:
-    """Resample each simulated rank's compute from its measured rank's samples (i.i.d. bootstrap).
+def replica_map(cfg: SimConfig, measured_ranks: int) -> np.ndarray:
+    """Which copy of the measured job each simulated rank belongs to, slot-major: rank // measured."""
+    g, n = cfg.gpus_per_node, cfg.nodes
+    rank = np.arange(n)[None, :] * g + np.arange(g)[:, None]
+    return rank // measured_ranks
 
-    A step counts as spiked when some rank's draw exceeds (1 + spike_frac) x its measured rank's median.
+
+def block_steps(rng: np.random.Generator, total: int, length: int, count: int, start: int) -> np.ndarray:
+    """Measured step indices for ``count`` simulated steps: runs of ``length`` consecutive measured
+    steps from random starting points (a moving-block bootstrap), continuing a run across chunks from
+    ``start`` (the simulated step of the chunk's first row)."""
+    length = max(1, min(length, total))
+    first_block = start // length
+    last_block = (start + count - 1) // length
+    starts = rng.integers(0, total - length + 1, last_block - first_block + 1)
+    offsets = np.arange(start, start + count)
+    return starts[offsets // length - first_block] + offsets % length
+
+
+def draw_measured_compute(
+    rng: np.random.Generator, cfg: SimConfig, run: MeasuredRun, first_step: int, steps: int, spike_frac: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Replay measured steps: ``(compute [step, slot, node] ns, spiked [step], comm [step] ns)``.
+
+    Each copy of the measured job (simulated ranks ``k*M .. k*M + M-1``) replays whole measured steps,
+    every rank at the same measured step, in blocks of ``cfg.replay_block`` consecutive steps; copies
+    draw their blocks independently. The transfer is the measured one of copy 0's step. A step counts as
+    spiked when some rank exceeds (1 + spike_frac) x its measured rank's median.
     """
-    samples = run.samples_nonempty()
-    width = max(s.size for s in samples)
-    table = np.full((len(samples), width), np.nan, np.float32)
-    for m, s in enumerate(samples):
-        table[m, : s.size] = s
-    counts = np.array([s.size for s in samples], np.float64)
+    compute, comm = run.replayable()
+    total = compute.shape[1]
+    which = measured_rank_map(cfg, run.ranks)  # [slot, node]
+    replica = replica_map(cfg, run.ranks)
+    copies = int(replica.max()) + 1
+    # one independent stream per copy, seeded by the chunk's stream: copies never share a block sequence
+    idx = np.stack([block_steps(np.random.default_rng([int(rng.integers(1 << 62)), k]), total, cfg.replay_block,
+                                steps, first_step) for k in range(copies)])  # fmt: skip
+    out = compute[which[None], idx[replica[None], np.arange(steps)[:, None, None]]].astype(np.float32)
     thresholds = np.array(run.spike_threshold(spike_frac), np.float32)
-    which = measured_rank_map(cfg, len(samples))  # [slot, node]
-    u = rng.random((steps, *which.shape))
-    idx = (u * counts[which][None]).astype(np.int64)
-    out = table[which[None], idx]
     spiked = (out > thresholds[which][None]).reshape(steps, -1).any(axis=1)
-    return out, spiked
+    return out, spiked, comm[idx[0]]

@@ -98,13 +98,53 @@ def _chunk_steps(cfg: SimConfig) -> int:
     return max(8, min(cfg.steps, CHUNK_ELEMENTS // cfg.ranks))
 
 
-def _comm_scale(cfg: SimConfig, measured: MeasuredRun) -> float:
-    """Fabric model's ratio between the target shape and the measured one (1 when it cannot tell)."""
+def comm_scale(cfg: SimConfig, measured: MeasuredRun) -> float:
+    """The factor applied to the measured transfer: the fabric model's ratio between the target shape
+    and the measured one (1 at the measured shape, with ``comm_scale="none"``, or when it cannot tell)."""
+    if cfg.comm_scale == "none":
+        return 1.0
     mnodes = max(1, measured.nodes)
     mgpus = max(1, measured.ranks // mnodes)
+    if (mnodes, mgpus) == (cfg.nodes, cfg.gpus_per_node):
+        return 1.0
     here = float(allreduce_ns(cfg.fabric, mnodes, mgpus))
     there = float(allreduce_ns(cfg.fabric, cfg.nodes, cfg.gpus_per_node))
     return there / here if here > 0 and there > 0 else 1.0
+
+
+def replay_assumptions(cfg: SimConfig, measured: MeasuredRun) -> list[str]:
+    """Every assumption a trace-driven simulation applies, in words (``hyperacc simulate`` prints them)."""
+    m, ranks = measured.ranks, cfg.ranks
+    copies = -(-ranks // m)
+    f = cfg.fabric
+    scale = comm_scale(cfg, measured)
+    out = [
+        f"measured: {m} ranks on {measured.nodes} node(s), {measured.steps} steps from {measured.path} "
+        "(start-up steps left out)",
+        "compute of a rank in a step = self-time + time after the collective (wait and pacing delay excluded)",
+        f"replay: simulated rank r replays measured rank r mod {m}; {copies} cop{'y' if copies == 1 else 'ies'} "
+        f"of the measured job; within a copy every rank replays the same measured step (cross-rank "
+        f"correlation kept), in runs of {cfg.replay_block} consecutive steps (over-time correlation kept "
+        "within a run); copies draw their runs independently",
+        "compute does not change with scale: no contention between more ranks per node is modelled",
+    ]
+    if scale == 1.0:
+        why = "the measured shape" if cfg.comm_scale == "fabric" else "--comm-scale none"
+        out.append(f"all-reduce: the measured transfer of the replayed step (copy 0), unscaled ({why})")
+    else:
+        out.append(
+            f"all-reduce: the measured transfer x {scale:.3g}, the fabric model's ratio between "
+            f"{cfg.nodes} x {cfg.gpus_per_node} and {measured.nodes} x {measured.ranks // max(1, measured.nodes)} "
+            f"(exposed {f.exposed_mb:g} MB, intra {f.intra_gbps:g} GB/s, inter {f.inter_gbps:g} GB/s, "
+            f"{f.nodes_per_leaf} nodes per leaf, oversubscription {f.oversubscription:g}); --comm-scale none keeps it"
+        )
+    c = cfg.cost
+    if c.spin_cost or c.burst_cost:
+        out.append(f"early-arrival cost on top of the replay: spin {c.spin_cost:g}, sleep {c.sleep_cost:g}, "
+                   f"burst {c.burst_cost:g}")  # fmt: skip
+    out.append(f"spike: a rank's step above (1 + {cfg.measured_spike_frac:g}) x its measured median; theory "
+               "column = 1 - prod(1 - each simulated rank's measured spike rate)")  # fmt: skip
+    return out
 
 
 def simulate(
@@ -128,7 +168,7 @@ def simulate(
     spiked = np.empty(steps, bool)
     on_steps = 0
     delay_sum = 0.0
-    comm_scale = _comm_scale(cfg, measured) if measured is not None else 1.0
+    scale = comm_scale(cfg, measured) if measured is not None else 1.0
     writer = _RunWriter(write_run, cfg, with_pacing=ctl is not None) if write_run is not None else None
     chunk = _chunk_steps(cfg)
     cost = cfg.cost
@@ -142,8 +182,8 @@ def simulate(
             C, sp = draw_compute(rng, cfg, t0, T, offsets)
             comm = draw_comm(rng, cfg, T)
         else:
-            C, sp = draw_measured_compute(rng, cfg, measured, T, cfg.measured_spike_frac)
-            comm = measured.comm_ns[rng.integers(0, measured.comm_ns.size, T)] * comm_scale
+            C, sp, comm = draw_measured_compute(rng, cfg, measured, t0, T, cfg.measured_spike_frac)
+            comm = comm * scale
         spiked[t0 : t0 + T] = sp
 
         # Without pacing: vectorised over the chunk.

@@ -230,29 +230,43 @@ def _flat(cores: Sequence[Core]) -> tuple[int, ...]:
     return tuple(sorted({c for core in cores for c in core}))
 
 
+MIN_MAIN_CORES = 2  # the main process keeps at least this many cores when the share has more than one
+
+
+def main_core_count(share: int, workers: int, main_cores: int | None) -> int:
+    """Cores the main process keeps out of a share of ``share`` cores with ``workers`` workers.
+
+    ``main_cores`` when given (at most ``share - 1``); else one core per worker and the rest to the
+    main process, but never fewer than ``MIN_MAIN_CORES`` (it runs the step, its intra-op threads and
+    the loader's pin-memory thread); the whole share without workers, and everyone shares a single core."""
+    if workers == 0 or share <= 1:
+        return share
+    if main_cores is not None:
+        return max(1, min(main_cores, share - 1))
+    return max(min(MIN_MAIN_CORES, share - 1), share - workers)
+
+
 def _split_share(
     share: Sequence[Core], workers: int, main_cores: int | None, warnings: list[str], local_rank: int
 ) -> tuple[list[Core], list[list[Core]]]:
-    """Main cores first, then one or more distinct cores per worker; sharing only when short."""
+    """Main cores first, then the rest divided among the workers with no core left idle: contiguous
+    blocks whose sizes differ by at most one, or, with more workers than cores, each core shared by
+    workers in contiguous runs."""
     n = len(share)
     if workers == 0:
         return list(share), []
-    if main_cores is not None and 1 <= main_cores < n:
-        main, rest = list(share[:main_cores]), list(share[main_cores:])
-    elif n > workers:
-        main, rest = list(share[: n - workers]), list(share[n - workers :])
-    elif n == 1:
+    if n == 1:
         warnings.append(
             f"local rank {local_rank}: 1 core for the main process and {workers} workers; they share it"
         )
         return list(share), [list(share) for _ in range(workers)]
-    else:
-        main, rest = list(share[:1]), list(share[1:])
-    if len(rest) >= workers:
-        per = len(rest) // workers
-        return main, [rest[w * per : (w + 1) * per] for w in range(workers)]
-    warnings.append(f"local rank {local_rank}: {workers} workers on {len(rest)} cores; workers share cores")
-    return main, [[rest[w % len(rest)]] for w in range(workers)]
+    m = main_core_count(n, workers, main_cores)
+    main, rest = list(share[:m]), list(share[m:])
+    r = len(rest)
+    if r >= workers:
+        return main, [rest[w * r // workers : (w + 1) * r // workers] for w in range(workers)]
+    warnings.append(f"local rank {local_rank}: {workers} workers on {r} cores; workers share cores")
+    return main, [[rest[w * r // workers]] for w in range(workers)]
 
 
 def _classify(allowed: set[int], topo: Topology) -> str:
@@ -499,17 +513,28 @@ def apply_binding(binding: RankBinding, *, set_threads: bool = True, memory: boo
 
 
 def format_plan(plan: AffinityPlan) -> str:
-    """A plain-text table of the plan (the CLI prints a richer one)."""
-    lines = [
-        f"nproc={plan.nproc} workers_per_rank={plan.workers_per_rank} allowed={format_cpulist(plan.allowed)} "
-        f"inherited={plan.inherited}"
-    ]
-    for r in plan.ranks:
-        gpu = f"gpu{r.gpu.index}@{r.gpu.bus_id}" if r.gpu else "-"
-        workers = " ".join(format_cpulist(w) for w in r.worker_cpus) or "-"
-        lines.append(
-            f"rank {r.local_rank}: {gpu} node={r.numa_node if r.numa_node is not None else '?'} "
-            f"main={format_cpulist(r.main_cpus)} threads={r.threads} workers={workers}"
+    """The plan as a plain-text table (what ``hyperacc affinity --show`` prints)."""
+    nodes = ", ".join(f"node{n}: {format_cpulist(c)}" for n, c in sorted(plan.numa_nodes.items()))
+    header = ("rank", "GPU", "PCI bus id", "node", "main CPUs", "threads", "worker CPUs")
+    rows = [
+        (
+            str(r.local_rank),
+            "-" if r.gpu is None else str(r.gpu.index),
+            "-" if r.gpu is None else r.gpu.bus_id,
+            "?" if r.numa_node is None else str(r.numa_node),
+            format_cpulist(r.main_cpus) + (" (shared)" if r.shared else ""),
+            str(r.threads),
+            " | ".join(format_cpulist(w) for w in r.worker_cpus) or "-",
         )
+        for r in plan.ranks
+    ]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    lines = [
+        f"NUMA nodes: {nodes}",
+        f"allowed CPUs: {format_cpulist(plan.allowed)}  (inherited mask: {plan.inherited})  "
+        f"ranks: {plan.nproc}  workers/rank: {plan.workers_per_rank}",
+        "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip(),
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     lines.extend(f"warning: {w}" for w in plan.warnings)
     return "\n".join(lines)

@@ -1,0 +1,49 @@
+"""Ranks with ``gc={"interval": "auto"}``: they calibrate, agree on one interval through the c10d store,
+and after rank 1 starts making much more cyclic garbage, agree on a shorter one. Every rank must hold
+the same plan and collect at the same steps."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hyperacc import harness
+from hyperacc.stabilize import stabilize
+
+STEPS = 400
+HEAVY_FROM = 150  # rank 1 makes 50k cycles per step from here (the first plan is agreed by then)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    stab = stabilize(
+        gc={"interval": "auto", "pause_budget_ms": 20, "max_interval": 20, "calibration_steps": 10,
+            "valve": False, "valve_poll_s": 0.02, "valve_lead_s": 0.5},
+        memory=False, allocator=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(32, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32)
+    for step in range(STEPS):
+        if rank == 1 and step >= HEAVY_FROM:
+            for _ in range(50_000):  # reference cycles: only a collection frees them
+                a: list = []
+                a.append(a)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        time.sleep(0.003)
+        stab.step(step)
+    summary = stab.close()
+    harness.write_result({"records": stab.records, "summary": summary})
+    harness.finish()
+
+
+if __name__ == "__main__":
+    main()
