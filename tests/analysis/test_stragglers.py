@@ -117,9 +117,25 @@ def test_gc_time_per_step_and_a_zero_median():
     self_ms = noisy(8, 10)
     gc = np.zeros((8, 10))
     gc[7] = 8.0  # 8 ms of GC in every step of ~100 ms, the others none
+    self_ms[7] += 8.0  # the rank's own time shows it
     (s,) = detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions())
     assert (s.rank, s.kind) == (7, "gc") and s.slowdown is None and s.excess_ns == 8 * MS
     gc[7] = 2.0  # 2 % of the step: real, but not material
+    self_ms[7] -= 6.0
+    assert detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions()) == []
+
+
+def test_a_part_that_grows_while_the_own_time_stays_normal_is_no_straggler():
+    # the DDP backward measured to the last bucket launch picks up contention in the collective: 2-3x
+    # on one rank while its self-time is the cluster's (seen on clean jobs of a loaded 2-core host)
+    self_ms = noisy(4, 8, base=30.0, sd=0.3)
+    cols = windows(self_ms)
+    bwd = 1.0 + 0.05 * np.random.default_rng(5).standard_normal((4, 8))
+    bwd[1] *= 3.0
+    cols["backward_ns_median"] = bwd[cols["rank"], cols["window"]] * MS
+    assert detect_stragglers(cols, DetectionOptions()) == []
+    gc = np.zeros((4, 8))
+    gc[2] = 5.0  # GC time per step that does not lengthen the rank's own time
     assert detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions()) == []
 
 
@@ -142,24 +158,29 @@ def test_rare_long_gc_pauses_are_spikes_not_a_gc_straggler():
     self_ms = noisy(8, 10)
     gc = np.zeros((8, 10))
     gc[7] = 8.0  # one 400 ms pause per 50-step window: 8 ms per step on average
-    cols = windows(self_ms, gc_ms=gc)
-    assert [s.rank for s in detect_stragglers(cols, DetectionOptions())] == [
-        7
-    ]  # WINDOW_SCHEMA alone: the mean
+    busy = self_ms.copy()
+    busy[7] += 8.0  # WINDOW_SCHEMA alone: the mean, and the step less the wait grew by as much
+    cols = windows(busy, gc_ms=gc)
+    assert [s.rank for s in detect_stragglers(cols, DetectionOptions())] == [7]
     cols["gc_ns_median"] = np.zeros(len(cols["rank"]))  # the typical step collects nothing
+    typical = self_ms[cols["rank"], cols["window"]] * MS  # and its typical step is normal
+    cols["busy_ns_median"] = cols["self_ns_median"] = typical
     assert detect_stragglers(cols, DetectionOptions()) == []
 
 
-def test_a_slow_forward_is_a_compute_straggler_even_when_the_total_hides_it():
+def test_a_slow_forward_is_a_compute_straggler_when_the_own_time_shows_it():
     rng = np.random.default_rng(3)
-    self_ms = 100 + 12 * rng.standard_normal((4, 10))  # a noisy host: the totals overlap
-    cols = windows(self_ms)
+    self_ms = 100 + 2 * rng.standard_normal((4, 10))
     fwd = 30 + 1.0 * rng.standard_normal((4, 10))
     fwd[1] += 12  # rank 1's forward is 40 % slower, 12 % of the step
+    self_ms[1] += 12
+    cols = windows(self_ms)
     cols["forward_ns_median"] = fwd[cols["rank"], cols["window"]] * MS
     (s,) = detect_stragglers(cols, DetectionOptions())
-    assert (s.rank, s.kind, s.metric) == (1, "compute", "forward_ns")
+    assert (s.rank, s.kind) == (1, "compute") and "forward_ns" in s.metrics
     fwd[1] -= 9  # +3 ms: 10 % of the forward but 3 % of the step, not material
+    self_ms[1] -= 9
+    cols = windows(self_ms)
     cols["forward_ns_median"] = fwd[cols["rank"], cols["window"]] * MS
     assert detect_stragglers(cols, DetectionOptions()) == []
 

@@ -1,0 +1,110 @@
+"""Rank-specific causes: a rank whose spikes of one cause are far above the host-wide noise floor.
+
+On a busy host every rank spikes now and then (a scheduler slice lost, another job's burst); those
+spikes are the floor that all ranks share. An intermittent culprit (a rank that stalls in data loading
+on 2 % of its steps) hides among them when spikes are only counted per cluster. This rule compares each
+rank's rate of each cause with the other ranks' pooled rate of the same cause (docs/detection.md,
+"Rank-specific causes"):
+
+    P(Binomial(n_r, q) >= k_r) < top_alpha / (ranks x causes)   with q = (K_o + 1) / (N_o + 2)
+    AND k_r / n_r >= excess_ratio x q   AND k_r >= excess_min_spikes
+
+``k_r`` of ``n_r`` judged steps of the rank spiked with that cause; the other ranks together had
+``K_o`` in ``N_o`` (``q`` is their rate with one pseudo-spike, so a cause no other rank shows still
+needs several spikes to stand out). Pure: counts in, findings out; offline and live use it alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hyperacc.analysis.options import DetectionOptions
+
+
+@dataclasses.dataclass
+class RankExcess:
+    rank: int
+    node: int
+    cause: str
+    spikes: int  # spikes of this cause on the rank
+    steps: int  # the rank's judged steps
+    rate: float  # spikes / steps
+    others_rate: float  # the other ranks' pooled rate of the same cause
+    mean_excess_ns: float  # the average time one of these spikes lost
+    time_lost_ns: float  # all of them together
+    p_value: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def rank_excess(
+    ranks: Sequence[int],
+    nodes: Sequence[int],
+    steps: Sequence[float],
+    counts: Mapping[str, Sequence[float]],
+    lost: Mapping[str, Sequence[float]],
+    opts: DetectionOptions,
+) -> list[RankExcess]:
+    """Per rank and cause, the spikes that stand out from the other ranks' floor (module docstring).
+
+    ``steps[i]`` are rank ``ranks[i]``'s judged steps; ``counts[cause][i]`` its spikes of that cause and
+    ``lost[cause][i]`` the time they lost. Needs two ranks or more; sorted by time lost."""
+    if opts.top_alpha <= 0:
+        return []
+    from scipy.stats import binom
+
+    n = np.asarray(steps, dtype=np.float64)
+    if n.size < 2:
+        return []
+    tests = n.size * max(len(counts), 1)
+    out: list[RankExcess] = []
+    for cause, raw in counts.items():
+        k = np.nan_to_num(np.asarray(raw, dtype=np.float64))
+        lost_c = np.nan_to_num(np.asarray(lost.get(cause, np.zeros(n.size)), dtype=np.float64))
+        k_all, n_all = k.sum(), n.sum()
+        for i in range(n.size):
+            if n[i] <= 0 or k[i] < opts.excess_min_spikes:
+                continue
+            others_k, others_n = k_all - k[i], n_all - n[i]
+            q = (others_k + 1.0) / (others_n + 2.0)
+            rate = k[i] / n[i]
+            if rate < opts.excess_ratio * q:
+                continue
+            p = float(binom.sf(k[i] - 1, n[i], q))
+            if p >= opts.top_alpha / tests:
+                continue
+            out.append(
+                RankExcess(
+                    rank=int(ranks[i]), node=int(nodes[i]), cause=str(cause), spikes=int(k[i]), steps=int(n[i]),
+                    rate=float(rate), others_rate=float(others_k / others_n) if others_n > 0 else 0.0,
+                    mean_excess_ns=float(lost_c[i] / k[i]), time_lost_ns=float(lost_c[i]), p_value=p,
+                )  # fmt: skip
+            )
+    return sorted(out, key=lambda e: (-e.time_lost_ns, e.rank))
+
+
+def excess_from_windows(windows: Mapping[str, np.ndarray], causes: Sequence[str], opts: DetectionOptions) -> list[RankExcess]:
+    """``rank_excess`` over window summaries (``judged_steps``, ``spikes_<cause>``, ``lost_ns_<cause>``
+    summed per rank): the live detector's history and the offline summaries alike."""
+    if "judged_steps" not in windows or len(windows["rank"]) == 0:
+        return []
+    rank = np.asarray(windows["rank"], dtype=np.int64)
+    ranks, ri = np.unique(rank, return_inverse=True)
+    nodes = np.zeros(ranks.size, dtype=np.int64)
+    nodes[ri] = np.asarray(windows["node"], dtype=np.int64)
+
+    def per_rank(name: str) -> np.ndarray:
+        v = np.nan_to_num(np.asarray(windows[name], dtype=np.float64))
+        return np.bincount(ri, weights=v, minlength=ranks.size)
+
+    judged = np.asarray(windows["judged_steps"], dtype=np.float64)
+    if np.isnan(judged).all():
+        return []
+    counts = {c: per_rank(f"spikes_{c}") for c in causes if f"spikes_{c}" in windows}
+    lost = {c: per_rank(f"lost_ns_{c}") for c in causes if f"lost_ns_{c}" in windows}
+    return rank_excess(ranks, nodes, per_rank("judged_steps"), counts, lost, opts)
