@@ -60,6 +60,7 @@ class Diagnosis:
     ranks_analyzed: int = 0
     schema_version: int = SCHEMA_VERSION
     rank_causes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # analysis.excess
+    episodes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # stragglers that recovered
     windows_judged: int = 0  # windows in which the straggler rules could compare enough ranks
     steps_per_rank: int = 0  # the most steps any rank recorded (warm-up included)
 
@@ -82,6 +83,7 @@ class Diagnosis:
                 "causes": [dict(c) for c in self.causes],
                 "projection": self.projection,
                 "rank_causes": [dict(e) for e in self.rank_causes],
+                "episodes": [dict(e) for e in self.episodes],
                 "windows_judged": self.windows_judged,
                 "steps_per_rank": self.steps_per_rank,
                 "options": dict(self.options),
@@ -141,15 +143,30 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"The other ranks waited for {who} in {percent(share)} of the flagged steps "
                 f"({percent(chance)} by chance)."
             )
+    if d.episodes:
+        sentences.append(
+            "Earlier, "
+            + "; ".join(
+                f"rank {e['rank']} was slow from step {e['since_step']} to {e['until_step']} "
+                f"({_metric(e['metric'])} {_ratio(e['slowdown'])})"
+                for e in d.episodes[:3]
+            )
+            + (", then recovered." if len(d.episodes) == 1 else ", each then recovered.")
+        )
     excess = d.rank_causes or []
     if excess:
-        sentences.append(_sentence("; ".join(_excess_phrase(e) for e in excess[:3])))
-    too_short = not d.stragglers and d.ranks_analyzed >= min_ranks and d.windows_judged < opts.get("persist_k", 3)
+        sentences.append(_sentence("; ".join(excess_phrase(e) for e in excess[:3])))
+    too_short = (
+        not d.stragglers and not d.episodes and d.ranks_analyzed >= min_ranks
+        and d.windows_judged < opts.get("persist_k", 3)
+    )
     if too_short:
         sentences.append(_too_short(d))
     if not cluster.get("steps") and not d.stragglers:
         verdict = "Nothing to judge yet: " + _nothing_judged(d) + "." + (" " + _too_short(d) if too_short else "")
-    elif d.stragglers or excess or too_short:
+    elif d.stragglers or excess or too_short or d.episodes:
+        if not d.stragglers and not too_short:
+            sentences.insert(0, "No straggler at the end of the run.")
         if rate >= spike_verdict_rate and top_cause:
             sentences.append(f"Separately, {percent(rate)} of steps spiked on some rank, mostly from {top_cause}.")
         verdict = " ".join(sentences)
@@ -171,7 +188,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             f"(stragglers are not judged with {d.ranks_analyzed} rank(s))."
         )
 
-    for s in d.stragglers[:10]:
+    for s in (d.stragglers + d.episodes)[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
             f"rank {s['rank']} (node {s['node']}): {_metric(s['metric'])} {_ratio(s['slowdown'])} the cluster "
@@ -190,7 +207,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"; it waits {_ms(s['comm_wait_ns'])} in the collective against {_ms(s['cluster_comm_wait_ns'])} "
                 "for the median rank: it is the culprit, the others are victims"
             )
-        basis = _basis(s)
+        basis = basis_phrase(s)
         if basis:
             line += f"; {basis}"
         evidence.append(line)
@@ -310,7 +327,7 @@ def _straggler_phrase(s: dict[str, Any]) -> str:
     )
 
 
-def _excess_phrase(e: dict[str, Any]) -> str:
+def excess_phrase(e: dict[str, Any]) -> str:
     return (
         f"rank {e['rank']} (node {e['node']}) {_EXCESS_WORDS.get(e['cause'], e['cause'] + ' spikes')} on "
         f"{percent(e['rate'])} of its steps ({percent(e['others_rate'])} on the other ranks), "
@@ -318,7 +335,7 @@ def _excess_phrase(e: dict[str, Any]) -> str:
     )
 
 
-def _basis(s: dict[str, Any]) -> str:
+def basis_phrase(s: dict[str, Any]) -> str:
     basis, share = s.get("kind_basis"), s.get("cpu_share")
     if basis == "cpu_time" and share is not None:
         if s.get("rank_kind", s["kind"]) == "host" or share < 0.5:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.robust import binom_sf
 
 
 @dataclasses.dataclass
@@ -56,8 +57,6 @@ def rank_excess(
     ``lost[cause][i]`` the time they lost. Needs two ranks or more; sorted by time lost."""
     if opts.top_alpha <= 0:
         return []
-    from scipy.stats import binom
-
     n = np.asarray(steps, dtype=np.float64)
     if n.size < 2:
         return []
@@ -75,7 +74,7 @@ def rank_excess(
             rate = k[i] / n[i]
             if rate < opts.excess_ratio * q:
                 continue
-            p = float(binom.sf(k[i] - 1, n[i], q))
+            p = float(binom_sf(k[i], n[i], q))
             if p >= opts.top_alpha / tests:
                 continue
             out.append(

@@ -24,9 +24,9 @@ import numpy as np
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
+from hyperacc.analysis.excess import rank_excess
 from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.projection import project
-from hyperacc.analysis.excess import rank_excess
 from hyperacc.analysis.spikes import communication_spikes, judge_spikes, wilson_interval
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
 from hyperacc.analysis.windows import RANK_CAUSES, concat_windows, summarize_windows
@@ -190,7 +190,10 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
     summaries = concat_windows(windows)
     windows.clear()
     _add_culprits(summaries, cluster, opts.window_steps)
-    stragglers = [s.to_dict() for s in detect_stragglers(summaries, opts)]
+    found = detect_stragglers(summaries, opts)
+    # A straggler is what is still slow at the end; one that recovered is an episode of the run.
+    stragglers = [s.to_dict() for s in found if s.active]
+    episodes = [s.to_dict() for s in found if not s.active]
     windows_judged = judged_windows(summaries, opts)
     del summaries
     rank_causes = [
@@ -250,6 +253,7 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
         options=dataclasses.asdict(opts),
         ranks_analyzed=len(findings),
         rank_causes=rank_causes,
+        episodes=episodes,
         windows_judged=windows_judged,
         steps_per_rank=max((int(f.steps_seen) for f in findings), default=0),
     )

@@ -36,12 +36,12 @@ import numpy as np
 import pyarrow as pa
 
 from hyperacc.analysis.options import METRIC_KIND, STRAGGLER_METRICS, DetectionOptions
-from hyperacc.analysis.robust import MAD_Z, loo_upper_fence, modified_z, nan_median
+from hyperacc.analysis.robust import binom_sf, loo_upper_fence, modified_z, nan_median
 
-# When a rank is slow on several metrics, one names the kind. Data and GC are parts of the step that
-# explain a slow self-time; the launch probe is timed outside the step, so it names the kind only when
-# nothing inside the step is slow.
-_KIND_PRIORITY: tuple[str, ...] = ("data_ns", "gc_ns", "self_ns", "forward_ns", "backward_ns", "launch_ns")
+# When a rank is slow on several metrics, one names the kind. A slow launch path lengthens everything the
+# host launches (data collation, forward), while a data or compute problem leaves the probe alone, so
+# the probe names the kind first; data and GC are parts of the step that explain a slow self-time.
+_KIND_PRIORITY: tuple[str, ...] = ("launch_ns", "data_ns", "gc_ns", "self_ns", "forward_ns", "backward_ns")
 # Parts of the rank's own time, and the whole each must show in: data, forward and backward happen
 # before the gradient collective (inside the self-time of either tracer generation); a GC pause can
 # happen anywhere, also after the collective, so it must show in the busy time (step less wait).
@@ -222,34 +222,46 @@ def slowest_flags(
 
 
 def top_confirmation(
-    top: np.ndarray, judged: np.ndarray, opts: DetectionOptions, p_one: np.ndarray | None = None
+    top: np.ndarray,
+    judged: np.ndarray,
+    opts: DetectionOptions,
+    p_one: np.ndarray | None = None,
+    eligible: np.ndarray | None = None,
 ) -> tuple[int, int, bool] | None:
     """Rank-order persistence (docs/detection.md): a rank (or node) that is the slowest in so many
     windows that exchangeable ranks would rarely do it, P(Binomial(w, p) >= count) < ``top_alpha`` over
     its first ``w`` judged windows. ``p`` is 1/R (R the ranks judged per window) unless ``p_one`` gives
-    each window's chance. Returns (confirm_window, since_window, active)."""
+    each window's chance and ``eligible`` the windows judged. Returns (confirm_window, since_window,
+    active)."""
     if opts.top_alpha <= 0:
         return None
-    from scipy.stats import binom
-
-    ranks_per_window = judged.sum(axis=0).astype(np.float64)
-    cols = np.flatnonzero(ranks_per_window >= opts.min_ranks)
+    if eligible is None:
+        ranks_per_window = judged.sum(axis=0).astype(np.float64)
+        eligible = ranks_per_window >= opts.min_ranks
+    cols = np.flatnonzero(eligible)
     if cols.size == 0:
         return None
     hits = np.cumsum(top[cols].astype(np.int64))
     w = np.arange(1, cols.size + 1)
     if p_one is None:
-        chance = 1.0 / np.cumsum(ranks_per_window[cols]) * w  # 1 / mean ranks judged so far
+        chance = 1.0 / np.cumsum(judged.sum(axis=0)[cols]) * w  # 1 / mean ranks judged so far
     else:
         chance = np.cumsum(p_one[cols]) / w
-    pvals = binom.sf(hits - 1, w, chance)
+    pvals = binom_sf(hits, w, chance)
     ok = np.flatnonzero((pvals < opts.top_alpha) & (hits >= opts.top_min_windows))
     if ok.size == 0:
         return None
     i0 = int(ok[0])
     since = int(cols[np.flatnonzero(top[cols[: i0 + 1]])[0]])
-    active = bool(pvals[-1] < opts.top_alpha)
-    return int(cols[i0]), since, active
+    return int(cols[i0]), since, _recent(top[cols], opts)
+
+
+def _recent(flags: np.ndarray, opts: DetectionOptions) -> bool:
+    """Still slow at the end: flagged in ``persist_k`` of the last ``persist_n`` judged windows (in more
+    than half of them when fewer were judged)."""
+    last = flags[-opts.persist_n :]
+    need = opts.persist_k if last.size >= opts.persist_n else last.size // 2 + 1
+    return bool(last.sum() >= need)
 
 
 @dataclasses.dataclass
@@ -285,7 +297,10 @@ class Straggler:
 
 
 def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -> list[Straggler]:
-    """Confirmed stragglers from window summaries, at most one entry per rank (docs/detection.md)."""
+    """Confirmed stragglers from window summaries, at most one entry per rank (docs/detection.md).
+
+    ``active`` says whether each is still confirmed at its last judged window: the diagnosis calls the
+    active ones stragglers and the others episodes (slow for a while, then recovered)."""
     grid = window_grid(windows, opts)
     if grid.ranks.size == 0 or grid.windows.size == 0:
         return []
@@ -304,17 +319,25 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
             flags &= _shows_in_whole(values - med[None, :], wholes[part], whole_med[part], opts)
         top = slowest_flags(values, judged, med, opts, floor) if metric == "self_ns" else None
         for r in range(values.shape[0]):
-            rule = "outlier"
-            conf = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n)
-            rank_flags = flags[r]
-            if conf is None and top is not None:
-                conf = top_confirmation(top[r], judged, opts)
-                rank_flags, rule = top[r], "rank_order"
-            if conf is None and metric == "self_ns":
-                conf, rank_flags = _culprit_confirmation(grid, r, judged, med, opts, floor)
-                rule = "culprit"
-            if conf is None:
+            # The rules in order; the first that still confirms the rank at its last window wins, else
+            # the first that confirmed it at all (an episode).
+            chosen = None
+            for rule in ("outlier", "rank_order", "culprit"):
+                if rule == "outlier":
+                    conf, rank_flags = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n), flags[r]
+                elif rule == "rank_order" and top is not None:
+                    conf, rank_flags = top_confirmation(top[r], judged, opts), top[r]
+                elif rule == "culprit" and metric == "self_ns":
+                    conf, rank_flags = _culprit_confirmation(grid, r, judged, med, opts, floor)
+                else:
+                    continue
+                if conf is not None and (chosen is None or (conf[2] and not chosen[0][2])):
+                    chosen = (conf, rank_flags, rule)
+                if chosen is not None and chosen[0][2]:
+                    break
+            if chosen is None:
                 continue
+            conf, rank_flags, rule = chosen
             if metric != "launch_ns" and _waits_more(grid.comm_wait[r], med_comm, rank_flags, values[r] - med):
                 continue  # a victim: it waited longer than the median rank, so nobody waited for it
             found.setdefault(int(r), {})[metric] = (conf, rank_flags, judged[r], values[r], med, rule)
@@ -452,9 +475,7 @@ def _culprit_confirmation(
     c = float(np.nansum(grid.culprit[r, cols]))
     ranks = float(judged[:, cols].sum(axis=0).mean())
     p0 = 1.0 / ranks
-    from scipy.stats import binom
-
-    if n <= 0 or c < 2 * p0 * n or binom.sf(c - 1, n, p0) >= opts.top_alpha / ranks:
+    if n <= 0 or c < 2 * p0 * n or float(binom_sf(c, n, p0)) >= opts.top_alpha / ranks:
         return none
     values = grid.metrics["self_ns"][r, cols]
     with np.errstate(invalid="ignore"):
@@ -464,7 +485,7 @@ def _culprit_confirmation(
         return none
     flags = np.zeros(judged.shape[1], dtype=bool)
     flags[cols[material]] = True
-    return (int(cols[-1]), int(cols[material][0]), True), flags
+    return (int(cols[-1]), int(cols[material][0]), _recent(material, opts)), flags
 
 
 def _culprit_evidence(s: Straggler, grid: WindowGrid, r: int, fw: np.ndarray) -> None:
@@ -495,11 +516,12 @@ def _waits_more(wait: np.ndarray, cluster_wait: np.ndarray, flags: np.ndarray, e
 
 
 def node_flags(grid: WindowGrid, opts: DetectionOptions) -> tuple[dict[int, np.ndarray], np.ndarray, dict]:
-    """Per node and window: the node's ranks are all slower than every other judged rank (full
-    separation), the gap between the node's median self-time and the rest's is material (``floor_ns``
-    and ``min_slowdown``) and larger than ``z_threshold`` robust deviations of the spread within nodes
-    (0.6745 gap / pooled within-node MAD > z). Returns ({node: flags (W,)}, judged (W,), {node: chance
-    per window}) where the chance is that of full separation among exchangeable ranks, 1 / C(R, m)."""
+    """Per node and window: every judged rank of the node (two or more) is slower than every other
+    judged rank (full separation: the gap between the groups exceeds all the spread within them), and
+    the gap between the node's median self-time and the rest's is material (``floor_ns`` and
+    ``min_slowdown``). Returns ({node: flags (W,)}, judged (W,), {node: chance per window}): among
+    exchangeable ranks, whatever their noise, a given group of m of R ranks holds the m slowest values
+    with chance 1 / C(R, m), which the persistence test uses."""
     values = grid.metrics["self_ns"]
     present = ~np.isnan(values)
     node_ids = np.unique(grid.nodes)
@@ -513,15 +535,7 @@ def node_flags(grid: WindowGrid, opts: DetectionOptions) -> tuple[dict[int, np.n
     for i, n in enumerate(node_ids):
         sel = grid.nodes == n
         node_med[i] = nan_median(values[sel], axis=0)
-    node_of = np.searchsorted(node_ids, grid.nodes)
-    with np.errstate(invalid="ignore"):
-        dev = np.abs(values - node_med[node_of])
-        # pooled within-node MAD, over ranks whose node has at least two judged ranks there
-        sizes = np.stack([present[grid.nodes == n].sum(axis=0) for n in node_ids])
-        multi = sizes[node_of] >= 2
-        within = nan_median(np.where(multi & present, dev, np.nan), axis=0)
-        overall = nan_median(values, axis=0)
-        within = np.fmax(within, opts.min_mad_rel * overall)
+    sizes = np.stack([present[grid.nodes == n].sum(axis=0) for n in node_ids])
     for i, n in enumerate(node_ids):
         sel = grid.nodes == n
         m = sizes[i]
@@ -533,7 +547,6 @@ def node_flags(grid: WindowGrid, opts: DetectionOptions) -> tuple[dict[int, np.n
             gap = node_med[i] - rest_med
             ok = (m >= 2) & (rest.sum(axis=0) >= 2) & judged & (lo > hi)
             ok &= (gap >= opts.floor_ns) & (gap >= opts.min_slowdown * rest_med)
-            ok &= MAD_Z * gap / within > opts.z_threshold
         out[int(n)] = ok
         total = present.sum(axis=0)
         chance[int(n)] = np.array(
@@ -551,8 +564,7 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
     for node, f in flags.items():
         if not f.any():
             continue
-        top = f[None, :]
-        conf = top_confirmation(top, np.broadcast_to(judged[None, :], top.shape), opts, chance[node])
+        conf = top_confirmation(f, None, opts, chance[node], eligible=judged)
         if conf is None or f.sum() < opts.persist_k:
             continue
         confirm_w, since_w, active = conf
@@ -596,10 +608,11 @@ def _group_by_node(stragglers: list[Straggler], grid: WindowGrid, opts: Detectio
     size = dict(zip(node_ids.tolist(), node_sizes.tolist(), strict=True))
     slow: dict[int, int] = {}
     for s in stragglers:
-        slow[s.node] = slow.get(s.node, 0) + 1
+        if s.active:
+            slow[s.node] = slow.get(s.node, 0) + 1
     for s in stragglers:
         n = size.get(s.node, 1)
-        if n >= 2 and slow[s.node] / n > opts.node_fraction:
+        if s.active and n >= 2 and slow[s.node] / n > opts.node_fraction:
             s.kind = "node"
 
 

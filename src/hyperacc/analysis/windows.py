@@ -150,7 +150,12 @@ def summarize_windows(
             continue
         grid.fill(np.nan)
         v = np.asarray(_column(values, n), dtype=np.float64)
-        grid[row[typical], offset[typical]] = v[typical]
+        if np.isnan(v).all():
+            out[out_name] = np.full(uniq.size, np.nan)
+            continue
+        # the launch probe is a measurement of its own: a spike in the step does not void it
+        use = np.ones(n, dtype=bool) if col == "launch_ns" else typical
+        grid[row[use], offset[use]] = v[use]
         n_ok = np.count_nonzero(~np.isnan(grid), axis=1)
         med = nan_median(grid, axis=1)
         need = 1 if col == "launch_ns" else opts.min_window_samples
