@@ -6,12 +6,13 @@ on 2 % of its steps) hides among them when spikes are only counted per cluster. 
 rank's rate of each cause with the other ranks' pooled rate of the same cause (docs/detection.md,
 "Rank-specific causes"):
 
-    P(Binomial(n_r, q) >= k_r) < top_alpha / (ranks x causes)   with q = (K_o + 1) / (N_o + 2)
+    P(Binomial(n_r, q) >= k_r) < top_alpha / (ranks x causes)   with q = (m k~ + 1) / (m n~ + 2)
     AND k_r / n_r >= excess_ratio x q   AND k_r >= excess_min_spikes
 
-``k_r`` of ``n_r`` judged steps of the rank spiked with that cause; the other ranks together had
-``K_o`` in ``N_o`` (``q`` is their rate with one pseudo-spike, so a cause no other rank shows still
-needs several spikes to stand out). Pure: counts in, findings out; offline and live use it alike.
+``k_r`` of ``n_r`` judged steps of the rank spiked with that cause; ``k~`` and ``n~`` are the medians of
+the ``m`` other ranks' counts and judged steps (the typical rank's rate, with one pseudo-spike over all
+their steps so that a cause no other rank shows still needs several spikes to stand out; the median, so
+that two culprits do not hide each other). Pure: counts in, findings out; offline and live use it alike.
 """
 
 from __future__ import annotations
@@ -66,11 +67,14 @@ def rank_excess(
         k = np.nan_to_num(np.asarray(raw, dtype=np.float64))
         lost_c = np.nan_to_num(np.asarray(lost.get(cause, np.zeros(n.size)), dtype=np.float64))
         k_all, n_all = k.sum(), n.sum()
+        idx = np.arange(n.size)
         for i in range(n.size):
             if n[i] <= 0 or k[i] < opts.excess_min_spikes:
                 continue
             others_k, others_n = k_all - k[i], n_all - n[i]
-            q = (others_k + 1.0) / (others_n + 2.0)
+            rest = idx != i
+            m = float(rest.sum())
+            q = (m * float(np.median(k[rest])) + 1.0) / (m * float(np.median(n[rest])) + 2.0)
             rate = k[i] / n[i]
             if rate < opts.excess_ratio * q:
                 continue

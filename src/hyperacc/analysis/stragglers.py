@@ -182,12 +182,15 @@ def cross_rank_outliers(values: np.ndarray, opts: DetectionOptions, floor: float
     return flags[:, 0], z[:, 0], ratio[:, 0], judged[:, 0]
 
 
-def confirmation(flags: np.ndarray, judged: np.ndarray, k: int, n: int) -> tuple[int, int, bool] | None:
+def confirmation(
+    flags: np.ndarray, judged: np.ndarray, k: int, n: int, beyond: np.ndarray | None = None
+) -> tuple[int, int, bool] | None:
     """Persistence of one rank's flags over windows.
 
     Returns (confirm_window, since_window, active) as window indices, or None when the rank never was an
     outlier in ``k`` of ``n`` consecutive judged windows. ``since_window`` is the first flagged window of
     the run of ``n`` that confirmed it; ``active`` says whether it is still confirmed at its last window.
+    ``beyond`` (per window) must also hold at the confirming window (``beyond_floor``).
     """
     js = np.flatnonzero(judged)
     if js.size == 0:
@@ -198,13 +201,45 @@ def confirmation(flags: np.ndarray, judged: np.ndarray, k: int, n: int) -> tuple
     c = np.concatenate(([0], np.cumsum(f)))
     i = np.arange(js.size)
     rolling = c[i + 1] - c[np.maximum(i + 1 - n, 0)]
-    hits = np.flatnonzero(rolling >= k)
+    ok = rolling >= k
+    if beyond is not None:
+        ok &= beyond[js]
+    hits = np.flatnonzero(ok)
     if hits.size == 0:
         return None
     i0 = int(hits[0])
     group = js[max(0, i0 - n + 1) : i0 + 1]
     since = int(group[np.flatnonzero(flags[group])[0]])
     return int(js[i0]), since, bool(rolling[-1] >= k)
+
+
+def beyond_floor(flags: np.ndarray, judged: np.ndarray, opts: DetectionOptions) -> np.ndarray:
+    """(rank x window) True where, counting the windows up to there, the rank was an outlier in more
+    windows than the typical rank was: P(Binomial(w_r, q) >= k_r) < ``top_alpha`` / R, with ``q = (m k~
+    + 1) / (m w~ + 2)``, ``k~`` the median count of outlier windows of the other ranks in ``w~`` judged
+    windows and ``m`` the number of other ranks (the typical rate, with one pseudo-count over all the
+    other ranks' windows).
+
+    On a shared host every rank is an outlier in a window now and then (it lost its cores for a
+    while); that is the floor the ranks share, and a straggler must stand out from it. The median, not
+    the pooled rate, is the floor, so several slow ranks (a slow node, a slow rack) do not raise each
+    other's floor. With ``top_alpha`` = 0 the test is off (always True)."""
+    if opts.top_alpha <= 0:
+        return np.ones(flags.shape, dtype=bool)
+    f = np.cumsum(flags & judged, axis=1).astype(np.float64)
+    w = np.cumsum(judged, axis=1).astype(np.float64)
+    ranks = max(int(judged.any(axis=1).sum()), 1)
+    out = np.zeros(flags.shape, dtype=bool)
+    rows = np.arange(flags.shape[0])
+    for r, i in zip(*np.nonzero(flags & judged), strict=True):
+        others = (rows != r) & (w[:, i] > 0)
+        if not others.any():
+            continue
+        m = float(others.sum())
+        q = (m * float(np.median(f[others, i])) + 1.0) / (m * float(np.median(w[others, i])) + 2.0)
+        out[r, i] = float(binom_sf(f[r, i], w[r, i], q)) < opts.top_alpha / ranks
+    # once significant, the count only matters where the rank is flagged again: carry it forward
+    return np.maximum.accumulate(out, axis=1)
 
 
 def slowest_flags(
@@ -318,13 +353,15 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
         if part:
             flags &= _shows_in_whole(values - med[None, :], wholes[part], whole_med[part], opts)
         top = slowest_flags(values, judged, med, opts, floor) if metric == "self_ns" else None
+        beyond = beyond_floor(flags, judged, opts)
         for r in range(values.shape[0]):
             # The rules in order; the first that still confirms the rank at its last window wins, else
             # the first that confirmed it at all (an episode).
             chosen = None
             for rule in ("outlier", "rank_order", "culprit"):
                 if rule == "outlier":
-                    conf, rank_flags = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n), flags[r]
+                    conf = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n, beyond[r])
+                    rank_flags = flags[r]
                 elif rule == "rank_order" and top is not None:
                     conf, rank_flags = top_confirmation(top[r], judged, opts), top[r]
                 elif rule == "culprit" and metric == "self_ns":
@@ -573,9 +610,11 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
         for r in np.flatnonzero(grid.nodes == node):
             rank = int(grid.ranks[r])
             existing = by_rank.get(rank)
-            if existing is not None:
+            if existing is not None and existing.active:
                 existing.kind = "node"
                 continue
+            if existing is not None:  # an episode of the rank alone; the node is slow now
+                out.remove(existing)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio = self_vals[r, fw] / self_med[fw]
             rank_kind, basis, share = _compute_or_host(grid, r, fw, opts)
