@@ -41,14 +41,16 @@ def test_missing_data_never_counts_as_fast_or_slow():
     assert not judged[1].any() and judged[4].sum() == 5
 
 
-def test_persistence_needs_k_of_the_last_n_judged_windows():
-    self_ms = noisy(8, 12)
+def test_persistence_needs_k_of_the_last_n_and_most_of_the_recent_windows():
+    self_ms = noisy(8, 16)
     self_ms[5, [1, 4]] *= 1.3  # 2 windows of 5: a blip, not a straggler
-    assert detect_stragglers(windows(self_ms), DetectionOptions()) == []
-    self_ms[5, [8, 10, 11]] *= 1.3  # windows 7..11 hold 3 flags: confirmed at window 11
+    assert detect_stragglers(windows(self_ms[:, :12]), DetectionOptions()) == []
+    self_ms[5, 8:] *= 1.3  # slow from window 8 on
     (s,) = detect_stragglers(windows(self_ms), DetectionOptions())
-    assert s.rank == 5 and s.since_step == 8 * 50 and s.confirmed_step == 11 * 50 + 49
-    assert s.windows_flagged == 5 and s.windows_seen == 12 and s.active
+    # 3 of 5 at window 10, but a host that starves a rank for a few windows does that too: confirmed
+    # once it was slower in most of its last 10 windows (windows 3..12 hold 4, 8, 9, 10, 11, 12)
+    assert s.rank == 5 and s.since_step == 8 * 50 and s.confirmed_step == 12 * 50 + 49
+    assert s.windows_flagged == 10 and s.windows_seen == 16 and s.active
 
 
 def test_confirmation_reports_when_it_stops():
@@ -196,7 +198,7 @@ def test_four_noisy_ranks_the_persistently_slowest_is_found_by_rank_order():
     assert detect_stragglers(windows(self_ms, comm), DetectionOptions(top_alpha=0)) == []
     found = detect_stragglers(windows(self_ms, comm), opts)
     assert [(s.rank, s.kind) for s in found] == [(2, "compute")]
-    assert found[0].confirmed_step == 5 * 50 - 1  # 5 of 5 windows: p = 0.25**5 < 1e-3
+    assert found[0].confirmed_step == 6 * 50 - 1  # 6 of 6 windows: p = 0.25**6 < 1e-3 / 4 ranks
 
 
 def test_rank_order_of_exchangeable_ranks_flags_nobody():

@@ -215,15 +215,15 @@ def confirmation(
 
 def beyond_floor(flags: np.ndarray, judged: np.ndarray, opts: DetectionOptions) -> np.ndarray:
     """(rank x window) True where, counting the windows up to there, the rank was an outlier in more
-    windows than the typical rank was: P(Binomial(w_r, q) >= k_r) < ``top_alpha`` / R, with ``q = (m k~
-    + 1) / (m w~ + 2)``, ``k~`` the median count of outlier windows of the other ranks in ``w~`` judged
-    windows and ``m`` the number of other ranks (the typical rate, with one pseudo-count over all the
-    other ranks' windows).
+    windows than the other ranks were: P(Binomial(w_r, q) >= k_r) < ``top_alpha`` / R, with ``q = (K_o
+    + 1) / (W_o + 2)`` the other ranks' pooled rate of outlier windows (``K_o`` of ``W_o``, with one
+    pseudo-count).
 
     On a shared host every rank is an outlier in a window now and then (it lost its cores for a
-    while); that is the floor the ranks share, and a straggler must stand out from it. The median, not
-    the pooled rate, is the floor, so several slow ranks (a slow node, a slow rack) do not raise each
-    other's floor. With ``top_alpha`` = 0 the test is off (always True)."""
+    while); that is the floor the ranks share, and a straggler must stand out from it. Every other rank
+    counts in the floor (a trimmed floor would be too low under exchangeable noise), so several slow
+    ranks raise each other's floor and need more windows to stand out; a slow node has its own rule.
+    With ``top_alpha`` = 0 the test is off (always True)."""
     if opts.top_alpha <= 0:
         return np.ones(flags.shape, dtype=bool)
     f = np.cumsum(flags & judged, axis=1).astype(np.float64)
@@ -235,11 +235,28 @@ def beyond_floor(flags: np.ndarray, judged: np.ndarray, opts: DetectionOptions) 
         others = (rows != r) & (w[:, i] > 0)
         if not others.any():
             continue
-        m = float(others.sum())
-        q = (m * float(np.median(f[others, i])) + 1.0) / (m * float(np.median(w[others, i])) + 2.0)
+        q = (float(f[others, i].sum()) + 1.0) / (float(w[others, i].sum()) + 2.0)
         out[r, i] = float(binom_sf(f[r, i], w[r, i], q)) < opts.top_alpha / ranks
     # once significant, the count only matters where the rank is flagged again: carry it forward
     return np.maximum.accumulate(out, axis=1)
+
+
+def majority(material: np.ndarray, judged: np.ndarray, horizon: int) -> np.ndarray:
+    """(rank x window) True where the rank was materially slower than the window median in more than
+    half of its last ``horizon`` judged windows (up to and including this one).
+
+    Persistence that means what it says: a rank that a busy host starves now and then is an outlier
+    in a few windows (three of five, even), but not slower in most of them; a straggler is."""
+    out = np.zeros(material.shape, dtype=bool)
+    for r in range(material.shape[0]):
+        js = np.flatnonzero(judged[r])
+        if js.size == 0:
+            continue
+        m = np.concatenate(([0], np.cumsum(material[r, js].astype(np.int64))))
+        i = np.arange(js.size)
+        lo = np.maximum(i + 1 - horizon, 0)
+        out[r, js] = 2 * (m[i + 1] - m[lo]) > (i + 1 - lo)
+    return out
 
 
 def slowest_flags(
@@ -262,6 +279,7 @@ def top_confirmation(
     opts: DetectionOptions,
     p_one: np.ndarray | None = None,
     eligible: np.ndarray | None = None,
+    gate: np.ndarray | None = None,
 ) -> tuple[int, int, bool] | None:
     """Rank-order persistence (docs/detection.md): a rank (or node) that is the slowest in so many
     windows that exchangeable ranks would rarely do it, P(Binomial(w, p) >= count) < ``top_alpha`` over
@@ -283,7 +301,12 @@ def top_confirmation(
     else:
         chance = np.cumsum(p_one[cols]) / w
     pvals = binom_sf(hits, w, chance)
-    ok = np.flatnonzero((pvals < opts.top_alpha) & (hits >= opts.top_min_windows))
+    # Bonferroni over the ranks (or nodes) tested: each gets its share of top_alpha
+    tested = max(int((judged.sum(axis=1) > 0).sum()), 1) if p_one is None else 1
+    good = (pvals < opts.top_alpha / tested) & (hits >= opts.top_min_windows)
+    if gate is not None:
+        good &= gate[cols]
+    ok = np.flatnonzero(good)
     if ok.size == 0:
         return None
     i0 = int(ok[0])
@@ -353,7 +376,10 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
         if part:
             flags &= _shows_in_whole(values - med[None, :], wholes[part], whole_med[part], opts)
         top = slowest_flags(values, judged, med, opts, floor) if metric == "self_ns" else None
-        beyond = beyond_floor(flags, judged, opts)
+        with np.errstate(invalid="ignore"):
+            material = judged & (values - med[None, :] >= floor) & (values >= med[None, :] * (1 + opts.min_slowdown))
+        mostly = majority(material, judged, 2 * opts.persist_n)
+        beyond = beyond_floor(flags, judged, opts) & mostly
         for r in range(values.shape[0]):
             # The rules in order; the first that still confirms the rank at its last window wins, else
             # the first that confirmed it at all (an episode).
@@ -363,11 +389,14 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
                     conf = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n, beyond[r])
                     rank_flags = flags[r]
                 elif rule == "rank_order" and top is not None:
-                    conf, rank_flags = top_confirmation(top[r], judged, opts), top[r]
+                    conf, rank_flags = top_confirmation(top[r], judged, opts, gate=mostly[r]), top[r]
                 elif rule == "culprit" and metric == "self_ns":
                     conf, rank_flags = _culprit_confirmation(grid, r, judged, med, opts, floor)
                 else:
                     continue
+                if conf is not None:  # persistent means slow in most of its recent windows, to the end
+                    last = np.flatnonzero(judged[r])
+                    conf = (conf[0], conf[1], bool(conf[2] and last.size and mostly[r, last[-1]]))
                 if conf is not None and (chosen is None or (conf[2] and not chosen[0][2])):
                     chosen = (conf, rank_flags, rule)
                 if chosen is not None and chosen[0][2]:
@@ -601,7 +630,13 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
     for node, f in flags.items():
         if not f.any():
             continue
-        conf = top_confirmation(f, None, opts, chance[node], eligible=judged)
+        js = np.flatnonzero(judged)
+        mostly = np.zeros(f.shape, dtype=bool)
+        mostly[js] = majority(f[js][None, :], np.ones((1, js.size), dtype=bool), 2 * opts.persist_n)[0]
+        node_opts = dataclasses.replace(opts, top_alpha=opts.top_alpha / len(flags))  # Bonferroni over nodes
+        conf = top_confirmation(f, None, opts=node_opts, p_one=chance[node], eligible=judged, gate=mostly)
+        if conf is not None and js.size:
+            conf = (conf[0], conf[1], bool(conf[2] and mostly[js[-1]]))
         if conf is None or f.sum() < opts.persist_k:
             continue
         confirm_w, since_w, active = conf
