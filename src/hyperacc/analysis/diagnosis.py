@@ -153,15 +153,15 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             )
             + (", then recovered." if len(d.episodes) == 1 else ", each then recovered.")
         )
-    excess = d.rank_causes or []
-    if excess:
-        sentences.append(_sentence("; ".join(excess_phrase(e) for e in excess[:3])))
     too_short = (
         not d.stragglers and not d.episodes and d.ranks_analyzed >= min_ranks
         and d.windows_judged < opts.get("persist_k", 3)
     )
     if too_short:
         sentences.append(_too_short(d))
+    excess = d.rank_causes or []
+    if excess:
+        sentences.append(_sentence("; ".join(excess_phrase(e) for e in excess[:3])))
     if not cluster.get("steps") and not d.stragglers:
         verdict = "Nothing to judge yet: " + _nothing_judged(d) + "." + (" " + _too_short(d) if too_short else "")
     elif d.stragglers or excess or too_short or d.episodes:
@@ -276,7 +276,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             key = "compute_or_host"
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
     for e in excess[:3]:
-        key = "compute_spike" if e["cause"] == "compute" else e["cause"]
+        key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
         steps.append(f"rank {e['rank']}, {e['cause']} spikes: {ADVICE[key]}")
         seen.add(key)
     if too_short:
@@ -307,6 +307,7 @@ _EXCESS_WORDS = {
     "host": "loses its CPU (preempted or blocked)",
     "compute": "has compute spikes",
     "unknown": "spikes with no recorded cause",
+    "compute/host": "has spikes in its own work (compute or preemption: CPU time was not measured)",
 }
 
 

@@ -26,6 +26,27 @@ import numpy as np
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import binom_sf
 
+# Spikes of a rank's own work that no phase or signal names specifically. Without CPU time the line
+# between them is noise (a preempted step and a longer computation look alike), so they are counted
+# as one cause, "compute/host"; with CPU time, compute (CPU time grew) and host (it did not) are told
+# apart and tested each on its own.
+UNSPECIFIC: tuple[str, ...] = ("compute", "host", "unknown")
+MERGED = "compute/host"
+
+
+def cause_groups(causes: Sequence[str], cpu_measured: bool) -> dict[str, tuple[str, ...]]:
+    """The causes tested for rank-specific excess, each with the spike causes it counts."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for c in causes:
+        if c in UNSPECIFIC and not cpu_measured:
+            groups.setdefault(MERGED, ())
+            groups[MERGED] += (c,)
+        else:
+            groups[c] = (c,)
+    if cpu_measured and "unknown" in groups:  # no phase grew and CPU time did not tell: still unspecific
+        groups["host"] = groups.get("host", ()) + groups.pop("unknown")
+    return groups
+
 
 @dataclasses.dataclass
 class RankExcess:
@@ -91,7 +112,19 @@ def rank_excess(
     return sorted(out, key=lambda e: (-e.time_lost_ns, e.rank))
 
 
-def excess_from_windows(windows: Mapping[str, np.ndarray], causes: Sequence[str], opts: DetectionOptions) -> list[RankExcess]:
+def grouped(counts: Mapping[str, Sequence[float]], groups: Mapping[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
+    """Per-rank counts (or times) of each cause group."""
+    out = {}
+    for name, members in groups.items():
+        parts = [np.nan_to_num(np.asarray(counts[c], dtype=np.float64)) for c in members if c in counts]
+        if parts:
+            out[name] = np.sum(parts, axis=0)
+    return out
+
+
+def excess_from_windows(
+    windows: Mapping[str, np.ndarray], causes: Sequence[str], opts: DetectionOptions
+) -> list[RankExcess]:
     """``rank_excess`` over window summaries (``judged_steps``, ``spikes_<cause>``, ``lost_ns_<cause>``
     summed per rank): the live detector's history and the offline summaries alike."""
     if "judged_steps" not in windows or len(windows["rank"]) == 0:
@@ -110,4 +143,6 @@ def excess_from_windows(windows: Mapping[str, np.ndarray], causes: Sequence[str]
         return []
     counts = {c: per_rank(f"spikes_{c}") for c in causes if f"spikes_{c}" in windows}
     lost = {c: per_rank(f"lost_ns_{c}") for c in causes if f"lost_ns_{c}" in windows}
-    return rank_excess(ranks, nodes, per_rank("judged_steps"), counts, lost, opts)
+    cpu = windows.get("cpu_ns_median")
+    groups = cause_groups(list(counts), cpu is not None and bool(np.isfinite(np.asarray(cpu, dtype=float)).any()))
+    return rank_excess(ranks, nodes, per_rank("judged_steps"), grouped(counts, groups), grouped(lost, groups), opts)

@@ -24,7 +24,7 @@ import numpy as np
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
-from hyperacc.analysis.excess import rank_excess
+from hyperacc.analysis.excess import cause_groups, grouped, rank_excess
 from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.projection import project
 from hyperacc.analysis.spikes import communication_spikes, judge_spikes, wilson_interval
@@ -51,6 +51,7 @@ class RankFindings:
     events: list[_EVENT]  # the rank's largest spikes
     judged_count: int = 0  # steps judged for spikes (kept when the arrays are dropped)
     steps_seen: int = 0  # steps recorded, warm-up included (kept when the arrays are dropped)
+    cpu_measured: bool = False  # the rank's records carry CPU time (cpu_ns)
 
     @property
     def main_cause(self) -> str | None:
@@ -87,6 +88,7 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
     return RankFindings(
         rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
         judged_count=int(sp.judged.sum()), steps_seen=int(all_steps.size),
+        cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()),
     )  # fmt: skip
 
 
@@ -196,12 +198,13 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
     episodes = [s.to_dict() for s in found if not s.active]
     windows_judged = judged_windows(summaries, opts)
     del summaries
+    groups = cause_groups(RANK_CAUSES, cpu_measured=all(f.cpu_measured for f in findings))
     rank_causes = [
         e.to_dict()
         for e in rank_excess(
             [f.rank for f in findings], [f.node for f in findings], [f.judged_count for f in findings],
-            {c: [f.counts.get(c, 0) for f in findings] for c in RANK_CAUSES},
-            {c: [f.time_lost.get(c, 0.0) for f in findings] for c in RANK_CAUSES}, opts,
+            grouped({c: [f.counts.get(c, 0) for f in findings] for c in RANK_CAUSES}, groups),
+            grouped({c: [f.time_lost.get(c, 0.0) for f in findings] for c in RANK_CAUSES}, groups), opts,
         )
     ]  # fmt: skip
     comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
