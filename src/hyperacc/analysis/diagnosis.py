@@ -124,9 +124,13 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         for node in nodes_bad:
             members = [s for s in d.stragglers if s["node"] == node]
             size = sum(1 for r in d.spikes.get("per_rank", []) if r["node"] == node) or len(members)
+            versus = (
+                f"{_ratio(members[0]['node_ratio'])} the other nodes'"
+                if members[0].get("node_ratio") is not None
+                else f"{_ratio(_median([m['self_slowdown'] or m['slowdown'] for m in members]))} the cluster median"
+            )
             parts.append(
-                f"node {node} is slow ({len(members)} of its {size} ranks, self-time "
-                f"{_ratio(_median([m['self_slowdown'] or m['slowdown'] for m in members]))} the cluster median "
+                f"node {node} is slow ({len(members)} of its {size} ranks, self-time {versus} "
                 f"since step {min(m['since_step'] for m in members)})"
             )
         for s in ranks_bad[:3]:
@@ -212,11 +216,19 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             line += f"; {basis}"
         evidence.append(line)
     for node in nodes_bad:
-        members = [s["rank"] for s in d.stragglers if s["node"] == node]
-        evidence.append(
-            f"node {node}: ranks {members} are all slower than every other rank, by more than the spread within "
-            "nodes, so the node is the problem, not one device"
+        members = [s for s in d.stragglers if s["node"] == node]
+        line = (
+            f"node {node}: ranks {[s['rank'] for s in members]} are all slower than every other rank, by more than "
+            "the spread within nodes, so the node is the problem, not one device"
         )
+        now, base = members[0].get("node_ratio"), members[0].get("node_baseline_ratio")
+        if now is not None and base is not None:
+            line += f"; its self-time is {now:.2f}x the other nodes', and was {base:.2f}x in its first windows"
+            if base >= 1.0 + opts.get("min_slowdown", 0.05):
+                line += " (slow from the start: a slower machine, or a fault present from the start)"
+            else:
+                line += f" (it became slow at step {min(s['since_step'] for s in members)})"
+        evidence.append(line)
     for e in excess[:5]:
         evidence.append(
             f"rank {e['rank']} (node {e['node']}): {e['spikes']} {e['cause']} spikes in {e['steps']} steps "

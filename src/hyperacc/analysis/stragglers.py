@@ -349,6 +349,8 @@ class Straggler:
     culprit_steps: int | None = None  # steps of the flagged windows in which it waited least (offline)
     culprit_known: int | None = None  # steps of the flagged windows with a known culprit
     culprit_expected: float | None = None  # the share an exchangeable rank would have (1 / ranks)
+    node_ratio: float | None = None  # slow node: its median self-time / the other nodes', flagged windows
+    node_baseline_ratio: float | None = None  # the same in the node's first judged windows (its baseline)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -642,11 +644,19 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
         confirm_w, since_w, active = conf
         fw = np.flatnonzero(f)
         seen = int(judged.sum())
+        # the node against the other nodes now, and in its own first judged windows (its baseline)
+        sel = grid.nodes == node
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = nan_median(self_vals[sel], axis=0) / nan_median(self_vals[~sel], axis=0)
+        now = _finite_or_none(nan_median(rel[fw]))
+        first = js[: opts.persist_n]
+        baseline = _finite_or_none(nan_median(rel[first])) if first.size else None
         for r in np.flatnonzero(grid.nodes == node):
             rank = int(grid.ranks[r])
             existing = by_rank.get(rank)
             if existing is not None and existing.active:
                 existing.kind = "node"
+                existing.node_ratio, existing.node_baseline_ratio = now, baseline
                 continue
             if existing is not None:  # an episode of the rank alone; the node is slow now
                 out.remove(existing)
@@ -665,6 +675,7 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
                 metrics=["self_ns"], rank_kind=rank_kind, rule="node",
                 clock="device" if grid.device[fw].all() else "host", kind_basis=basis, cpu_share=share,
                 windows_since=int((np.flatnonzero(judged) >= since_w).sum()),
+                node_ratio=now, node_baseline_ratio=baseline,
             )  # fmt: skip
             _culprit_evidence(s, grid, r, fw)
             out.append(s)
