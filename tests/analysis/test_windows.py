@@ -10,7 +10,13 @@ from hyperacc.analysis import LiveDetector, diagnose
 from hyperacc.analysis.columns import discover, read_rank
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.run_dir import reduce_rank
-from hyperacc.analysis.windows import SUMMARY_COLUMNS, WindowStream, rows_table, summarize_windows, window_rows
+from hyperacc.analysis.windows import (
+    SUMMARY_COLUMNS,
+    WindowStream,
+    rows_table,
+    summarize_windows,
+    window_rows,
+)
 
 
 def _stream_rows(cols, opts, chunk):
@@ -43,7 +49,7 @@ def test_the_rows_survive_json_and_the_live_verdict_is_the_offline_one(faulty_ru
     opts = DetectionOptions()
     layout = discover(faulty_run)
     by_window: dict[int, list] = {}
-    for rank, src in layout.sources.items():
+    for src in layout.sources.values():
         for row in _stream_rows(read_rank(src.segments), opts, 100):
             by_window.setdefault(row["window"], []).append(json.loads(json.dumps(row)))
     live = LiveDetector(world_size=8, nodes=2)
