@@ -379,12 +379,10 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
             flags &= _shows_in_whole(values - med[None, :], wholes[part], whole_med[part], opts)
         top = slowest_flags(values, judged, med, opts, floor) if metric == "self_ns" else None
         with np.errstate(invalid="ignore"):
-            material = judged & (values - med[None, :] >= floor) & (values >= med[None, :] * (1 + opts.min_slowdown))
-        mostly = majority(material, judged, 2 * opts.persist_n)
+            above = (values - med[None, :] >= floor) & (values >= med[None, :] * (1 + opts.min_slowdown))
+        mostly = majority(judged & above, judged, 2 * opts.persist_n)
         beyond = beyond_floor(flags, judged, opts) & mostly
         for r in range(values.shape[0]):
-            # The rules in order; the first that still confirms the rank at its last window wins, else
-            # the first that confirmed it at all (an episode).
             chosen = None
             for rule in ("outlier", "rank_order", "culprit"):
                 if rule == "outlier":
@@ -396,11 +394,7 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
                     conf, rank_flags = _culprit_confirmation(grid, r, judged, med, opts, floor)
                 else:
                     continue
-                if conf is not None:  # persistent means slow in most of its recent windows, to the end
-                    last = np.flatnonzero(judged[r])
-                    conf = (conf[0], conf[1], bool(conf[2] and last.size and mostly[r, last[-1]]))
-                if conf is not None and (chosen is None or (conf[2] and not chosen[0][2])):
-                    chosen = (conf, rank_flags, rule)
+                chosen = _better(chosen, conf, rank_flags, rule, mostly[r], judged[r])
                 if chosen is not None and chosen[0][2]:
                     break
             if chosen is None:
@@ -413,6 +407,20 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
     _slow_nodes(out, grid, opts, med_comm)
     _group_by_node(out, grid, opts)
     return out
+
+
+def _better(chosen: tuple | None, conf: tuple | None, flags: np.ndarray, rule: str, mostly: np.ndarray,
+            judged: np.ndarray) -> tuple | None:
+    """The rules in order: the first that still confirms the rank at its last window wins, else the first
+    that confirmed it at all (an episode). "Still" includes being slower than the median in most of its
+    recent windows at its last judged window: persistent means what it says."""
+    if conf is None:
+        return chosen
+    last = np.flatnonzero(judged)
+    conf = (conf[0], conf[1], bool(conf[2] and last.size and mostly[last[-1]]))
+    if chosen is None or (conf[2] and not chosen[0][2]):
+        return (conf, flags, rule)
+    return chosen
 
 
 def judged_windows(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -> int:
