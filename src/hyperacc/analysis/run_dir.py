@@ -52,6 +52,7 @@ class RankFindings:
     judged_count: int = 0  # steps judged for spikes (kept when the arrays are dropped)
     steps_seen: int = 0  # steps recorded, warm-up included (kept when the arrays are dropped)
     cpu_measured: bool = False  # the rank's records carry CPU time (cpu_ns)
+    comm_clock: str = "host"  # the clock of comm_wait: host, or device where the rank measured it
 
     @property
     def main_cause(self) -> str | None:
@@ -83,12 +84,17 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
         (float(excess[i]), rank, node, int(steps[idx[i]]), phases[i], str(causes[i]))
         for i in np.argsort(-excess)[: opts.top_events]
     ]
-    comm = cols["comm_wait_ns"]
+    # The wait in collectives on the device clock where the rank measured it (on NCCL the host wait is
+    # microseconds: the work completes when it is enqueued), else on the host clock.
+    comm, clock = cols["comm_wait_ns"], "host"
+    dev = cols.get("dev_comm_wait_ns")
+    if dev is not None and np.isfinite(dev).any():
+        comm, clock = dev, "device"
     ok = ~np.isnan(comm)
     return RankFindings(
         rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
         judged_count=int(sp.judged.sum()), steps_seen=int(all_steps.size),
-        cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()),
+        cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
     )  # fmt: skip
 
 
@@ -191,7 +197,11 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
 
     summaries = concat_windows(windows)
     windows.clear()
-    _add_culprits(summaries, cluster, opts.window_steps)
+    # The per-step comparisons of waits (culprit record, communication spikes) never mix clocks: with
+    # ranks on both, they are left out.
+    one_clock = len({f.comm_clock for f in findings}) == 1
+    if one_clock:
+        _add_culprits(summaries, cluster, opts.window_steps)
     found = detect_stragglers(summaries, opts)
     # A straggler is what is still slow at the end; one that recovered is an episode of the run.
     stragglers = [s.to_dict() for s in found if s.active]
@@ -207,7 +217,10 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
             grouped({c: [f.time_lost.get(c, 0.0) for f in findings] for c in RANK_CAUSES}, groups), opts,
         )
     ]  # fmt: skip
-    comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
+    if one_clock:
+        comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
+    else:
+        comm_spike, comm_n, comm_lost = np.zeros(cluster.present.size, dtype=bool), 0, 0.0
     spike_steps = int((cluster.self_spike | comm_spike).sum())
     judged_steps = int(cluster.judged.sum())
 
