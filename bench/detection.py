@@ -12,7 +12,9 @@ Scenarios (ranks as nodes x ranks per node; the faulty ranks and what a right ve
     compute matmul   1x4   rank 2 does real extra matrix products (slowdown, matmul)  straggler, compute
     data stalls      1x4   rank 1 stalls 40 ms in loading on 2 % of steps            rank 1, data
     gc pressure      1x4   rank 0 builds cyclic garbage every step (gc_pressure)      rank 0, gc
-    host             1x4   rank 1 and a busy process share one CPU (competitor)       straggler, host
+    host             1x4   rank 1 and two busy processes share one CPU (competitor)   straggler, host
+                           (hidden 1024: a rank with a 2 ms self-time that sleeps in the collective
+                           keeps its CPU against a busy neighbour, the scheduler favours the waker)
     launch           1x4   rank 3's operators take 50 us longer to launch (launch)    straggler, launch
     node of 2        2x2   both ranks of node 1 slowed (slowdown 0.5)                 ranks 2, 3, node
     node of 3        3x2   both ranks of node 2 slowed                                ranks 4, 5, node
@@ -93,7 +95,8 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("data stalls", 1, 4, ({"kind": "data_stall", "ranks": [1], "rate": 0.02, "ms": 40},), {1: "data"}),
     Scenario("gc pressure", 1, 4, ({"kind": "gc_pressure", "ranks": [0], "live": 300_000, "garbage": 20_000},),
              {0: "gc"}),
-    Scenario("host", 1, 4, ({"kind": "competitor", "ranks": [1], "cpu": 1},), {1: "host"}),
+    Scenario("host", 1, 4, ({"kind": "competitor", "ranks": [1], "cpu": 1, "procs": 2},), {1: "host"},
+             ("--hidden", "1024")),
     Scenario("launch", 1, 4, ({"kind": "launch", "ranks": [3], "ms": 0.05},), {3: "launch"}),
     Scenario("node of 2", 2, 2, (_slow([2, 3]),), {2: "node", 3: "node"}),
     Scenario("node of 3", 3, 2, (_slow([4, 5]),), {4: "node", 5: "node"}),
