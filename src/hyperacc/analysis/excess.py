@@ -6,13 +6,15 @@ on 2 % of its steps) hides among them when spikes are only counted per cluster. 
 rank's rate of each cause with the other ranks' pooled rate of the same cause (docs/detection.md,
 "Rank-specific causes"):
 
-    P(Binomial(n_r, q) >= k_r) < top_alpha / (ranks x causes)   with q = (m k~ + 1) / (m n~ + 2)
+    P(Binomial(n_r, q) >= k_r) < top_alpha / tests   with q = (m k~ + 1) / (m n~ + 2)
     AND k_r / n_r >= excess_ratio x q   AND k_r >= excess_min_spikes
     AND, for the unspecific causes (compute, host, unknown) with min_ranks ranks or more, the rank's
         rate is an outlier among the ranks' rates (the straggler rule of one window: modified z, the
         other ranks' Tukey fence, min_slowdown)
 
-``k_r`` of ``n_r`` judged steps of the rank spiked with that cause; ``k~`` and ``n~`` are the medians of
+``tests`` is the number of (rank, cause) pairs with at least ``excess_min_spikes`` spikes (a pair with
+fewer is never a finding, so it is no test). ``k_r`` of ``n_r`` judged steps of the rank spiked with
+that cause; ``k~`` and ``n~`` are the medians of
 the ``m`` other ranks' counts and judged steps (the typical rank's rate, with one pseudo-spike over all
 their steps so that a cause no other rank shows still needs several spikes to stand out; the median, so
 that two culprits do not hide each other). The last condition is there because a shared host's spikes are burstier than a
@@ -89,7 +91,10 @@ def rank_excess(
     n = np.asarray(steps, dtype=np.float64)
     if n.size < 2:
         return []
-    tests = n.size * max(len(counts), 1)
+    # Bonferroni over the (rank, cause) pairs that could be reported at all (at least
+    # excess_min_spikes spikes): a pair with fewer is never a finding, so it is no test.
+    tests = max(sum(int((np.nan_to_num(np.asarray(v, dtype=np.float64)) >= opts.excess_min_spikes).sum())
+                    for v in counts.values()), 1)  # fmt: skip
     out: list[RankExcess] = []
     for cause, raw in counts.items():
         k = np.nan_to_num(np.asarray(raw, dtype=np.float64))
