@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup system demo test bench lint clean
+.PHONY: setup system demo test bench lint clean gpu-check
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ test: setup system
 
 bench: setup
 	$(BIN)/python bench/run_all.py
+
+# The CUDA paths on one GPU (bench/gpu_check.py), with whichever Python holds a CUDA build of torch:
+# the project's .venv where it exists, else the machine's python3. Never part of CI.
+gpu-check:
+	PYTHONPATH=src $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/gpu_check.py
 
 lint: setup
 	$(BIN)/ruff check .

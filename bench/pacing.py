@@ -75,7 +75,7 @@ def rank_job(variant: str, run_dir: str, steps: int, seed: int) -> None:
         nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    tracer = Tracer(run_dir, window=0, probe_every=0)
+    tracer = Tracer(run_dir, window=0, probe_every=0, inband=True)
     inband = tracer.attach_ddp(model)
     cfg = pacing_config(variant)
     hook = PacingHook(cfg).attach(inband) if cfg is not None else None

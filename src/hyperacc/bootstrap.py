@@ -19,6 +19,7 @@ chaos ground truth. Parts that are not installed or not configured are skipped.
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import os
 import runpy
@@ -54,15 +55,17 @@ def install() -> list[Any]:
         chaos = _optional("hyperacc.chaos", "install_from_env")
         if chaos is not None:
             closers.append(chaos)
+    pace = os.environ.get("HYPERACC_PACE", "").strip()
+    pacing = bool(pace) and pace != "0"
     if os.environ.get(ENV_RUN_DIR, "").strip():
         try:
-            closers.append(install_auto())
+            # pacing reads every rank's arrival from the in-band exchange: it asks for it
+            closers.append(install_auto(**({"inband": True} if pacing else {})))
         except TraceConfigError as exc:
             raise BootstrapError(f"hyperacc: {exc}") from None
     else:
         log.warning("hyperacc: %s is not set; the script runs without tracing", ENV_RUN_DIR)
-    pace = os.environ.get("HYPERACC_PACE", "").strip()
-    if pace and pace != "0":
+    if pacing:
         auto = next((c for c in closers if hasattr(c, "tracer")), None)
         if auto is None:
             log.warning("hyperacc: pacing needs the tracer's in-band exchange (set %s); pacing is off", ENV_RUN_DIR)
@@ -87,13 +90,17 @@ def install() -> list[Any]:
     return closers
 
 
-def close(closers: list[Any]) -> None:
+def close(closers: list[Any], *, stopping: bool = False) -> None:
+    """Close what ``install`` started; ``stopping``: the script was interrupted, do not wait for peers."""
     for obj in closers:
         fn = getattr(obj, "close", None)
         if fn is None:
             continue
         try:
-            fn()
+            if stopping and "stopping" in inspect.signature(fn).parameters:
+                fn(stopping=True)
+            else:
+                fn()
         except Exception as exc:  # noqa: BLE001 - the script's own result must not be lost
             print(f"hyperacc: closing {type(obj).__name__} failed: {exc}", file=sys.stderr)
 
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"hyperacc: training script {script!r} not found; pass the path of a .py file"
             )
     closers = install()
+    stopping = False
     try:
         if module is not None:
             sys.argv = [module, *script_args]
@@ -122,8 +130,11 @@ def main(argv: list[str] | None = None) -> None:
             sys.argv = [script, *script_args]
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
+    except KeyboardInterrupt:
+        stopping = True
+        raise
     finally:
-        close(closers)
+        close(closers, stopping=stopping)
 
 
 if __name__ == "__main__":

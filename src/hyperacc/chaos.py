@@ -17,13 +17,15 @@ What each kind does:
 
 - ``slowdown``: the rank's compute takes ``factor`` longer. It really burns CPU (``work``: ``spin``, a
   busy loop holding the GIL, or ``matmul``, real torch matrix products, a heavier forward), so it
-  competes for cores as a slow host would. Explicit mode burns ``factor`` x the compute
-  time measured between ``compute_begin`` and ``compute_end``; automatic mode burns after the outermost
-  module's forward, ``factor`` x forward time x ``(1 + backward_ratio)`` (backward ~ 2 x forward).
+  competes for cores as a slow host would. Explicit mode burns ``factor`` x the compute time measured
+  between ``compute_begin`` and ``compute_end``; automatic mode burns at the start of every backward,
+  ``factor`` x that micro-step's forward time x ``(1 + backward_ratio)`` (backward ~ 2 x forward),
+  before the gradient collective as a slow device would.
 - ``spike``: with probability ``rate`` per step, an extra ``ms`` of burnt CPU (``dist``: ``fixed``,
   ``exp`` (mean ``ms``) or ``lognormal`` (median ``ms``, ``sigma``)), inside the compute.
 - ``data_stall``: with probability ``rate`` per step, the next batch is ``ms`` late (a sleep in the
-  loader path, as a blocked read would be).
+  loader path, as a blocked read would be; in automatic mode without a DataLoader, just before the
+  step's first forward, where such a script reads its batch).
 - ``gc_pressure``: builds ``live`` long-lived container objects once, then each step creates ``garbage``
   objects in reference cycles that survive a few steps, so automatic generation-2 collections fire and
   pause for a time proportional to the live set. Every collection of 1 ms or more is recorded.
@@ -193,6 +195,8 @@ class Chaos:
         self._cold_file: Path | None = None
         self._hooks: list[Any] = []
         self._orig_next: Any = None
+        self._orig_backward: Any = None
+        self._orig_scaler_step: Any = None
         self._gc_t0 = 0
         self._in_gc = False
         self._closed = False
@@ -327,13 +331,16 @@ class Chaos:
         step = self._step if step is None else step
         if compute_ns is None:
             compute_ns = time.perf_counter_ns() - self._compute_t0
+        self._burn(step, compute_ns, spike=True)
+
+    def _burn(self, step: int, compute_ns: int, *, spike: bool) -> None:
         for i, f in self.faults:
             if f.kind == "slowdown" and f.factor > 0:
                 if f.work == "matmul":
                     matmul_ns(int(f.factor * compute_ns))
                 else:
                     burn_ns(int(f.factor * compute_ns))
-            elif f.kind == "spike" and self._rng(i, step).random() < f.rate:
+            elif spike and f.kind == "spike" and self._rng(i, step).random() < f.rate:
                 ms = self._magnitude_ms(f, self._rng(i + 1000, step))
                 burn_ns(int(ms * 1e6))
                 self._record(step, "spike", ms)
@@ -361,48 +368,96 @@ class Chaos:
     def install(self) -> Chaos:
         """Inject through global hooks, for a script that was not written for hyperacc.
 
-        Step boundaries come from the optimizer's global step hooks, compute from the outermost
-        module's forward, data stalls from the DataLoader iterator.
+        Step boundaries come from the optimizer's global step hooks. Compute faults (slowdown, spike)
+        burn at the start of every backward (``torch.autograd.backward`` is wrapped), ``factor`` x that
+        micro-step's forward time x ``(1 + backward_ratio)``, so they happen where a slow device would
+        be slow: before the gradient collective, inside the backward. Data stalls happen in the
+        ``DataLoader`` iterator, or, in a step that fetched nothing from a DataLoader (a script that
+        reads its own batches, as nanoGPT does), just before the step's first forward: where the input
+        of that step was read.
         """
+        import threading
+
         import torch
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook
         from torch.utils.data import dataloader
 
-        # "fired": only the step's first outermost forward counts (a loss module is outermost too).
-        state = {"depth": 0, "t0": 0, "optimizer": None, "fired": False}
+        ratio = max((f.backward_ratio for _, f in self.faults if f.kind == "slowdown"), default=2.0)
+        stalls = any(f.kind == "data_stall" for _, f in self.faults)
+        main = threading.get_ident()
+        # per step: forward time not yet burnt for, whether the input was read, whether a spike fired
+        state = {"depth": 0, "t0": 0, "forward_ns": 0, "fetched": False, "stalled": False,
+                 "spiked": False, "optimizer": None, "stepped": False}  # fmt: skip
 
         def pre(module: torch.nn.Module, args: Any) -> None:
-            if state["depth"] == 0:
+            if threading.get_ident() != main:
+                return
+            if state["depth"] == 0 and torch.is_grad_enabled():
+                if stalls and not state["fetched"] and not state["stalled"]:
+                    state["stalled"] = True
+                    self.data(self._step)
                 state["t0"] = time.perf_counter_ns()
             state["depth"] += 1
 
         def post(module: torch.nn.Module, args: Any, output: Any) -> None:
-            state["depth"] -= 1
-            if state["depth"] == 0 and torch.is_grad_enabled() and not state["fired"]:
-                state["fired"] = True
-                forward_ns = time.perf_counter_ns() - state["t0"]
-                ratio = max((f.backward_ratio for _, f in self.faults if f.kind == "slowdown"), default=2.0)
-                self.compute_end(self._step, int(forward_ns * (1 + ratio)))
+            if threading.get_ident() != main:
+                return
+            state["depth"] = max(state["depth"] - 1, 0)
+            if state["depth"] == 0 and torch.is_grad_enabled():
+                state["forward_ns"] += time.perf_counter_ns() - state["t0"]
+
+        orig_backward = torch.autograd.backward
+
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == main:
+                compute_ns = int(state["forward_ns"] * (1 + ratio))
+                state["forward_ns"] = 0
+                self._burn(self._step, compute_ns, spike=not state["spiked"])
+                state["spiked"] = True
+            return orig_backward(*args, **kwargs)
+
+        def next_step() -> None:
+            state.update(fetched=False, stalled=False, spiked=False, forward_ns=0)
+            self.step_begin(self._step + 1)
 
         def step_post(optimizer: Any, args: Any, kwargs: Any) -> None:
             if state["optimizer"] is None:
                 state["optimizer"] = id(optimizer)
             if state["optimizer"] == id(optimizer):  # several optimizers: count steps of the first
-                state["fired"] = False
-                self.step_begin(self._step + 1)
+                state["stepped"] = True
+                next_step()
+
+        from torch.amp.grad_scaler import GradScaler
+
+        orig_scaler_step = GradScaler.step
+
+        def scaler_step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            # A skipped update (inf/NaN gradients) still ends the iteration, as the tracer counts steps.
+            state["stepped"] = False
+            try:
+                return orig_scaler_step(scaler, *args, **kwargs)
+            finally:
+                if not state["stepped"]:
+                    next_step()
 
         self._hooks = [
             register_module_forward_pre_hook(pre),
-            register_module_forward_hook(post),
+            register_module_forward_hook(post, always_call=True),
             register_optimizer_step_post_hook(step_post),
         ]
-        if any(f.kind == "data_stall" for _, f in self.faults):
+        self._orig_backward = orig_backward
+        torch.autograd.backward = backward
+        self._orig_scaler_step = orig_scaler_step
+        GradScaler.step = scaler_step
+        if stalls:
             orig = dataloader._BaseDataLoaderIter.__next__
             chaos = self
 
             def __next__(it: Any) -> Any:
-                chaos.data()
+                if threading.get_ident() == main:
+                    state["fetched"] = True
+                    chaos.data()
                 return orig(it)
 
             self._orig_next = orig
@@ -432,6 +487,13 @@ class Chaos:
 
             dataloader._BaseDataLoaderIter.__next__ = self._orig_next
             self._orig_next = None
+        if self._orig_backward is not None:
+            import torch
+            from torch.amp.grad_scaler import GradScaler
+
+            torch.autograd.backward = self._orig_backward
+            GradScaler.step = self._orig_scaler_step
+            self._orig_backward = None
         if self._on_gc in gc.callbacks:
             gc.callbacks.remove(self._on_gc)
         self._garbage.clear()

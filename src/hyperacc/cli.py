@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-kineto": ("hyperacc.commands.import_kineto:command", "Import torch.profiler traces and analyse them."),
     "affinity": ("hyperacc.commands.affinity:command", "Show the NUMA/CPU binding plan for this node."),
     "simulate": ("hyperacc.commands.simulate:command", "Simulate bulk-synchronous training at scale."),
+    "doctor": ("hyperacc.commands.doctor:command", "Pre-flight check of every rank, node and link; hosts to leave out."),
 }
 
 

@@ -117,8 +117,14 @@ def launch(
     workdir: str | os.PathLike | None = None,
     module: bool = False,
     torchrun_args: Sequence[str] = (),
+    traced: Mapping[str, str] | None = None,
 ) -> JobResult:
-    """Run ``script`` (or ``-m module`` when ``module``) as ``nnodes x nproc`` ranks and collect results."""
+    """Run ``script`` (or ``-m module`` when ``module``) as ``nnodes x nproc`` ranks and collect results.
+
+    ``traced``: start it through ``hyperacc run`` instead of plain torchrun, with these options of
+    ``hyperacc run`` (e.g. ``{"run-dir": ..., "trace": '{"window": 10}', "chaos": ...}``), so a test can
+    run the same script both ways and compare.
+    """
     if nproc < 1 or nnodes < 1:
         raise ValueError(f"nproc and nnodes must be >= 1 (got nproc={nproc}, nnodes={nnodes})")
     work = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hyperacc-job-"))
@@ -143,7 +149,12 @@ def launch(
     master_port = free_port()
     for node in range(nnodes):
         log_dir = work / "logs" / f"node{node}"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        if traced is None:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        else:
+            cmd = [sys.executable, "-m", "hyperacc", "run", "--nproc-per-node", str(nproc)]
+            for name, value in traced.items():
+                cmd += [f"--{name}", value]
         if nnodes == 1:
             cmd += ["--standalone"]
         else:
@@ -152,8 +163,12 @@ def launch(
                 "--master-addr", "127.0.0.1", "--master-port", str(master_port),
                 "--rdzv-id", run_id,
             ]  # fmt: skip
-        cmd += ["--log-dir", str(log_dir), "--redirects", "3", "--max-restarts", "0", *torchrun_args]
-        cmd += [*target, *args]
+        cmd += ["--log-dir", str(log_dir), "--redirects", "3", "--max-restarts", "0"]
+        if traced is None:
+            cmd += [*torchrun_args, *target, *args]
+        else:
+            cmd += [f"--torchrun-arg={a}" for a in torchrun_args]
+            cmd += ["--", *target, *args]
         out = (work / f"launcher-node{node}.log").open("wb")
         procs.append(
             subprocess.Popen(cmd, env=child_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -8,6 +8,8 @@ Run directory layout (``RUN_DIR``)::
     meta/rank-00003.json              RankMeta of each rank (written at start-up)
     steps/rank-00003/seg-000001.parquet   STEP_SCHEMA rows, appended segment by segment
     events/rank-00003/seg-000001.parquet  EVENT_SCHEMA rows (stabilizer actions, pacing changes, ...)
+    resources/rank-00003/seg-000001.parquet  RESOURCE_SCHEMA rows (memory, CPU; about once a second)
+    live/windows/seg-000001.parquet       every rank's window summaries, as rank 0 gathered them
     chaos/rank-00003.jsonl            ground truth of injected faults (hyperacc.chaos)
 
 Times are integer nanoseconds. A value that was not measured is null in Parquet (and -1 in the
@@ -90,6 +92,22 @@ EVENT_SCHEMA = pa.schema(
     ]
 )
 
+# Resources of one rank, sampled off the training thread (about once a second): what the process holds
+# and uses, for memory creep and imbalance across ranks.
+RESOURCE_SCHEMA = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("node", pa.int32(), nullable=False),
+        pa.field("t_ns", pa.int64(), nullable=False),  # wall clock of the sample
+        pa.field("step", pa.int64()),  # the step in progress (or the next one) when sampled
+        pa.field("rss_bytes", pa.int64()),  # resident set size of the process
+        pa.field("cpu_ns", pa.int64()),  # process CPU time (user + system, all threads), cumulative
+        pa.field("cuda_allocated_bytes", pa.int64()),  # torch.cuda.memory_allocated
+        pa.field("cuda_reserved_bytes", pa.int64()),  # torch.cuda.memory_reserved
+        pa.field("cuda_peak_bytes", pa.int64()),  # torch.cuda.max_memory_allocated since the start
+    ]
+)
+
 # Per-window, per-rank summary that travels to the analyzer while training runs.
 WINDOW_SCHEMA = pa.schema(
     [
@@ -146,6 +164,14 @@ def steps_dir(run_dir: str | os.PathLike, rank: int) -> Path:
 
 def events_dir(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / "events" / rank_name(rank)
+
+
+def resources_dir(run_dir: str | os.PathLike, rank: int) -> Path:
+    return Path(run_dir) / "resources" / rank_name(rank)
+
+
+def live_windows_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "live" / "windows"
 
 
 def chaos_path(run_dir: str | os.PathLike, rank: int) -> Path:

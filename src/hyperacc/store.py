@@ -22,10 +22,13 @@ import pyarrow.parquet as pq
 
 from hyperacc.schema import (
     EVENT_SCHEMA,
+    RESOURCE_SCHEMA,
     STEP_SCHEMA,
     RankMeta,
     events_dir,
+    live_windows_dir,
     meta_path,
+    resources_dir,
     steps_dir,
 )
 
@@ -41,7 +44,7 @@ class RunDirError(ValueError):
 class SegmentWriter:
     """Appends tables of one schema to ``directory`` as numbered Parquet segments."""
 
-    def __init__(self, directory: str | os.PathLike, schema: pa.Schema) -> None:
+    def __init__(self, directory: str | os.PathLike, schema: pa.Schema | None) -> None:
         self.directory = Path(directory)
         self.schema = schema
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -51,7 +54,8 @@ class SegmentWriter:
     def write(self, table: pa.Table) -> Path | None:
         if table.num_rows == 0:
             return None
-        table = table.cast(self.schema) if table.schema != self.schema else table
+        if self.schema is not None and table.schema != self.schema:
+            table = table.cast(self.schema)
         final = self.directory / f"seg-{self._next:06d}.parquet"
         tmp = final.with_suffix(".parquet.tmp")
         pq.write_table(table, tmp, compression="zstd")
@@ -127,9 +131,40 @@ def read_events(run_dir: str | os.PathLike) -> pa.Table:
     return _read_segments(_segments(root / "events"), EVENT_SCHEMA, None)
 
 
+def read_resources(run_dir: str | os.PathLike) -> pa.Table:
+    """Every rank's resource samples (RESOURCE_SCHEMA), sorted by (rank, time)."""
+    root = check_run_dir(run_dir)
+    table = _read_segments(_segments(root / "resources"), RESOURCE_SCHEMA, None)
+    if table.num_rows:
+        table = table.sort_by([("rank", "ascending"), ("t_ns", "ascending")])
+    return table
+
+
+def read_live_windows(run_dir: str | os.PathLike) -> pa.Table:
+    """The window summaries rank 0 gathered while the job ran (empty when it wrote none)."""
+    root = check_run_dir(run_dir) / "live" / "windows"
+    paths = sorted(root.glob("seg-*.parquet")) if root.is_dir() else []
+    tables = []
+    for path in paths:
+        try:
+            tables.append(pq.read_table(path))
+        except (OSError, pa.ArrowException) as exc:
+            log.warning("skipping unreadable segment %s (%s); the rest of the run is analysed", path, exc)
+    return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+
+
 def step_writer(run_dir: str | os.PathLike, rank: int) -> SegmentWriter:
     return SegmentWriter(steps_dir(run_dir, rank), STEP_SCHEMA)
 
 
 def event_writer(run_dir: str | os.PathLike, rank: int) -> SegmentWriter:
     return SegmentWriter(events_dir(run_dir, rank), EVENT_SCHEMA)
+
+
+def resource_writer(run_dir: str | os.PathLike, rank: int) -> SegmentWriter:
+    return SegmentWriter(resources_dir(run_dir, rank), RESOURCE_SCHEMA)
+
+
+def live_windows_writer(run_dir: str | os.PathLike) -> SegmentWriter:
+    """Rank 0's gathered window summaries; the schema is the first table's (summary columns grow)."""
+    return SegmentWriter(live_windows_dir(run_dir), None)

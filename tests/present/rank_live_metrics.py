@@ -30,7 +30,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    tracer = Tracer(run_dir, flush_every_s=0.5)
+    tracer = Tracer(run_dir, flush_every_s=0.5, inband=True)  # the culprit share is the in-band view
     sink = MetricsSink(world_size=world)
     tracer.add_sink(sink)
     server = serve(sink, ports[rank])

@@ -18,6 +18,7 @@ from hyperacc import harness, store
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
+PHASE_COLUMNS = ("data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns")
 SINGLE_JOB = Path(__file__).parent / "jobs" / "single_job.py"
 
 
@@ -60,7 +61,7 @@ def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Pat
         cmd = [
             sys.executable, "-m", "hyperacc", "run", "--run-dir", str(run), "--nproc-per-node", "2",
             "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--max-restarts", "0", "--trace", json.dumps({"window": 10, "flush_every_s": 1.0, "probe_every": 10}),
+            "--max-restarts", "0", "--trace", json.dumps({"window": 10, "flush_every_s": 1.0, "probe_every": 10, "inband": True}),
             "--chaos", json.dumps(chaos),
             "--", str(EXAMPLE), "--steps", str(steps), "--features", "128", "--hidden", "128",
         ]  # fmt: skip
@@ -103,6 +104,12 @@ def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Pat
     gathered = [e for e in store.read_events(run).to_pylist() if e["kind"] == "window_gathered"]
     assert gathered and all(e["rank"] == 0 for e in gathered)
     assert any(json.loads(e["detail"])["received"] == [0, 1, 2, 3] for e in gathered)
+    # rank 0 kept every rank's window summaries for the live view; every rank sampled its resources
+    live = store.read_live_windows(run)
+    assert set(live.column("rank").to_pylist()) == {0, 1, 2, 3}
+    resources = store.read_resources(run).to_pylist()
+    assert {r["rank"] for r in resources} == {0, 1, 2, 3}
+    assert all(r["rss_bytes"] > 0 and r["cpu_ns"] >= 0 and r["cuda_allocated_bytes"] is None for r in resources)
 
 
 def test_bootstrap_times_explicit_collectives_and_wraps_the_users_comm_hook(tmp_path: Path) -> None:

@@ -29,21 +29,22 @@ def test_four_ranks_share_values_and_name_the_culprit(tmp_path: Path) -> None:
     results = job.results()
     slow = results[0]["slow"]
 
-    # Round r carries round r-1's values: the listener hears of steps 0 .. steps-2, the same on every rank.
+    assert all(res["exchanging"] for res in results)
+    table = store.read_steps(run)
+    by_rank = {r: table.filter(pc.equal(table["rank"], r)).to_pylist() for r in range(4)}
+
+    # Round r carries round r-1's values: the listener hears of steps 0 .. steps-2, the same on every rank,
+    # and what it hears of a rank is that rank's own recorded wait of that step.
     seen = results[0]["seen"]
     assert [s[0] for s in seen] == list(range(steps - 1))
     for other in results[1:]:
         assert other["seen"] == seen
     for step, arrivals, waits in seen:
-        for rank, res in enumerate(results):
-            own_arrival, own_wait = res["own"][str(step)]
-            assert same(arrivals[rank], own_arrival), (step, rank, arrivals[rank], own_arrival)
+        for rank in range(4):
+            own_wait = by_rank[rank][step]["comm_wait_ns"]
             assert same(waits[rank], own_wait), (step, rank, waits[rank], own_wait)
         assert all(w > 0 for w in waits)
         assert all(a > 0 for a in arrivals) if step > 0 else all(a == -1 for a in arrivals)
-
-    table = store.read_steps(run)
-    by_rank = {r: table.filter(pc.equal(table["rank"], r)).to_pylist() for r in range(4)}
     # min_wait_rank of step s names the culprit of step s-1; the sleeping rank from step 2 on
     culprits = [row["min_wait_rank"] for row in by_rank[0] if row["step"] >= 4]
     for r in range(1, 4):
@@ -55,7 +56,7 @@ def test_four_ranks_share_values_and_name_the_culprit(tmp_path: Path) -> None:
         return values[len(values) // 2]
 
     late = [row for row in by_rank[slow] if row["step"] >= 2]
-    assert median([row["self_ns"] for row in late]) >= 45e6  # it slept 50 ms before its collective
+    assert median([row["self_ns"] for row in late]) >= 45e6  # it slept 50 ms before its backward
     for r in set(range(4)) - {slow}:
         rows = [row for row in by_rank[r] if row["step"] >= 2]
         assert median([row["comm_wait_ns"] for row in rows]) > median([row["comm_wait_ns"] for row in late])
@@ -90,3 +91,15 @@ def test_two_ranks_gradients_bit_identical_and_failing_parts_switch_off(tmp_path
     assert all(r["pace_delay_ns"] == 0 for r in rank1[:8])
     assert all(r["pace_delay_ns"] is None for r in rank0[8:])  # the pacer raised at step 8: switched off
     assert all(r["self_ns"] is not None and r["comm_wait_ns"] is not None for r in rank0 + rank1)
+
+
+@pytest.mark.multirank
+def test_half_precision_buckets_carry_the_values_in_their_own_dtype() -> None:
+    job = harness.launch(Path(__file__).parent / "jobs" / "half_job.py", nproc=2, timeout=180)
+    assert job.ok, job.explain()
+    r0, r1 = job.results()
+    for dtype in ("torch.float16", "torch.bfloat16"):
+        assert r0[dtype]["exchanging"] and r1[dtype]["exchanging"]
+        assert r0[dtype]["seen"] == r1[dtype]["seen"]  # every rank decoded the same values
+        assert [s[0] for s in r0[dtype]["seen"]] == [0, 1, 2, 3]
+        assert all(w > 0 for _, waits in r0[dtype]["seen"] for w in waits)

@@ -57,3 +57,39 @@ def test_sigterm_flushes_then_chains(tmp_path: Path, handler: str) -> None:
         assert code == -signal.SIGTERM
     steps = store.read_steps(run_dir)["step"].to_pylist()
     assert len(steps) >= 20 and steps == list(range(len(steps)))
+
+
+CLOSING = """
+import os, signal, sys
+from hyperacc import store
+from hyperacc.trace import Tracer
+
+run_dir, where = sys.argv[1], sys.argv[2]
+tracer = Tracer(run_dir, rank=0, flush_every_s=3600, window=0, probe_every=0)
+for _ in range(3000):
+    with tracer.step():
+        pass
+write = store.SegmentWriter.write
+def write_after_sigterm(self, table):
+    # SIGTERM arrives while close() is flushing: before this segment reaches the disk
+    os.kill(os.getpid(), signal.SIGTERM)
+    return write(self, table)
+store.SegmentWriter.write = write_after_sigterm
+if where == "close":
+    tracer.close()
+else:  # interpreter exit: atexit runs close()
+    sys.exit(0)
+print("not terminated", flush=True)
+"""
+
+
+@pytest.mark.parametrize("where", ["close", "exit"])
+def test_sigterm_during_close_keeps_every_row_then_terminates(tmp_path: Path, where: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-c", CLOSING, str(run_dir), where], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
+    assert "not terminated" not in proc.stdout
+    assert store.read_steps(run_dir)["step"].to_pylist() == list(range(3000))
+    assert not list(run_dir.rglob("*.tmp"))

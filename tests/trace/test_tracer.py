@@ -181,7 +181,7 @@ def test_truncated_segment_is_skipped_with_a_warning(
 def test_launch_probe_times_op_dispatch() -> None:
     import torch
 
-    probe = LaunchProbe(every=10, ops=8)
+    probe = LaunchProbe(ops=8)
     assert probe.measure(torch.device("cpu")) > 0
 
 

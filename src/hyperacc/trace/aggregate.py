@@ -117,6 +117,7 @@ class WindowAggregator:
         on_window: Callable[[int, list[int], list[int]], None] | None = None,
         poll_s: float = 0.5,
         prefix: str | None = None,
+        run_dir: str | os.PathLike | None = None,
     ) -> None:
         self.rank, self.node, self.world_size = rank, node, world_size
         self.window = window
@@ -139,6 +140,12 @@ class WindowAggregator:
         self._own_last = -1
         self._missing_reported: frozenset[int] = frozenset()
         self.windows_processed = 0
+        # rank 0 keeps every rank's summaries under RUN_DIR/live/windows (what `watch` and the live view
+        # read first), written every few seconds from this thread
+        self.run_dir = run_dir
+        self._gathered: list[pa.Table] = []
+        self._gathered_at = time.monotonic()
+        self._writer: Any = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hyperacc-trace-windows", daemon=True)
@@ -257,6 +264,7 @@ class WindowAggregator:
             self.on_window(w, received, missing)
         if not rows:
             return
+        self._keep(rows)
         if not self._detector_made:
             self._detector_made = True
             self._detector = _default_detector(self.world_size, self.nodes)
@@ -268,23 +276,47 @@ class WindowAggregator:
             if self.on_finding is not None:
                 self.on_finding(first_step, str(message))
 
+    def _keep(self, rows: list[dict[str, Any]]) -> None:
+        if self.run_dir is None:
+            return
+        self._gathered.append(pa.Table.from_pylist(sorted(rows, key=lambda r: r["rank"])))
+        if time.monotonic() - self._gathered_at >= 5.0:
+            self._write_gathered()
+
+    def _write_gathered(self) -> None:
+        if not self._gathered or self.run_dir is None:
+            return
+        from hyperacc import store
+
+        tables, self._gathered = self._gathered, []
+        self._gathered_at = time.monotonic()
+        try:
+            if self._writer is None:
+                self._writer = store.live_windows_writer(self.run_dir)
+            self._writer.write(pa.concat_tables(tables, promote_options="permissive"))
+        except Exception as exc:  # noqa: BLE001 - the live file is a convenience; training never waits
+            self.run_dir = None
+            switch_off("writing gathered windows", exc)
+
     # ------------------------------------------------------------------ end
 
-    def close(self) -> None:
-        """Publish what is complete; rank 0 waits briefly (<= 2 s) for the others' last windows."""
+    def close(self, wait: bool = True) -> None:
+        """Publish what is complete; rank 0 waits briefly (<= 2 s) for the others' last windows, unless
+        ``wait`` is False (the job is being stopped: the others will not send theirs)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
         if not self._on:
             return
         self._complete(self._latest_window + (1 if self._partial_is_full() else 0))
-        deadline = time.monotonic() + (min(self.grace_s, 2.0) if self.rank == 0 else 0.0)
+        deadline = time.monotonic() + (min(self.grace_s, 2.0) if self.rank == 0 and wait else 0.0)
         while True:
             self._tick(final=True)
             done = self._next_window is None or self._next_window > self._own_last
             if self.rank != 0 or done or not self._on or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
+        self._write_gathered()
         if not self._store_given and self._store is not None:
             self._store = None
 

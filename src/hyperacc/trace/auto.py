@@ -1,18 +1,23 @@
 """Zero-code tracing of a script that was not written for hyperacc (docs/tracing.md, "Automatic mode").
 
-Where each measurement comes from:
+Where each measurement comes from (every one on the training thread only, the thread that started
+tracing; calls on other threads are left alone):
 
-- step boundaries: the global optimizer step hooks; the boundary is the end of ``step()`` of the first
-  optimizer that steps (other optimizers of the job are timed into the same step);
-- data wait: ``DataLoader`` iterators, by wrapping ``_BaseDataLoaderIter.__next__`` at the edge;
-- forward: the outermost modules only. Global module hooks find the modules called at depth 0 with
-  gradients enabled during the first step (the model, a loss module); they are then replaced by
-  hooks on those modules alone, so a deep model costs two hook calls per forward, not two per module;
-- backward: from the end of the last forward to the launch of the last gradient bucket (DDP), to the
-  first explicit collective, or to the optimizer;
+- step boundaries: the end of ``step()`` of the first optimizer that steps (global optimizer hooks),
+  or the end of ``GradScaler.step`` when it skipped the optimizer (inf/NaN gradients), so a skipped
+  update never merges two iterations; a boundary inside an open phase takes effect when it closes;
+- data: ``DataLoader`` iterators' ``__next__`` (wrapped at the class edge); without any fetch in a
+  step, the input gap (see ``step_clock``);
+- forward: the outermost modules only. Global module hooks find the modules called at depth 0 during
+  the first step (the model, a loss module); they are then replaced by a wrapper on those modules'
+  ``forward`` alone, so a deep model costs one wrapper call per forward, not two hooks per module.
+  A forward without gradients is evaluation: part of the rest of the step, never input;
+- backward: the time inside ``torch.autograd.backward`` (``loss.backward()``, accelerate's and
+  Lightning's backward go through it), each micro-step's, less the collective wait inside it;
+- optimizer: ``step()`` of the optimizers (pre/post hooks) and ``GradScaler.step``;
 - gradient collectives: a DDP communication hook attached right after each DDP model is built
-  (``hyperacc.trace.inband``), composing with any hook the script registers later; without DDP, the
-  script's own ``torch.distributed`` collectives are timed (``hyperacc.trace.collectives``).
+  (``hyperacc.trace.inband``), composing with any hook the script registers later; the script's own
+  ``torch.distributed`` collectives and ``Work.wait`` (``hyperacc.trace.collectives``).
 
 Every hook body is guarded: an exception switches automatic tracing off with one log line and the
 script runs on untouched.
@@ -21,13 +26,14 @@ script runs on untouched.
 from __future__ import annotations
 
 import functools
+import threading
 from time import perf_counter_ns
 from typing import Any
 
 import torch
 
-from hyperacc.trace.columns import BACKWARD_NS, DATA_NS, FORWARD_NS, OPTIMIZER_NS, STEP
 from hyperacc.trace.failsafe import switch_off
+from hyperacc.trace.step_clock import BACKWARD, DATA, EVAL, FORWARD, OPTIMIZER
 from hyperacc.trace.tracer import Tracer
 
 _MAX_OUTERMOST = 8
@@ -37,23 +43,24 @@ _MAX_REDETECTIONS = 3
 class AutoTrace:
     def __init__(self, tracer: Tracer) -> None:
         self.tracer = tracer
+        self.clock = tracer.clock
+        self.thread_id = tracer.thread_id
         self._handles: list[Any] = []
         self._module_handles: list[Any] = []
         self._outermost: list[torch.nn.Module] = []
         self._detecting = True
-        self._depth = 0
-        self._fwd_t0 = 0
-        self._fwd_end = 0
-        self._opt_t0 = 0
+        self._depth = 0  # module nesting (forward hooks)
+        self._fwd_kind = FORWARD
         self._optimizer: int | None = None
         self._other: int | None = None
         self._others = 0
+        self._opt_steps = 0  # optimizer steps of the primary optimizer so far
         self._hooked = 0
         self._redetections = 0
-        self._opt_depth = 0
-        self._orig_next: Any = None
-        self._orig_ddp_init: Any = None
+        self._saw_forward = False
+        self._originals: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
         self._installed = False
+        self._on = True
         self._step_callbacks: list[Any] = []
 
     def add_step_callback(self, fn: Any) -> None:
@@ -71,6 +78,8 @@ class AutoTrace:
         if self._installed:
             return self
         self._installed = True
+        self.clock.input_gap = True
+        self.clock.on_end = self._boundary
         self._handles = [
             register_optimizer_step_pre_hook(self._opt_pre),
             register_optimizer_step_post_hook(self._opt_post),
@@ -83,35 +92,70 @@ class AutoTrace:
             ]
         else:  # installed again after an uninstall: the outermost modules are known
             self._hook_outermost()
-        orig_next = dataloader._BaseDataLoaderIter.__next__
-        self._orig_next = orig_next
         auto = self
 
+        orig_next = dataloader._BaseDataLoaderIter.__next__
+
         def __next__(it: Any) -> Any:
-            t0 = perf_counter_ns()
+            if not auto._on or threading.get_ident() != auto.thread_id:
+                return orig_next(it)
+            auto._enter(DATA)
             try:
                 return orig_next(it)
             finally:
-                auto._on_data(t0)
+                auto._exit(DATA)
 
-        dataloader._BaseDataLoaderIter.__next__ = __next__
+        self._patch(dataloader._BaseDataLoaderIter, "__next__", __next__)
+
+        orig_backward = torch.autograd.backward
+
+        @functools.wraps(orig_backward)
+        def backward(*args: Any, **kwargs: Any) -> Any:
+            if not auto._on or threading.get_ident() != auto.thread_id:
+                return orig_backward(*args, **kwargs)
+            auto._enter(BACKWARD)
+            try:
+                return orig_backward(*args, **kwargs)
+            finally:
+                auto._exit(BACKWARD)
+
+        self._patch(torch.autograd, "backward", backward)
+
+        from torch.amp.grad_scaler import GradScaler
+
+        orig_scaler_step = GradScaler.step
+
+        @functools.wraps(orig_scaler_step)
+        def scaler_step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
+            if not auto._on or threading.get_ident() != auto.thread_id:
+                return orig_scaler_step(scaler, *args, **kwargs)
+            before = auto._opt_steps
+            auto._enter(OPTIMIZER)
+            try:
+                return orig_scaler_step(scaler, *args, **kwargs)
+            finally:
+                auto._exit(OPTIMIZER)
+                if auto._opt_steps == before and auto._on:
+                    auto._request_end()  # the update was skipped (inf/NaN): the iteration still ends
+
+        self._patch(GradScaler, "step", scaler_step)
 
         orig_init = DDP.__init__
-        self._orig_ddp_init = orig_init
 
         def __init__(ddp: Any, *args: Any, **kwargs: Any) -> None:
             orig_init(ddp, *args, **kwargs)
             auto._attach(ddp)
 
         __init__.__wrapped__ = orig_init  # type: ignore[attr-defined]
-        DDP.__init__ = __init__
-        self.tracer.explicit.install()
+        self._patch(DDP, "__init__", __init__)
+        self.tracer.collectives.install()
         return self
 
-    def uninstall(self) -> None:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        from torch.utils.data import dataloader
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
 
+    def uninstall(self) -> None:
         if not self._installed:
             return
         self._installed = False
@@ -119,22 +163,66 @@ class AutoTrace:
             h.remove()
         self._handles, self._module_handles = [], []
         self._hooked = 0
-        if self._orig_next is not None:
-            dataloader._BaseDataLoaderIter.__next__ = self._orig_next
-        if self._orig_ddp_init is not None:
-            DDP.__init__ = self._orig_ddp_init
-        self.tracer.explicit.close()
+        for owner, name, orig in reversed(self._originals):
+            setattr(owner, name, orig)
+        self._originals = []
+        self.tracer.collectives.close()
 
-    def close(self) -> None:
-        """Remove the hooks and flush the tracer."""
+    def close(self, *, stopping: bool = False) -> None:
+        """Remove the hooks and flush the tracer (``stopping``: see ``Tracer.close``)."""
         self.uninstall()
-        self.tracer.close()
+        self.tracer.close(stopping=stopping)
 
     def _fail(self, exc: BaseException) -> None:
+        self._on = False
+        self.tracer.collectives.on = False
+        switch_off("automatic tracing hooks", exc)
+
+    # ------------------------------------------------------------------ phase plumbing
+
+    def _enter(self, kind: int) -> None:
         try:
-            self.uninstall()
-        finally:
-            switch_off("automatic tracing hooks", exc)
+            tr = self.tracer
+            if not tr.step_open:
+                tr.begin_step()
+            self.clock.enter(kind, perf_counter_ns())
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _exit(self, kind: int) -> None:
+        try:
+            self.clock.exit(kind, perf_counter_ns())
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _request_end(self) -> None:
+        try:
+            if self.tracer.step_open:
+                self.clock.request_end(perf_counter_ns())
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _boundary(self, t: int) -> None:
+        """The step ended (the clock calls this once no phase is open)."""
+        tr = self.tracer
+        finished = tr.current_step
+        no_forward = not self._saw_forward
+        self._saw_forward = False
+        tr.end_step()
+        if self._detecting:
+            self._finish_detection()
+        elif no_forward and self._redetections < _MAX_REDETECTIONS:
+            self._restart_detection()  # a model built later (a new stage) has not been seen yet
+        ran = False
+        for fn in self._step_callbacks:
+            ran = True
+            try:
+                fn(finished)
+            except Exception as exc:  # noqa: BLE001
+                self._step_callbacks = [f for f in self._step_callbacks if f is not fn]
+                switch_off(f"step callback {getattr(fn, '__qualname__', fn)!s}", exc)
+        # What the callbacks did (a scheduled collection) lies between the steps, in neither.
+        tr.begin_step(contiguous=not ran)
 
     # ------------------------------------------------------------------ hooks
 
@@ -144,25 +232,8 @@ class AutoTrace:
         except Exception as exc:  # noqa: BLE001
             switch_off("gradient collective timing", exc)
 
-    def _ensure_step(self) -> None:
-        if not self.tracer._open:
-            self.tracer.begin_step()
-
-    def _on_data(self, t0: int) -> None:
-        try:
-            t1 = perf_counter_ns()
-            tr = self.tracer
-            if not tr._open:
-                tr.begin_step()
-                return  # the step starts after this fetch's first part; the rest is not attributable
-            row = tr._row
-            v = row[DATA_NS]
-            row[DATA_NS] = t1 - t0 if v < 0 else v + t1 - t0
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc)
-
     def _global_pre(self, module: torch.nn.Module, args: Any) -> None:
-        if self._depth == 0 and self._detecting and torch.is_grad_enabled():
+        if self._depth == 0 and self._detecting and threading.get_ident() == self.thread_id:
             outer = self._outermost
             if len(outer) < _MAX_OUTERMOST and not any(m is module for m in outer):
                 outer.append(module)
@@ -172,63 +243,37 @@ class AutoTrace:
         self._post(module, args, output)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        if threading.get_ident() != self.thread_id or not self._on:
+            return
         if self._depth == 0:
-            if not self.tracer._open:
-                self.tracer.begin_step()
-            self._fwd_t0 = perf_counter_ns()
+            kind = FORWARD if torch.is_grad_enabled() else EVAL
+            self._fwd_kind = kind
+            if kind == FORWARD:
+                self._saw_forward = True
+            self._enter(kind)
         self._depth += 1
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() != self.thread_id or not self._on:
+            return
         self._depth -= 1
         if self._depth == 0:
-            t1 = perf_counter_ns()
-            if not torch.is_grad_enabled():
-                return  # evaluation forwards are part of the step but not its training forward
-            tr = self.tracer
-            if tr._open:
-                row = tr._row
-                v = row[FORWARD_NS]
-                d = t1 - self._fwd_t0
-                row[FORWARD_NS] = d if v < 0 else v + d
-                self._fwd_end = t1
+            self._exit(self._fwd_kind)
         elif self._depth < 0:
             self._depth = 0
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        try:
-            if self._optimizer is None:
-                self._optimizer = id(optimizer)
-            t = perf_counter_ns()
-            self._ensure_step()
-            tr = self.tracer
-            if self._opt_depth == 0:
-                self._opt_t0 = t
-                fe = self._fwd_end
-                if fe > 0:
-                    end = t
-                    launch = tr.inband.last_launch_ns
-                    if launch > fe:
-                        end = launch
-                    elif tr.explicit.first_entry > fe:
-                        end = tr.explicit.first_entry
-                    row = tr._row
-                    v = row[BACKWARD_NS]
-                    row[BACKWARD_NS] = end - fe if v < 0 else v + end - fe
-                    self._fwd_end = 0
-            self._opt_depth += 1
-        except Exception as exc:  # noqa: BLE001
-            self._fail(exc)
+        if threading.get_ident() != self.thread_id or not self._on:
+            return
+        if self._optimizer is None:
+            self._optimizer = id(optimizer)
+        self._enter(OPTIMIZER)
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if threading.get_ident() != self.thread_id or not self._on:
+            return
+        self._exit(OPTIMIZER)
         try:
-            t = perf_counter_ns()
-            self._opt_depth = max(self._opt_depth - 1, 0)
-            tr = self.tracer
-            if self._opt_depth == 0 and tr._open:
-                row = tr._row
-                v = row[OPTIMIZER_NS]
-                d = t - self._opt_t0
-                row[OPTIMIZER_NS] = d if v < 0 else v + d
             if id(optimizer) != self._optimizer:
                 # A second optimizer stepping twice with no step of the first one in between: the first
                 # was replaced (a new training stage), so this one marks the steps from now on.
@@ -238,23 +283,11 @@ class AutoTrace:
                     return
                 self._optimizer = id(optimizer)
             self._other, self._others = None, 0
-            row = tr._row
-            finished = row[STEP]
-            no_forward = tr._open and row[FORWARD_NS] < 0
-            tr.end_step()
-            if self._detecting:
-                self._finish_detection()
-            elif no_forward and self._redetections < _MAX_REDETECTIONS:
-                self._restart_detection()  # a model built later (a new stage) has not been seen yet
-            for fn in self._step_callbacks:
-                try:
-                    fn(finished)
-                except Exception as exc:  # noqa: BLE001
-                    self._step_callbacks = [f for f in self._step_callbacks if f is not fn]
-                    switch_off(f"step callback {getattr(fn, '__qualname__', fn)!s}", exc)
-            tr.begin_step()
+            self._opt_steps += 1
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
+            return
+        self._request_end()
 
     def _restart_detection(self) -> None:
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook

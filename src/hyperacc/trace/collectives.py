@@ -1,93 +1,130 @@
-"""Timing of a script's own collectives when DDP is not used (FSDP, hand-written all-reduce).
+"""Time the training thread spends blocked in the script's own collectives (FSDP, HF's gathers, barriers).
 
-In automatic mode the public ``torch.distributed`` collectives are wrapped at the module edge: a
-wrapped call records its entry (the step's arrival is the first entry) and the time until it returns
-(synchronous) or until its work completes (``async_op=True``, through the work's future). Nothing is
-added to the communication: no extra collective, no synchronisation. When a DDP model's gradient
-collectives are timed through its communication hook, these wrappers step aside.
-docs/tracing.md, "Collectives without DDP".
+In automatic mode the public ``torch.distributed`` collectives are wrapped at the module edge (the
+``torch.distributed`` attributes; torch's own internal calls are left alone), and so is
+``Work.wait``. What counts as *wait* is the time the training thread could not go on:
+
+- a synchronous call (``async_op`` false, given by keyword or position): its whole duration;
+- an asynchronous one: nothing at launch; the time spent in ``Work.wait()`` when the script (or FSDP)
+  waits for it;
+- calls on other threads (a prefetch thread, a checkpoint writer) are not the step's wait and are left
+  alone; so are calls nested inside a timed one (``all_gather_object`` calling ``all_gather``).
+
+DDP's gradient all-reduce is timed by its communication hook (``hyperacc.trace.inband``), which calls
+torch's unwrapped function, so nothing is counted twice. Nothing is added to the communication.
+docs/tracing.md, "Collectives".
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import threading
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from hyperacc.trace.columns import COMM_WAIT_NS, SELF_NS
 from hyperacc.trace.failsafe import switch_off
+from hyperacc.trace.step_clock import COMM, StepClock
 
-if TYPE_CHECKING:
-    from hyperacc.trace.tracer import Tracer
-
-WRAPPED = (
-    "all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather", "reduce_scatter",
-    "broadcast", "reduce", "all_to_all_single", "all_to_all",
-)  # fmt: skip
+# Blocking calls without an ``async_op`` parameter.
+_BLOCKING = ("monitored_barrier", "all_gather_object", "broadcast_object_list", "gather_object",
+             "scatter_object_list", "send", "recv")  # fmt: skip
 
 
-class ExplicitCollectives:
-    def __init__(self, tracer: Tracer) -> None:
-        self.tracer = tracer
-        self.first_entry = -1
-        self.inside_ns = 0
-        self.count = 0
+def _collectives() -> dict[str, int]:
+    """Public ``torch.distributed`` collectives -> position of their ``async_op`` argument (-1: none)."""
+    import torch.distributed as dist
+
+    out: dict[str, int] = {}
+    for name in dir(dist):
+        if name.startswith("_"):
+            continue
+        fn = getattr(dist, name, None)
+        if not callable(fn) or isinstance(fn, type):
+            continue
+        try:
+            params = list(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            continue
+        if "async_op" in params:
+            out[name] = params.index("async_op")
+        elif name in _BLOCKING:
+            out[name] = -1
+    return out
+
+
+class CollectiveClock:
+    """Wraps the collectives and ``Work.wait`` to charge blocked time to the step clock."""
+
+    def __init__(self, clock: StepClock, thread_id: int) -> None:
+        self.clock = clock
+        self.thread_id = thread_id
+        self.on = True
         self._originals: dict[str, Any] = {}
-        self._on = True
+        self._wait: Any = None
 
     def install(self) -> None:
         import torch.distributed as dist
 
-        for name in WRAPPED:
-            orig = getattr(dist, name, None)
-            if orig is None or name in self._originals:
+        for name, pos in _collectives().items():
+            if name in self._originals:
                 continue
+            orig = getattr(dist, name)
             self._originals[name] = orig
-            setattr(dist, name, self._wrap(orig))
+            setattr(dist, name, self._wrap(orig, pos))
+        work = getattr(dist, "Work", None)
+        if work is not None and self._wait is None:
+            self._wait = work.wait
+            clock = self
+
+            def wait(w: Any, *args: Any, **kwargs: Any) -> Any:
+                return clock._timed(clock._wait, (w, *args), kwargs)
+
+            wait.__doc__ = getattr(self._wait, "__doc__", None)
+            try:
+                work.wait = wait
+            except (TypeError, AttributeError) as exc:
+                self._wait = None
+                switch_off("timing of Work.wait", exc)
 
     def close(self) -> None:
-        if not self._originals:
-            return
         import torch.distributed as dist
 
         for name, orig in self._originals.items():
             setattr(dist, name, orig)
         self._originals.clear()
+        if self._wait is not None:
+            try:
+                dist.Work.wait = self._wait
+            except (TypeError, AttributeError):
+                pass
+            self._wait = None
 
-    def _wrap(self, orig: Any) -> Any:
+    def _wrap(self, orig: Any, pos: int) -> Any:
         clock = self
 
         @functools.wraps(orig)
         def collective(*args: Any, **kwargs: Any) -> Any:
-            tracer = clock.tracer
-            if not clock._on or not tracer._open or tracer.inband.timing_ddp:
+            if "async_op" in kwargs:
+                if kwargs["async_op"]:
+                    return orig(*args, **kwargs)
+            elif 0 <= pos < len(args) and args[pos]:
                 return orig(*args, **kwargs)
-            t0 = perf_counter_ns()
-            if clock.first_entry < 0:
-                clock.first_entry = t0
-            work = orig(*args, **kwargs)
-            try:
-                if work is None or not kwargs.get("async_op", False):
-                    clock.inside_ns += perf_counter_ns() - t0
-                    clock.count += 1
-                else:
-                    work.get_future().then(functools.partial(clock._async_done, t0))
-            except Exception as exc:  # noqa: BLE001 - e.g. a backend without futures for this op
-                clock._on = False
-                switch_off("timing of explicit collectives", exc)
-            return work
+            return clock._timed(orig, args, kwargs)
 
         return collective
 
-    def _async_done(self, t0: int, fut: Any) -> None:
-        self.inside_ns += perf_counter_ns() - t0
-        self.count += 1
-
-    def take_step(self, row: list[int], t0: int) -> None:
-        """Write the step's arrival (self-time) and time inside collectives; reset for the next step."""
-        if self.count and row[SELF_NS] < 0:
-            row[SELF_NS] = max(self.first_entry - t0, 0)
-            row[COMM_WAIT_NS] = self.inside_ns
-        self.first_entry = -1
-        self.inside_ns = 0
-        self.count = 0
+    def _timed(self, fn: Any, args: Any, kwargs: Any) -> Any:
+        clock = self.clock
+        if not self.on or threading.get_ident() != self.thread_id or clock.open_by_kind[COMM]:
+            return fn(*args, **kwargs)
+        try:
+            clock.enter(COMM, perf_counter_ns())
+        except Exception as exc:  # noqa: BLE001 - timing never stands between the script and its collective
+            self.on = False
+            switch_off("timing of collectives", exc)
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            clock.exit(COMM, perf_counter_ns())

@@ -1,57 +1,55 @@
-"""Arrival and wait at the DDP gradient all-reduce, exchanged in-band between all ranks.
+"""DDP's gradient collectives: timed by a communication hook, optionally exchanged in-band.
 
-A DDP communication hook times this rank's gradient collectives: its *arrival* (time from the
-previous round's exit to launching the first bucket) and its *wait* (from launching the last bucket
-to the completion of all of them). On the default all-reduce path it also appends a float32 vector of
-``2 x world`` slots to the last bucket (``bucket.is_last()``): slot ``rank`` holds this rank's arrival of
-an earlier round, slot ``world + rank`` its wait, both in milliseconds (small offsets, never clock
-readings, so float32 keeps them to ~10 ns and no clock synchronisation is needed); every other slot is
-zero. After the SUM every rank holds every rank's values, with no extra collective. The slots are
-stripped off before DDP sees the gradients.
+Every DDP model built while tracing gets a communication hook (``GradientRounds``) that does exactly
+what DDP's default does (divide by the world size, all-reduce, return the result) or calls the user's
+own hook, and times each *round* (one backward's buckets): its first and last bucket launch and the
+completion of all of them. The rank's exposed **wait** is completion minus last launch: the time it had
+nothing left to compute and waited for the others. ``collect()`` hands the step clock that wait (and any
+pacing delay) when the backward returns. Errors of the collective reach DDP unchanged: every completion
+callback takes the future's value first.
 
-The exchanged values belong to round ``r - lag`` (lag 1 on CPU, 2 on CUDA where device times are read
-a step or more later); a rank without a value for that round sends NaN ("not measured").
-Listeners receive ``(step, arrivals_ns, waits_ns)`` with -1 for unmeasured ranks; the arrays are
-reused, so copy them to keep them. A pacer's ``delay_before(step)`` (ns) is applied before the first
-bucket of each round is launched. The culprit of a round is the rank that waited least
-(``min_wait_rank``). docs/tracing.md, "In-band exchange".
-
-With a user's own communication hook the user's hook runs unchanged (it is wrapped, never replaced)
-and only local timing is kept; the exchange runs on the default path only, because a compression hook
-(fp16/bf16) would destroy the small values.
+**In-band exchange** (``inband`` option; off by default, because it changes the all-reduce's length and,
+with more than two ranks, the summation order of some gradient elements in their last bit): on the
+first model, the last bucket of every round carries ``2 x world`` extra values in the bucket's dtype,
+slot ``rank`` this rank's arrival and slot ``world + rank`` its wait of round ``r - lag``, in
+milliseconds, every other slot 0; after the SUM every rank knows every rank's values (NaN: not
+measured), with no extra collective. Whether the slots ride along is agreed once for all ranks of the
+group when the model is attached (through the job's store, the first proposal wins), never decided by
+one rank alone: after an internal error a rank keeps sending slots of the same length, filled with NaN.
+The culprit of a round is the rank that waited least (``min_wait_rank``); a pacer's delay is applied
+before the first bucket of each round. docs/tracing.md, "Gradient collectives" and "In-band exchange".
 """
 
 from __future__ import annotations
 
+import datetime
 import math
+import os
 import time
 from collections.abc import Callable
 from time import perf_counter_ns
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-from hyperacc.trace.columns import (
-    COMM_WAIT_NS,
-    MIN_WAIT_RANK,
-    PACE_DELAY_NS,
-    PACE_ON,
-    SELF_NS,
-    SPREAD_NS,
-)
+from hyperacc.trace.columns import MIN_WAIT_RANK, PACE_ON, SPREAD_NS
 from hyperacc.trace.failsafe import switch_off
-
-if TYPE_CHECKING:
-    from hyperacc.trace.tracer import Tracer
 
 Listener = Callable[[int, np.ndarray, np.ndarray], None]
 
-_HISTORY = 16
 _SMALL_WORLD = 64
+_HISTORY = 16
+_RECV_RING = 4
+_SLOT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_FP16_MAX_MS = 65000.0  # float16 tops out at 65504
+_DDP_COMM = 7  # hyperacc.trace.device.DDP_COMM (not imported: device.py imports torch.cuda lazily)
+
 _original_register: Any = None
 _original_builtin: Any = None
+_agreements: dict[str, int] = {}  # agreements made so far per group: every rank makes them in the same order
 
 
 def _patch_ddp_registration() -> None:
@@ -65,14 +63,14 @@ def _patch_ddp_registration() -> None:
     _original_builtin = DDP._register_builtin_comm_hook
 
     def register_comm_hook(self: Any, state: object, hook: Callable) -> None:
-        wrapper = getattr(self, "_hyperacc_hook", None)
-        if wrapper is None:
+        rounds = getattr(self, "_hyperacc_rounds", None)
+        if rounds is None:
             return _original_register(self, state, hook)
-        wrapper.set_user_hook(state, hook)
+        rounds.set_user_hook(state, hook)
 
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-        wrapper = getattr(self, "_hyperacc_hook", None)
-        if wrapper is None:
+        rounds = getattr(self, "_hyperacc_rounds", None)
+        if rounds is None:
             return _original_builtin(self, comm_hook_type)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -83,7 +81,7 @@ def _patch_ddp_registration() -> None:
         hook = builtin.get(comm_hook_type)
         if hook is None:
             raise ValueError(f"unknown builtin communication hook {comm_hook_type!r}")
-        wrapper.set_user_hook(self.process_group, hook)
+        rounds.set_user_hook(self.process_group, hook)
 
     register_comm_hook.__doc__ = _original_register.__doc__
     DDP.register_comm_hook = register_comm_hook
@@ -95,326 +93,164 @@ def _dispatch(state, bucket):  # type: ignore[no-untyped-def]
     return state.run(bucket)
 
 
-class _Done:
-    """Completion callback of the k-th launch of a round (preallocated, one per launch position)."""
-
-    __slots__ = ("inband", "k", "unwrap")
-
-    def __init__(self, inband: InBand, k: int, unwrap: bool) -> None:
-        self.inband, self.k, self.unwrap = inband, k, unwrap
-
-    def __call__(self, fut: torch.futures.Future) -> Any:
-        inband = self.inband
-        inband._done_at[self.k] = perf_counter_ns()
-        dev = inband.tracer._dev
-        if dev is not None:
-            inband._done_mark = dev.mark()  # on the callback's stream: after the collective on the device
-        value = fut.value()
-        return value[0] if self.unwrap else value
-
-
-class _ModelHook:
-    """The hook registered on one DDP model: times it, exchanges in-band, runs the user's hook."""
-
-    def __init__(self, inband: InBand, model: Any, primary: bool) -> None:
-        self.inband = inband
-        self.model = model
-        self.primary = primary
-        self.group = model.process_group
-        self.world = self.group.size()
-        self.user_hook: Callable | None = None
-        self.user_state: object = None
-
-    def set_user_hook(self, state: object, hook: Callable) -> None:
-        if self.user_hook is not None:
-            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
-        self.model._check_comm_hook(hook)
-        logger = getattr(self.model, "logger", None)
-        if logger is not None:
-            logger._set_comm_hook_name(getattr(hook, "__qualname__", str(hook)))
-        self.model._comm_hooks.append((hook, state))
-        self.user_state, self.user_hook = state, hook
-
-    def plain(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """What DDP would do without us: the user's hook, or the default averaging all-reduce."""
-        if self.user_hook is not None:
-            return self.user_hook(self.user_state, bucket)
-        buf = bucket.buffer()
-        buf.div_(self.world)
-        fut = dist.all_reduce(buf, group=self.group, async_op=True).get_future()
-        return fut.then(_first_value)
-
-    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        inband = self.inband
-        if self.primary and inband._on:
-            try:
-                return inband._run(self, bucket)
-            except Exception as exc:  # noqa: BLE001 - fall back to the plain path, never break backward
-                inband._on = False
-                switch_off("gradient collective timing", exc)
-        return self.plain(bucket)
-
-
 def _first_value(fut: torch.futures.Future) -> torch.Tensor:
     return fut.value()[0]
 
 
-class InBand:
-    """Times the gradient collectives of the traced DDP model and exchanges the values in-band."""
+def agree(group: Any, proposal: bool, timeout_s: float) -> bool:
+    """One decision for every rank of ``group``: True only if all of them proposed True in time.
 
-    def __init__(self, tracer: Tracer) -> None:
-        self.tracer = tracer
-        self.piggyback = tracer.options.inband
-        self.world = 0
-        self.rank = -1
-        self.lag = 1
-        self.round = -1  # index of the current (or last) round
-        self.timing_ddp = False  # a DDP model is attached: explicit collective wrappers step aside
-        self._on = True
-        self._listeners: list[Listener] = []
-        self._pacer: Any = None
-        self._models: list[_ModelHook] = []
-        self._open = False
-        self._n = 0  # launches in the current round
-        self._done_at: list[int] = [-1] * 64
-        self._done_cbs: list[_Done] = []
-        self._done_cbs_raw: list[_Done] = []
-        self._first_entry = -1  # before the pacing delay
-        self._first_launch = -1  # after it
-        self._last_launch = -1
-        self._prev_done = -1
-        self._delay = 0
-        self._pace_on = -1
-        self._wait = -1  # of the round just closed
-        self._min_wait_rank = -1
-        self._spread = -1
+    Each rank adds its proposal to counters in the job's store; once all have arrived (or after
+    ``timeout_s``) it proposes the decision with ``compare_set`` on one key, and every rank adopts
+    whatever that key holds: the first proposal wins, so all ranks end with the same answer even when
+    some timed out. No store, no agreement: False.
+    """
+    base = _job_store()
+    if base is None:
+        return False
+    world = group.size()
+    tag = "-".join(str(r) for r in dist.get_process_group_ranks(group)) if world <= 16 else f"{world}"
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    index = _agreements.get(tag, 0)
+    _agreements[tag] = index + 1
+    store = dist.PrefixStore(f"hyperacc/inband/{run}/{restart}/{tag}/{index}/", base)
+    if proposal:
+        store.add("yes", 1)
+    if store.add("arrived", 1) == world:
+        store.set("all", "1")
+    arrived = True
+    try:
+        store.wait(["all"], datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError):
+        arrived = False
+    mine = arrived and store.add("yes", 0) == world
+    return store.compare_set("decision", "", "1" if mine else "0") == b"1"
+
+
+def _job_store() -> Any:
+    try:
+        return c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group, or a torch without this helper
+        return None
+
+
+class InBand:
+    """The in-band exchange of one rank: slots to send, values received, listeners and the pacer."""
+
+    def __init__(self, world: int, rank: int, lag: int) -> None:
+        self.world, self.rank, self.lag = world, rank, lag
+        self.decoding = True
+        self.listeners: list[Listener] = []
+        self.min_wait_rank = -1
+        self.spread = -1
         self._hist_round = [-1] * _HISTORY
         self._hist_arrival = [-1] * _HISTORY
         self._hist_wait = [-1] * _HISTORY
         self._hist_row = [-1] * _HISTORY
-        self._ext: torch.Tensor | None = None
-        self._ext_n = -1
-        self._ext_head: torch.Tensor | None = None
-        self._ext_tail: torch.Tensor | None = None
-        self._send: list[torch.Tensor] = []
-        self._send_np: list[np.ndarray] = []
-        self._recv: torch.Tensor | None = None
-        self._recv_np: np.ndarray | None = None
-        self._recv_event: Any = None
-        self._recv_round = -1
-        self._recv_pending = False
-        self.arrivals_ns = np.zeros(0, np.int64)
-        self.waits_ns = np.zeros(0, np.int64)
-        self._tmp = self._scratch = np.zeros(0, np.float64)
-        self._valid = self._invalid = np.zeros(0, bool)
-        self._last_k = 0
-        self._last_mark = -1
-        self._done_mark = -1
-
-    # ------------------------------------------------------------------ public contract
-
-    def add_listener(self, fn: Listener) -> None:
-        """``fn(step, arrivals_ns, waits_ns)`` with every rank's values of an earlier round."""
-        self._listeners.append(fn)
-
-    def set_pacer(self, pacer: Any) -> None:
-        """``pacer.delay_before(step) -> ns`` is applied before the first gradient collective of a step."""
-        self._pacer = pacer
-
-    @property
-    def exchanging(self) -> bool:
-        """True while values are piggybacked (DDP, default all-reduce path, float gradients)."""
-        hooks = self._models
-        return bool(self._on and self.piggyback and hooks and hooks[0].user_hook is None and self.world > 1)
-
-    # ------------------------------------------------------------------ attaching
-
-    def attach(self, model: Any) -> None:
-        if getattr(model, "_hyperacc_hook", None) is not None:
-            return
-        if getattr(model, "_comm_hooks", None):
-            raise ValueError(
-                "this DDP model already has a communication hook; attach the tracer before calling "
-                "register_comm_hook (the tracer then wraps the user's hook)"
-            )
-        _patch_ddp_registration()
-        hook = _ModelHook(self, model, primary=not self._models)
-        _original_register(model, hook, _dispatch)
-        model._hyperacc_hook = hook
-        self._models.append(hook)
-        if hook.primary:
-            self.world = hook.world
-            self.rank = hook.group.rank()
-            self._allocate(self.world)
-            self.timing_ddp = True
-
-    def _allocate(self, world: int) -> None:
+        # CUDA: (arrival, wait) of a ring row from its device columns once resolved, else (-1, -1)
+        self.device_values: Callable[[int], tuple[int, int]] | None = None
         self.arrivals_ns = np.full(world, -1, np.int64)
         self.waits_ns = np.full(world, -1, np.int64)
         self._tmp = np.zeros(world, np.float64)
-        self._scratch = np.zeros(world, np.float64)
         self._valid = np.zeros(world, bool)
         self._invalid = np.zeros(world, bool)
+        self._ext: torch.Tensor | None = None
+        self._ext_key: tuple[int, Any, Any] | None = None
+        self._head: torch.Tensor | None = None
+        self._tail: torch.Tensor | None = None
+        self._mine: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._recv: list[torch.Tensor] = []
+        self._recv_np: list[np.ndarray] = []
+        self._recv_events: list[Any] = []
+        self._recv_round = [-1] * _RECV_RING
+        self._recv_next = 0
+        self._recv_read = 0
+        self._decode_np: np.ndarray | None = None
 
-    # ------------------------------------------------------------------ the hook (autograd thread)
+    def remember(self, rnd: int, arrival: int, wait: int, row: int) -> None:
+        """This rank's host-clock values of round ``rnd``, and the ring row its step will take."""
+        h = rnd % _HISTORY
+        self._hist_round[h], self._hist_arrival[h], self._hist_wait[h] = rnd, arrival, wait
+        self._hist_row[h] = row
 
-    def _run(self, hook: _ModelHook, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        t = perf_counter_ns()
-        delay = 0 if self._open else self._start_round(t)
-        k = self._n
-        if k >= len(self._done_at):
-            self._done_at.extend([-1] * len(self._done_at))
-        while len(self._done_cbs) <= k:
-            i = len(self._done_cbs)
-            self._done_cbs.append(_Done(self, i, unwrap=True))
-            self._done_cbs_raw.append(_Done(self, i, unwrap=False))
-        self._done_at[k] = -1
-        self._n = k + 1
-        if delay:
-            # A pacer that knows how to delay a launch (on CUDA: on the device) gets the launch inside
-            # its context; otherwise the host sleeps (sleeping, not spinning: docs/pacing.md).
-            delayed = getattr(self._pacer, "delayed", None)
-            if delayed is not None:
-                with delayed(delay, bucket.buffer().device):
-                    return self._launch(hook, bucket, k)
-            time.sleep(delay / 1e9)
-        return self._launch(hook, bucket, k)
-
-    def _launch(
-        self, hook: _ModelHook, bucket: dist.GradBucket, k: int
-    ) -> torch.futures.Future[torch.Tensor]:
-        now = perf_counter_ns()
-        if k == 0:
-            self._first_launch = now
-        self._last_launch = now
-        dev = self.tracer._dev
-        if dev is not None:
-            self._last_mark = dev.mark()
-        if hook.user_hook is not None:
-            return hook.user_hook(hook.user_state, bucket).then(self._done_cbs_raw[k])
-        buf = bucket.buffer()
-        if (
-            self.piggyback
-            and hook.world > 1
-            and bucket.is_last()
-            and buf.dtype in (torch.float32, torch.float64)
-        ):
-            ext = self._extended(buf)
-            # divide into our copy: buf stays intact should anything below fail (the plain path reruns)
-            torch.div(buf, hook.world, out=self._ext_head)
-            self._fill_slots(self._ext_tail)
-            self._last_k = k
-            fut = dist.all_reduce(ext, group=hook.group, async_op=True).get_future()
-            return fut.then(self._done_last)
-        buf.div_(hook.world)
-        fut = dist.all_reduce(buf, group=hook.group, async_op=True).get_future()
-        return fut.then(self._done_cbs[k])
-
-    def _start_round(self, t: int) -> int:
-        """Open a round; returns the pacing delay (ns) to apply before its first launch."""
-        if self._n:
-            self._close_round()
-        self._open = True
-        self.round += 1
-        self._first_entry = t
-        if self._recv_pending:
-            self._poll_recv()
-        dev = self.tracer._dev
-        if dev is not None:
-            dev.pair(SELF_NS, 0, dev.mark())
-        delay = 0
-        pacer = self._pacer
-        if pacer is not None:
-            try:
-                delay = max(int(pacer.delay_before(self.round)), 0)
-                state = getattr(pacer, "state", None)
-                on = state.get("pace_on") if isinstance(state, dict) else None
-                self._pace_on = int(bool(delay > 0 if on is None else on))
-            except Exception as exc:  # noqa: BLE001
-                self._pacer = None
-                self._pace_on = -1
-                delay = 0
-                switch_off("pacing delay", exc)
-        self._delay = delay
-        return delay
-
-    def _done_last(self, fut: torch.futures.Future) -> torch.Tensor:
-        self._done_at[self._last_k] = perf_counter_ns()
-        dev = self.tracer._dev
-        if dev is not None:
-            self._done_mark = dev.mark()
-        try:
-            self._receive(self._ext_tail)
-        except Exception as exc:  # noqa: BLE001 - the gradients below are still returned
-            self.piggyback = False
-            switch_off("in-band exchange", exc)
-        return self._ext_head
-
-    def _extended(self, buf: torch.Tensor) -> torch.Tensor:
-        n = buf.numel()
-        ext = self._ext
-        if ext is None or self._ext_n != n or ext.dtype != buf.dtype or ext.device != buf.device:
-            ext = torch.empty(n + 2 * self.world, dtype=buf.dtype, device=buf.device)
-            self._ext, self._ext_n = ext, n
-            self._ext_head, self._ext_tail = ext[:n], ext[n:]  # views made once: slicing costs µs
-            pinned = buf.device.type == "cuda"
-            self._send = [torch.zeros(2 * self.world, dtype=buf.dtype, pin_memory=pinned) for _ in range(2)]
-            self._send_np = [s.numpy() for s in self._send]
-            self._recv = torch.zeros(2 * self.world, dtype=buf.dtype, pin_memory=pinned)
-            self._recv_np = self._recv.numpy()
-            self.lag = 2 if pinned else 1
-            if pinned:
-                self._recv_event = torch.cuda.Event()
-        return ext
-
-    def _fill_slots(self, slots: torch.Tensor) -> None:
-        send = self._send[self.round & 1]
-        values = self._send_np[self.round & 1]
-        values.fill(0.0)
-        w, r = self.world, self.rank
-        arrival, wait = self._history(self.round - self.lag)
-        values[r] = arrival / 1e6 if arrival >= 0 else math.nan
-        values[w + r] = wait / 1e6 if wait >= 0 else math.nan
-        slots.copy_(send, non_blocking=slots.is_cuda)
-
-    def _history(self, rnd: int) -> tuple[int, int]:
+    def values_of(self, rnd: int) -> tuple[int, int]:
+        """(arrival, wait) of round ``rnd`` in ns, -1 where unknown; device clock when there is one."""
         h = rnd % _HISTORY
         if rnd < 0 or self._hist_round[h] != rnd:
             return -1, -1
-        if self.tracer._dev is None:
-            return self._hist_arrival[h], self._hist_wait[h]
-        # CUDA: device times of that round's step, once its row is resolved
-        ring = self.tracer._ring
-        row = self._hist_row[h]
-        if row < 0 or row >= ring.ready:
-            return -1, -1
-        values = ring.buf[row % ring.capacity]
-        self_ns, wait = int(values[SELF_NS]), int(values[COMM_WAIT_NS])
-        delay = max(int(values[PACE_DELAY_NS]), 0)
-        return (self_ns + delay if self_ns >= 0 else -1), wait
+        if self.device_values is not None:
+            return self.device_values(self._hist_row[h])  # NaN until that row's events are read back
+        return self._hist_arrival[h], self._hist_wait[h]
 
-    def _receive(self, slots: torch.Tensor) -> None:
-        recv = self._recv
-        if slots.is_cuda:
-            recv.copy_(slots, non_blocking=True)
-            self._recv_event.record()
-            self._recv_round = self.round - self.lag
-            self._recv_pending = True
+    @property
+    def slots(self) -> torch.Tensor:
+        """The slot part of the extended bucket (after ``extended``)."""
+        assert self._tail is not None
+        return self._tail
+
+    @property
+    def gradients(self) -> torch.Tensor:
+        """The gradient part of the extended bucket (after ``extended``)."""
+        assert self._head is not None
+        return self._head
+
+    def extended(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(bucket + slots, its gradient view, its slot view), allocated once per bucket size."""
+        n = buf.numel()
+        key = (n, buf.dtype, buf.device)
+        if self._ext_key != key:
+            ext = torch.empty(n + 2 * self.world, dtype=buf.dtype, device=buf.device)
+            self._ext, self._ext_key = ext, key
+            self._head, self._tail = ext[:n], ext[n:]  # views made once: slicing costs microseconds
+            self._mine = (self._tail[self.rank : self.rank + 1], self._tail[self.world + self.rank :][:1])
+            if buf.is_cuda and not self._recv:
+                self._recv = [torch.empty(2 * self.world, dtype=buf.dtype, pin_memory=True) for _ in range(_RECV_RING)]
+                self._recv_np = [r.float().numpy() if r.dtype == torch.bfloat16 else r.numpy() for r in self._recv]
+                self._recv_events = [torch.cuda.Event() for _ in range(_RECV_RING)]
+        return self._ext, self._head, self._tail  # type: ignore[return-value]
+
+    def fill(self, rnd: int, tail: torch.Tensor) -> None:
+        """This rank's values of round ``rnd - lag`` into its two slots, zeros elsewhere (no host buffer)."""
+        tail.zero_()
+        arrival, wait = self.values_of(rnd - self.lag)
+        fp16 = tail.dtype == torch.float16
+        mine = self._mine
+        assert mine is not None
+        mine[0].fill_(_ms(arrival, fp16))
+        mine[1].fill_(_ms(wait, fp16))
+
+    def receive(self, rnd: int, tail: torch.Tensor) -> None:
+        """The summed slots of round ``rnd`` (carrying round ``rnd - lag``): decode now (CPU) or later."""
+        if not self.decoding:
             return
-        recv.copy_(slots)
-        self._decode(self.round - self.lag)
+        if not tail.is_cuda:
+            vals = tail.numpy() if tail.dtype in (torch.float32, torch.float64) else tail.float().numpy()
+            self._decode(vals, rnd - self.lag)
+            return
+        i = self._recv_next % _RECV_RING
+        self._recv[i].copy_(tail, non_blocking=True)
+        self._recv_events[i].record()
+        self._recv_round[i] = rnd - self.lag
+        self._recv_next += 1
 
-    def _poll_recv(self) -> None:
-        if self._recv_event is not None and self._recv_event.query():
-            self._recv_pending = False
-            self._decode(self._recv_round)
+    def poll(self) -> None:
+        """Decode the copies that reached the host (CUDA); never waits."""
+        while self._recv_read < self._recv_next:
+            if self._recv_next - self._recv_read > _RECV_RING:
+                self._recv_read = self._recv_next - _RECV_RING  # overwritten before being read
+            i = self._recv_read % _RECV_RING
+            if not self._recv_events[i].query():
+                return
+            vals = self._recv_np[i]
+            if self._recv[i].dtype == torch.bfloat16:
+                vals = self._recv[i].float().numpy()
+            self._decode(vals, self._recv_round[i])
+            self._recv_read += 1
 
-    def _decode(self, step: int) -> None:
-        """Slots after the SUM -> culprit, spread and (for listeners) ns arrays; allocates no arrays."""
+    def _decode(self, vals: np.ndarray, step: int) -> None:
         w = self.world
-        vals = self._recv_np
         if w <= _SMALL_WORLD:
-            # a few dozen Python floats are cheaper than a dozen numpy calls
             lo, hi, culprit = math.inf, -math.inf, -1
             for r, v in enumerate(vals[w:].tolist()):
                 if v >= 0.0:  # NaN compares False
@@ -422,30 +258,26 @@ class InBand:
                         lo, culprit = v, r
                     if v > hi:
                         hi = v
-            self._min_wait_rank = culprit
-            self._spread = int(round((hi - lo) * 1e6)) if culprit >= 0 else -1
+            self.min_wait_rank = culprit
+            self.spread = int(round((hi - lo) * 1e6)) if culprit >= 0 else -1
         else:
-            scratch, invalid = self._scratch, self._invalid
-            np.copyto(scratch, vals[w:])
-            np.greater_equal(scratch, 0.0, out=self._valid)
-            np.logical_not(self._valid, out=invalid)
-            if self._valid.any():
-                np.copyto(scratch, np.inf, where=invalid)
-                self._min_wait_rank = int(scratch.argmin())
-                lo = float(scratch[self._min_wait_rank])
-                np.copyto(scratch, -np.inf, where=invalid)
-                self._spread = int(round((float(scratch.max()) - lo) * 1e6))
+            self._to_ns(vals[w:], self.waits_ns)
+            valid = self.waits_ns >= 0
+            if valid.any():
+                masked = np.where(valid, self.waits_ns, np.iinfo(np.int64).max)
+                self.min_wait_rank = int(masked.argmin())
+                self.spread = int(self.waits_ns[valid].max() - masked[self.min_wait_rank])
             else:
-                self._min_wait_rank = self._spread = -1
-        if step < 0 or not self._listeners:
+                self.min_wait_rank = self.spread = -1
+        if step < 0 or not self.listeners:
             return
         self._to_ns(vals[w:], self.waits_ns)
         self._to_ns(vals[:w], self.arrivals_ns)
-        for fn in self._listeners:
+        for fn in self.listeners:
             try:
                 fn(step, self.arrivals_ns, self.waits_ns)
             except Exception as exc:  # noqa: BLE001
-                self._listeners = [f for f in self._listeners if f is not fn]
+                self.listeners = [f for f in self.listeners if f is not fn]
                 switch_off(f"in-band listener {getattr(fn, '__qualname__', fn)!s}", exc)
 
     def _to_ns(self, ms: np.ndarray, out: np.ndarray) -> None:
@@ -457,48 +289,332 @@ class InBand:
         np.rint(tmp, out=tmp)
         np.copyto(out, tmp, casting="unsafe")
 
-    # ------------------------------------------------------------------ end of round / step
+
+def _ms(ns: int, fp16: bool) -> float:
+    if ns < 0:
+        return math.nan
+    ms = ns / 1e6
+    return min(ms, _FP16_MAX_MS) if fp16 else ms
+
+
+class GradientRounds:
+    """The communication hook of one DDP model: times its rounds, runs DDP's default or the user's hook,
+    and (first model, when agreed) carries the in-band slots on the last bucket."""
+
+    def __init__(self, model: Any, *, device: Any = None) -> None:
+        self.model = model
+        self.group = model.process_group
+        self.world = self.group.size()
+        self.user_hook: Callable | None = None
+        self.user_state: object = None
+        self.inband: InBand | None = None  # set when the slots were agreed for this model
+        self.pacer: Any = None
+        self.device = device  # DeviceTimer (CUDA) or None
+        self.next_row: Callable[[], int] = lambda: -1  # ring index the current step's row will take
+        self.on = True  # timing; off after an internal error (the collectives run on untouched)
+        self.round = -1
+        self._open = False
+        self._launches = 0
+        self._done = 0
+        self._first_launch = -1
+        self._last_launch = -1
+        self._done_at = -1
+        self._prev_done = -1
+        self._delay = -1
+        self._ev_launch = -1
+        self._ev_done = -1
+        self.pace_on = -1
+        # collected by the step clock
+        self._launch_acc = 0
+        self._done_acc = 0
+        self._delay_acc = -1
+        self._rounds_acc = 0
+
+    # ------------------------------------------------------------------ registration
+
+    def set_user_hook(self, state: object, hook: Callable) -> None:
+        if self.user_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self.model._check_comm_hook(hook)
+        logger = getattr(self.model, "logger", None)
+        if logger is not None:
+            logger._set_comm_hook_name(getattr(hook, "__qualname__", str(hook)))
+        self.model._comm_hooks.append((hook, state))
+        self.user_state, self.user_hook = state, hook
+
+    # ------------------------------------------------------------------ the hook (autograd thread)
+
+    def run(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        slots = self.inband is not None and self.user_hook is None and bucket.is_last()
+        slots = slots and bucket.buffer().dtype in _SLOT_DTYPES
+        if not self.on:
+            return self._plain(bucket, slots)
+        launched = [False]
+        try:
+            if not self._open:
+                self._open_round()
+                if self._delay > 0:
+                    # A pacer that delays on the device (CUDA) gets the launch inside its context;
+                    # otherwise the host sleeps: sleeping, not spinning (docs/pacing.md).
+                    delayed = getattr(self.pacer, "delayed", None)
+                    if delayed is not None:
+                        with delayed(self._delay, bucket.buffer().device):
+                            return self._launch(bucket, slots, launched)
+                    time.sleep(self._delay / 1e9)
+            return self._launch(bucket, slots, launched)
+        except Exception as exc:
+            if launched[0]:
+                raise  # the collective itself failed: DDP gets its error unchanged
+            self.on = False
+            switch_off("gradient collective timing", exc)
+            return self._plain(bucket, slots)
+
+    def _launch(
+        self, bucket: dist.GradBucket, slots: bool, launched: list[bool]
+    ) -> torch.futures.Future[torch.Tensor]:
+        now = perf_counter_ns()
+        if self._launches == 0:
+            self._first_launch = now
+        self._last_launch = now
+        self._launches += 1
+        last = bucket.is_last()
+        if last and self.device is not None:
+            self._ev_launch = self.device.mark()
+        if self.user_hook is not None:
+            launched[0] = True
+            fut = self.user_hook(self.user_state, bucket)
+            return fut.then(self._completed_last_raw if last else self._completed_raw)
+        buf = bucket.buffer()
+        if slots:
+            inband = self.inband
+            assert inband is not None
+            ext, head, tail = inband.extended(buf)
+            torch.div(buf, self.world, out=head)  # into our copy: buf stays intact if anything fails
+            inband.fill(self.round, tail)
+            launched[0] = True
+            return c10d.all_reduce(ext, group=self.group, async_op=True).get_future().then(self._completed_slots)
+        buf.div_(self.world)
+        launched[0] = True
+        fut = c10d.all_reduce(buf, group=self.group, async_op=True).get_future()
+        return fut.then(self._completed_last if last else self._completed)
+
+    def _plain(self, bucket: dist.GradBucket, slots: bool) -> torch.futures.Future[torch.Tensor]:
+        """What DDP would do without timing, keeping the agreed length (NaN slots) when agreed."""
+        if self.user_hook is not None:
+            return self.user_hook(self.user_state, bucket)
+        buf = bucket.buffer()
+        if slots:
+            nan = torch.full((2 * self.world,), math.nan, dtype=buf.dtype, device=buf.device)
+            ext = torch.cat([buf.div_(self.world), nan])
+            n = buf.numel()
+            fut = c10d.all_reduce(ext, group=self.group, async_op=True).get_future()
+            return fut.then(lambda f: f.value()[0][:n])
+        buf.div_(self.world)
+        return c10d.all_reduce(buf, group=self.group, async_op=True).get_future().then(_first_value)
+
+    def _open_round(self) -> None:
+        self._open = True
+        self.round += 1
+        self._launches = self._done = 0
+        self._done_at = -1
+        self._ev_launch = self._ev_done = -1
+        self._delay = -1
+        if self.inband is not None:
+            self.inband.poll()
+        pacer = self.pacer
+        if pacer is not None:
+            try:
+                delay = max(int(pacer.delay_before(self.round)), 0)
+                state = getattr(pacer, "state", None)
+                on = state.get("pace_on") if isinstance(state, dict) else None
+                self.pace_on = int(bool(delay > 0 if on is None else on))
+                self._delay = delay
+            except Exception as exc:  # noqa: BLE001
+                self.pacer = None
+                self.pace_on = -1
+                switch_off("pacing delay", exc)
+
+    # ------------------------------------------------------------------ completion callbacks
+
+    def _mark_done(self, last: bool) -> None:
+        t = perf_counter_ns()
+        self._done += 1
+        if t > self._done_at:
+            self._done_at = t
+        if last and self.device is not None:
+            self._ev_done = self.device.mark()  # on the callback's stream: after the collective
+
+    def _completed(self, fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()[0]  # first: an error of the collective reaches DDP unchanged
+        self._mark_done(False)
+        return value
+
+    def _completed_last(self, fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()[0]
+        self._mark_done(True)
+        return value
+
+    def _completed_raw(self, fut: torch.futures.Future) -> Any:
+        value = fut.value()
+        self._mark_done(False)
+        return value
+
+    def _completed_last_raw(self, fut: torch.futures.Future) -> Any:
+        value = fut.value()
+        self._mark_done(True)
+        return value
+
+    def _completed_slots(self, fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()
+        self._mark_done(True)
+        inband = self.inband
+        assert inband is not None
+        try:
+            inband.receive(self.round, inband.slots)
+        except Exception as exc:  # noqa: BLE001 - the gradients below are still returned
+            inband.decoding = False
+            switch_off("in-band decoding", exc)
+        return inband.gradients
+
+    # ------------------------------------------------------------------ the step clock's side
+
+    def collect(self) -> tuple[int, int, int, int]:
+        """(latest last-bucket launch, latest completion, pacing delay, rounds) of the rounds finished
+        since the last call (``step_clock.WaitSource``).
+
+        Called on the training thread when a backward returns (DDP has waited for every bucket by then)
+        and at the step's end.
+        """
+        if self._open and self._launches and self._done >= self._launches:
+            self._close_round()
+        out = (self._launch_acc, self._done_acc, self._delay_acc, self._rounds_acc)
+        self._launch_acc, self._done_acc, self._delay_acc, self._rounds_acc = 0, 0, -1, 0
+        return out
 
     def _close_round(self) -> None:
-        """Final values of the round (all its futures have completed: DDP waited for them)."""
-        if not self._open:
-            return
         self._open = False
-        n = self._n
-        done = max(self._done_at[:n]) if n else -1
-        self._n = 0
+        done = self._done_at
         wait = done - self._last_launch if done > 0 else -1
         arrival = self._first_launch - self._prev_done if self._prev_done > 0 else -1
         self._prev_done = done
-        self._wait = wait
-        h = self.round % _HISTORY
-        self._hist_round[h] = self.round
-        self._hist_arrival[h] = arrival
-        self._hist_wait[h] = wait
-        self._hist_row[h] = self.tracer._ring.head
-        dev = self.tracer._dev
-        if dev is not None:
-            dev.pair(COMM_WAIT_NS, self._last_mark, self._done_mark)
+        if self.inband is not None:
+            self.inband.remember(self.round, arrival, wait, self.next_row())
+        if wait >= 0:
+            self._launch_acc = max(self._launch_acc, self._last_launch)
+            self._done_acc = max(self._done_acc, done)
+        self._rounds_acc += 1
+        if self._delay >= 0:
+            self._delay_acc = self._delay if self._delay_acc < 0 else self._delay_acc + self._delay
+        if self.device is not None:
+            self.device.pair(_DDP_COMM, self._ev_launch, self._ev_done)
 
-    def take_step(self, row: list[int], t0: int) -> None:
-        """Called by the tracer at the end of a step (training thread): fill the collective columns."""
-        if not self._open or not self._n:
-            return
-        first = self._first_entry
-        self._close_round()
-        if first >= t0:
-            row[SELF_NS] = first - t0
-        row[COMM_WAIT_NS] = self._wait
-        if self._pacer is not None:
-            row[PACE_DELAY_NS] = self._delay
-            row[PACE_ON] = self._pace_on
-        row[MIN_WAIT_RANK] = self._min_wait_rank
-        row[SPREAD_NS] = self._spread
+    def fill(self, row: list[int]) -> None:
+        """The exchange's columns of the step just ended."""
+        inband = self.inband
+        if inband is not None:
+            row[MIN_WAIT_RANK] = inband.min_wait_rank
+            row[SPREAD_NS] = inband.spread
+        if self.pacer is not None or self.pace_on >= 0:
+            row[PACE_ON] = self.pace_on
+
+
+class Exchange:
+    """The gradient collectives of this process: a ``GradientRounds`` hook on every DDP model, and the
+    in-band exchange (listeners, pacer) on the first one when it was asked for and agreed."""
+
+    def __init__(self, *, want: bool, agree_timeout_s: float) -> None:
+        self.want = want
+        self.agree_timeout_s = agree_timeout_s
+        self.models: list[GradientRounds] = []
+        self.listeners: list[Listener] = []
+        self.pacer: Any = None
+        self.device: Any = None
+        self.device_values: Callable[[int], tuple[int, int]] | None = None
+        self.next_row: Callable[[], int] = lambda: -1
+        self._warned = False
 
     @property
-    def last_launch_ns(self) -> int:
-        """perf_counter_ns of the current round's latest bucket launch (-1 outside a round)."""
-        return self._last_launch if self._open else -1
+    def primary(self) -> GradientRounds | None:
+        return self.models[0] if self.models else None
+
+    @property
+    def exchanging(self) -> bool:
+        """True while values ride along (agreed, default all-reduce path, more than one rank)."""
+        p = self.primary
+        return bool(p is not None and p.inband is not None and p.user_hook is None and p.on)
+
+    def attach(self, model: Any) -> GradientRounds:
+        existing = getattr(model, "_hyperacc_rounds", None)
+        if existing is not None:
+            return existing
+        if getattr(model, "_comm_hooks", None):
+            raise ValueError(
+                "this DDP model already has a communication hook; attach the tracer before calling "
+                "register_comm_hook (the tracer then wraps the user's hook)"
+            )
+        _patch_ddp_registration()
+        rounds = GradientRounds(model, device=self.device)
+        rounds.next_row = self.next_row
+        primary = not self.models
+        if primary and rounds.world > 1:
+            if self.want:
+                try:
+                    agreed = agree(rounds.group, True, self.agree_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - a store problem: everyone falls back the same way
+                    agreed = False
+                    switch_off("in-band agreement", exc)
+                if agreed:
+                    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+                    rank = rounds.group.rank()
+                    inband = InBand(rounds.world, rank, lag=2 if device.type == "cuda" else 1)
+                    inband.listeners = self.listeners
+                    inband.device_values = self.device_values if device.type == "cuda" else None
+                    rounds.inband = inband
+                else:
+                    switch_off("in-band exchange", RuntimeError("not every rank of the group agreed in time"))
+            rounds.pacer = self.pacer
+        _original_register(model, rounds, _dispatch)
+        model._hyperacc_rounds = rounds
+        self.models.append(rounds)
+        return rounds
+
+    def add_listener(self, fn: Listener) -> None:
+        """``fn(step, arrivals_ns, waits_ns)`` with every rank's values of an earlier round."""
+        self.listeners.append(fn)
+        for m in self.models:
+            if m.inband is not None:
+                m.inband.listeners = self.listeners
+
+    def set_pacer(self, pacer: Any) -> None:
+        """``pacer.delay_before(step) -> ns`` before the first gradient collective of each step.
+
+        Pacing needs the in-band exchange: set before a DDP model is attached, it asks for it."""
+        self.pacer = pacer
+        if not self.models:
+            self.want = True
+        elif not self.exchanging and not self._warned:
+            self._warned = True
+            switch_off(
+                "pacing",
+                RuntimeError(
+                    "the in-band exchange is off for this model; start the tracer with inband=True "
+                    "(or set the pacer) before the DDP model is built"
+                ),
+            )
+        p = self.primary
+        if p is not None:
+            p.pacer = pacer
+
+    def set_device(self, device: Any) -> None:
+        self.device = device
+        for m in self.models:
+            m.device = device
+
+    def fill(self, row: list[int]) -> None:
+        p = self.primary
+        if p is not None:
+            p.fill(row)
 
     def close(self) -> None:
-        self._on = False
+        for m in self.models:
+            m.on = False

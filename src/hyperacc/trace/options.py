@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,12 +27,17 @@ class TraceOptions:
     probe_ops: int = 32  # tiny ops enqueued per probe
     window: int = 50  # steps per window summary sent to the analyzer (0: no live aggregation)
     grace_s: float = 30.0  # rank 0 waits this long for a window's late ranks, then reports them missing
-    inband: bool = True  # piggyback every rank's previous arrival/wait on the DDP gradient all-reduce
-    signals: bool = True  # GC, page faults, context switches, allocator counters
+    # Piggyback every rank's arrival/wait on the DDP gradient all-reduce. Off by default: the longer
+    # buffer changes the summation order of some gradient elements (last bit) at more than 2 ranks.
+    inband: bool = False
+    agree_timeout_s: float = 30.0  # ranks wait this long at attach for all ranks to agree on the exchange
+    signals: bool = True  # GC, CPU time, page faults, context switches, allocator counters
     host_syncs: bool = False  # count device syncs (CUDA only; switches torch's sync debug mode to warn)
-    alloc_every: int = 1  # read CUDA allocator counters every N steps
-    device_timing: bool = True  # on CUDA, phase times from CUDA events
+    alloc_every: int = 10  # read CUDA allocator counters every N steps
+    device_timing: bool = True  # on CUDA, step, self-time and collective wait from CUDA events
+    device_phases: bool = False  # on CUDA, forward and backward from CUDA events too (4 events a step)
     handle_sigterm: bool = True  # flush on SIGTERM, then run the previous handler
+    resources_every_s: float = 1.0  # sample memory and CPU this often, off the training thread (0: off)
 
     def __post_init__(self) -> None:
         checks = [
@@ -41,8 +47,14 @@ class TraceOptions:
             ("probe_ops", self.probe_ops >= 1, ">= 1"),
             ("window", self.window >= 0, ">= 0 (0 switches live aggregation off)"),
             ("grace_s", self.grace_s >= 0, ">= 0"),
+            ("agree_timeout_s", self.agree_timeout_s >= 0, ">= 0"),
+            ("resources_every_s", self.resources_every_s >= 0, ">= 0 (0 switches resource sampling off)"),
             ("alloc_every", self.alloc_every >= 1, ">= 1"),
         ]
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise TraceConfigError(f"trace option {f.name}={value!r} is invalid: it must be a finite number")
         for name, ok, allowed in checks:
             if not ok:
                 raise TraceConfigError(

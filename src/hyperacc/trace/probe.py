@@ -1,6 +1,6 @@
 """Launch-latency probe: how long the host takes to enqueue a fixed burst of tiny device operations.
 
-Every ``every`` steps (the same steps on every rank, so the cost is aligned across the job) the probe
+Every ``probe_every`` steps (the tracer's option; the same steps on every rank, so the cost is aligned across the job) the probe
 issues ``ops`` in-place additions on one-element tensors and records the mean host time per operation.
 On a GPU that is the kernel-launch path (a slow or contended host shows longer launches, the seed's
 cudaLaunchKernel signal); on a CPU it is torch's operator dispatch. The burst never synchronises: on a
@@ -15,17 +15,13 @@ import torch
 
 
 class LaunchProbe:
-    def __init__(self, every: int = 100, ops: int = 32) -> None:
-        self.every = every
+    def __init__(self, ops: int = 32) -> None:
         self.ops = ops
         self._device: torch.device | None = None
         self._a: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self._range = range(ops)
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
 
     def _prepare(self, device: torch.device) -> None:
         self._device = device

@@ -1,8 +1,8 @@
-"""Cause signals of one rank, as per-step deltas: GC pauses by generation, major page faults and
-involuntary context switches of the training thread, CUDA allocator counters, device syncs.
+"""Cause signals of one rank, as per-step deltas: GC pauses by generation, CPU time, major page faults
+and involuntary context switches of the training thread, CUDA allocator counters, device syncs.
 
-All counters are cumulative and read twice per step (start and end); nothing here allocates arrays
-or takes a lock on the training path. See docs/tracing.md, "Cause signals".
+All counters are cumulative; nothing here allocates arrays or takes a lock on the training path.
+See docs/tracing.md, "Cause signals".
 """
 
 from __future__ import annotations
@@ -93,52 +93,40 @@ class HostSyncCounter:
 
 
 _GC_NS, _GC_COUNT, _GC_MAX_GEN = _C["gc_ns"], _C["gc_count"], _C["gc_max_gen"]
-_MAJOR_FAULTS, _INVOL_CTX = _C["major_faults"], _C["invol_ctx_switches"]
+_MAJOR_FAULTS, _INVOL_CTX, _CPU_NS = _C["major_faults"], _C["invol_ctx_switches"], _C["cpu_ns"]
 _ALLOC_COLS = tuple(_C[name] for name, _ in _ALLOC_KEYS)
 _HOST_SYNCS = _C["host_syncs"]
 
 
 class StepSignals:
-    """Deltas of cumulative counters, written into the step's row at step end.
+    """Deltas of cumulative counters over one step, written into the step's row at its end.
 
-    Each counter is read once per step, at its end; the delta runs from the previous step's end (the
-    same instant as this step's start when steps follow each other, as in automatic mode), so one
-    ``getrusage`` call per step suffices.
+    Every counter is read at the step's end; the delta runs from the previous reading, which is the
+    step's start when steps follow each other (automatic mode: one reading per step), or a reading taken
+    at ``begin(contiguous=False)`` otherwise, so nothing from before the step (start-up collections,
+    an evaluation between steps) is charged to it.
     """
 
-    def __init__(self, *, cuda: bool = False, alloc_every: int = 1, host_syncs: bool = False) -> None:
+    def __init__(self, *, alloc_every: int = 10) -> None:
         self.gc = GcClock()
         self._gc_ns = 0
         self._gc_count = 0
         self._faults = 0
         self._nivcsw = 0
+        self._cpu_us = 0
         self._rusage_on = True
-        self.cuda = cuda
         self.alloc_every = alloc_every
         self._alloc_prev = [0, 0, 0]
-        self._alloc_on = cuda
+        self._alloc_on = False
         self._alloc_steps = 0
         self.syncs: HostSyncCounter | None = None
         self._syncs_prev = 0
-        self.begin()
-        try:
-            ru = resource.getrusage(_RUSAGE_WHO)
-            self._faults, self._nivcsw = ru.ru_majflt, ru.ru_nivcsw
-        except OSError as exc:
-            self._rusage_on = False
-            switch_off("getrusage signals", exc)
-        if cuda:
-            self._read_alloc(self._alloc_prev)
-        if cuda and host_syncs:
-            try:
-                self.syncs = HostSyncCounter()
-            except Exception as exc:  # noqa: BLE001 - e.g. a build without sync debug mode
-                switch_off("host-sync counter", exc)
+        self.begin(contiguous=False)
 
     def enable_cuda(self) -> None:
         """CUDA was initialised after the tracer started: begin reading allocator counters."""
-        if not self.cuda:
-            self.cuda = self._alloc_on = True
+        if not self._alloc_on:
+            self._alloc_on = True
             self._read_alloc(self._alloc_prev)
 
     def _read_alloc(self, out: list[int]) -> bool:
@@ -154,9 +142,23 @@ class StepSignals:
             switch_off("CUDA allocator counters", exc)
             return False
 
-    def begin(self) -> None:
-        """Start of a step: only the highest-generation marker needs resetting."""
-        self.gc.max_gen = -1
+    def begin(self, contiguous: bool = True) -> None:
+        """Start of a step. ``contiguous``: the previous step ended just now, its end reading stands."""
+        gcc = self.gc
+        gcc.max_gen = -1
+        if contiguous:
+            return
+        self._gc_ns, self._gc_count = gcc.total_ns, gcc.count
+        if self._rusage_on:
+            try:
+                ru = resource.getrusage(_RUSAGE_WHO)
+                self._faults, self._nivcsw = ru.ru_majflt, ru.ru_nivcsw
+                self._cpu_us = _cpu_us(ru)
+            except OSError as exc:
+                self._rusage_on = False
+                switch_off("getrusage signals", exc)
+        if self.syncs is not None:
+            self._syncs_prev = self.syncs.count
 
     def end(self, row: list[int]) -> None:
         gcc = self.gc
@@ -168,16 +170,19 @@ class StepSignals:
         if self._rusage_on:
             try:
                 ru = resource.getrusage(_RUSAGE_WHO)
-                faults, nivcsw = ru.ru_majflt, ru.ru_nivcsw
+                faults, nivcsw, cpu = ru.ru_majflt, ru.ru_nivcsw, _cpu_us(ru)
                 row[_MAJOR_FAULTS] = faults - self._faults
                 row[_INVOL_CTX] = nivcsw - self._nivcsw
-                self._faults, self._nivcsw = faults, nivcsw
+                row[_CPU_NS] = (cpu - self._cpu_us) * 1000
+                self._faults, self._nivcsw, self._cpu_us = faults, nivcsw, cpu
             except OSError as exc:
                 self._rusage_on = False
                 switch_off("getrusage signals", exc)
         if self._alloc_on:
             self._alloc_steps += 1
             if self._alloc_steps >= self.alloc_every:
+                # torch.cuda.memory_stats() builds a dict of every counter: read it every N steps, and
+                # the delta covers the N steps since the previous reading.
                 self._alloc_steps = 0
                 prev = self._alloc_prev
                 before = tuple(prev)
@@ -194,3 +199,8 @@ class StepSignals:
         if self.syncs is not None:
             self.syncs.close()
             self.syncs = None
+
+
+def _cpu_us(ru: resource.struct_rusage) -> int:
+    """User + system CPU time in whole microseconds (the kernel accounts it to the nanosecond)."""
+    return round((ru.ru_utime + ru.ru_stime) * 1e6)

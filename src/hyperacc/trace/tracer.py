@@ -1,16 +1,18 @@
-"""The per-rank step tracer: phases and cause signals of every step, written as Parquet segments.
+"""The per-rank step tracer: phases, waits and cause signals of every step, written as Parquet segments.
 
-Recording (the training thread) fills one preallocated int64 row per step and commits it to a ring
-buffer by advancing a counter; a background flusher thread copies committed rows out, converts them
-to STEP_SCHEMA and writes one segment through ``hyperacc.store`` every few seconds. The training
-thread never waits for the flusher: there is one producer and one consumer, and the flusher detects
-rows it was overtaken on (counted as dropped) instead of locking. docs/tracing.md describes what is
-recorded and how.
+Recording (the training thread) fills one preallocated int64 row per step: the step clock
+(``step_clock.StepClock``) charges each phase its exclusive time, the gradient collectives' hooks
+(``inband.Exchange``) and the wrapped collectives (``collectives.CollectiveClock``) hand it the
+exposed waits, the cause signals (``signals.StepSignals``) add their deltas, and on CUDA the device
+timer (``device.DeviceTimer``) adds the device-clock columns once they can be read without waiting.
+The finished row is committed to a ring (``ring.StepRing``) by advancing a counter; a background
+flusher thread copies committed rows out, converts them to STEP_SCHEMA and writes one segment through
+``hyperacc.store`` every few seconds. The training thread never waits for the flusher. docs/tracing.md
+describes what is recorded and how.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import logging
@@ -29,26 +31,27 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hyperacc import store
-from hyperacc.schema import EVENT_SCHEMA, PHASES, STEP_SCHEMA, RankMeta
+from hyperacc import process, store
+from hyperacc.schema import EVENT_SCHEMA, PHASES, RankMeta
+from hyperacc.trace.collectives import CollectiveClock
 from hyperacc.trace.columns import (
-    COMM_WAIT_NS,
+    DEV_COMM_WAIT_NS,
+    DEV_SELF_NS,
     LAUNCH_NS,
-    MEASURED_PHASES,
     NCOLS,
-    NEG_ONE_IS_VALUE,
-    OTHER_NS,
     PACE_DELAY_NS,
-    PHASE_COL,
-    SELF_NS,
     STEP,
     STEP_NS,
     T_START,
 )
 from hyperacc.trace.failsafe import switch_off
+from hyperacc.trace.inband import Exchange
 from hyperacc.trace.options import TraceOptions
 from hyperacc.trace.probe import LaunchProbe
+from hyperacc.trace.resources import ResourceSampler
+from hyperacc.trace.ring import StepRing, rows_to_table
 from hyperacc.trace.signals import StepSignals
+from hyperacc.trace.step_clock import BACKWARD, COMM, FORWARD, KIND_BY_NAME, StepClock
 
 log = logging.getLogger("hyperacc.trace")
 
@@ -64,79 +67,29 @@ def current() -> Tracer | None:
     return _current
 
 
-def _env_int(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
-class StepRing:
-    """Preallocated rows with one writer (training thread) and one reader (flusher), no lock.
-
-    Rows are Python lists of ints: copying a finished row in (``buf[slot][:] = row``) is a single
-    C-level slice assignment, atomic under the GIL and cheaper than filling a numpy row. The writer
-    fills ``buf[head % capacity]`` then advances ``head``; rows below ``ready`` are final (on CUDA rows
-    wait for their device times). The reader copies ``[tail, ready)`` and then discards any row the
-    writer may have overwritten while it copied.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.buf: list[list[int]] = [[-1] * NCOLS for _ in range(capacity)]
-        self.head = 0
-        self.ready = 0
-        self.tail = 0
-        self.dropped = 0
-
-    def take(self, writer_stopped: bool = False) -> np.ndarray:
-        ready, tail, cap = self.ready, self.tail, self.capacity
-        if ready - tail > cap:
-            self.dropped += ready - tail - cap
-            tail = ready - cap
-        if ready <= tail:
-            return np.zeros((0, NCOLS), np.int64)
-        buf = self.buf
-        rows = np.array([buf[i % cap] for i in range(tail, ready)], dtype=np.int64)
-        # The writer may be filling row ``head`` (slot of ``head - cap``) right now: every row with an
-        # index <= head - cap may have been overwritten during the copy (< head - cap once it stopped).
-        stale = self.head - cap + (0 if writer_stopped else 1) - tail
-        if stale > 0:
-            self.dropped += min(stale, len(rows))
-            rows = rows[stale:]
-        self.tail = ready
-        return rows
-
-
 class _Phase:
     """``with tracer.phase("forward"):`` or ``@tracer.phase("forward")``; preallocated, one per phase."""
 
-    __slots__ = ("name", "_tracer", "_col", "_t0", "_ev")
+    __slots__ = ("name", "_tracer", "_kind")
 
-    def __init__(self, tracer: Tracer, name: str, col: int) -> None:
+    def __init__(self, tracer: Tracer, name: str, kind: int) -> None:
         self.name = name
         self._tracer = tracer
-        self._col = col
-        self._t0 = 0
-        self._ev = -1
+        self._kind = kind
 
     def __enter__(self) -> _Phase:
-        dev = self._tracer._dev
-        if dev is not None:
-            self._ev = dev.mark()
-        self._t0 = perf_counter_ns()
+        tr = self._tracer
+        if tr._on:
+            tr.clock.enter(self._kind, perf_counter_ns())
         return self
 
     def __exit__(self, *exc: object) -> bool:
-        t1 = perf_counter_ns()
         tr = self._tracer
-        if tr._open:
-            row, col = tr._row, self._col
-            v = row[col]
-            row[col] = t1 - self._t0 if v < 0 else v + t1 - self._t0
-            dev = tr._dev
-            if dev is not None:
-                dev.pair(col, self._ev, dev.mark())
+        if tr._on:
+            try:
+                tr.clock.exit(self._kind, perf_counter_ns())
+            except Exception as e:  # noqa: BLE001 - the tracer never stops training
+                tr._fail("step recording", e)
         return False
 
     def __call__(self, fn: F) -> F:
@@ -185,6 +138,7 @@ class Tracer:
     Explicit use::
 
         tracer = Tracer("runs/exp1")
+        tracer.attach_ddp(ddp_model)
         for batch in loader:
             with tracer.step():
                 with tracer.phase("forward"):
@@ -215,13 +169,16 @@ class Tracer:
         self.options = options
         self.run_dir = Path(run_dir)
         dist_rank, dist_world = _dist_rank_world()
-        self.rank = rank if rank is not None else _env_int("RANK", dist_rank if dist_rank >= 0 else 0)
-        self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE", max(dist_world, 1))
-        self.node = node if node is not None else _env_int("GROUP_RANK", 0)
-        self.local_rank = local_rank if local_rank is not None else _env_int("LOCAL_RANK", 0)
-        self.local_world_size = (
-            local_world_size if local_world_size is not None else _env_int("LOCAL_WORLD_SIZE", 1)
+        self.rank = rank if rank is not None else process.env_int("RANK", max(dist_rank, 0))
+        self.world_size = (
+            world_size if world_size is not None else process.env_int("WORLD_SIZE", max(dist_world, 1))
         )
+        self.node = node if node is not None else process.env_int("GROUP_RANK", 0)
+        self.local_rank = local_rank if local_rank is not None else process.env_int("LOCAL_RANK", 0)
+        self.local_world_size = (
+            local_world_size if local_world_size is not None else process.env_int("LOCAL_WORLD_SIZE", 1)
+        )
+        self.thread_id = threading.get_ident()  # the training thread
 
         self._ring = StepRing(options.capacity)
         self._row: list[int] = [-1] * NCOLS
@@ -230,15 +187,23 @@ class Tracer:
         self._on = True  # recording switch: off after an internal error or close()
         self._t0 = 0
         self._next_step = 0
-        self._phases = {name: _Phase(self, name, col) for name, col in PHASE_COL.items()}
+        self._ended_at = -1  # perf_counter_ns of the last step's end (contiguous steps share it)
+        self.clock = StepClock()
+        self.clock.on_end = self._boundary
+        self._phases = {name: _Phase(self, name, KIND_BY_NAME[name]) for name in PHASES if name != "other"}
         self._scope = _StepScope(self)
         self._events: deque[tuple[Any, ...]] = deque()
         self._sinks: list[list[Any]] = []  # [fn, enabled]
         self._write_on = True
         self._closed = False
+        self._closing = False
+        self._terminate_after_close: Callable[[], None] | None = None
         self._events_closed = False
         self._flush_lock = threading.RLock()  # flusher vs close(); never taken by the training thread
         self._meta_backend = ""
+        self._step_writer: store.SegmentWriter | None = None
+        self._event_writer: store.SegmentWriter | None = None
+        self._resource_writer: store.SegmentWriter | None = None
 
         # CUDA is picked up lazily: creating events before the script chose its device would open a
         # context on GPU 0 from every rank.
@@ -253,13 +218,18 @@ class Tracer:
                 self.signals = StepSignals(alloc_every=options.alloc_every)
             except Exception as exc:  # noqa: BLE001
                 switch_off("cause signals", exc)
-        self.probe = LaunchProbe(options.probe_every, options.probe_ops) if options.probe_every else None
+        self.probe = LaunchProbe(options.probe_ops) if options.probe_every else None
+        self.resources: ResourceSampler | None = None
+        if options.resources_every_s > 0:
+            try:
+                self.resources = ResourceSampler(self.rank, self.node, options.resources_every_s)
+            except Exception as exc:  # noqa: BLE001
+                switch_off("resource sampling", exc)
 
-        from hyperacc.trace.collectives import ExplicitCollectives
-        from hyperacc.trace.inband import InBand
-
-        self.inband = InBand(self)
-        self.explicit = ExplicitCollectives(self)
+        self.inband = Exchange(want=options.inband, agree_timeout_s=options.agree_timeout_s)
+        self.inband.next_row = self._next_row
+        self.inband.device_values = self._device_values
+        self.collectives = CollectiveClock(self.clock, self.thread_id)
         self.aggregator: Any = None
 
         self._write_meta()
@@ -278,17 +248,12 @@ class Tracer:
                     grace_s=options.grace_s,
                     on_finding=self._on_finding,
                     on_window=self._on_window,
+                    run_dir=self.run_dir if self.rank == 0 else None,
                 )
                 self.add_sink(self.aggregator.on_steps)
             except Exception as exc:  # noqa: BLE001
                 switch_off("window aggregation", exc)
-        atexit.register(self.close)
-        try:
-            from hyperacc import harness
-
-            harness.at_finish(self.close)
-        except (ImportError, AttributeError):
-            pass
+        process.at_exit(self.close)
         if options.handle_sigterm:
             self._install_sigterm()
         _current = self
@@ -301,7 +266,11 @@ class Tracer:
         return self._scope
 
     def phase(self, name: str) -> _Phase:
-        """Context manager (or decorator) timing a phase of the current step (adds up if repeated)."""
+        """Context manager (or decorator) timing a phase of the current step.
+
+        Phases nest: each is charged its own time, less the phases inside it. A phase entered several
+        times in a step adds up.
+        """
         try:
             return self._phases[name]
         except KeyError:
@@ -310,12 +279,14 @@ class Tracer:
                 f"unknown phase {name!r}; use one of {known} (the rest of the step is 'other')"
             ) from None
 
-    def begin_step(self, step: int | None = None) -> None:
+    def begin_step(self, step: int | None = None, *, contiguous: bool = False) -> None:
+        """Open a step (closing the one still open). ``contiguous``: it starts where the last one ended."""
         if not self._on:
             return
         try:
             if self._open:
                 self.end_step()
+                contiguous = True
             s = self._next_step if step is None else step
             row = self._row
             row[:] = self._blank
@@ -323,16 +294,19 @@ class Tracer:
             if self._cuda_possible and not self._cuda_seen:
                 self._pick_up_cuda()
             probe = self.probe
-            if probe is not None and s % probe.every == 0:
+            if probe is not None and s % self.options.probe_every == 0:
                 row[LAUNCH_NS] = probe.measure(self._device or _CPU)
+                contiguous = False  # the probe ran between the two steps
             if self.signals is not None:
-                self.signals.begin()
+                self.signals.begin(contiguous and self._ended_at >= 0)
             dev = self._dev
             if dev is not None:
                 dev.resolve(self._ring.buf, self._ring.capacity)
                 dev.begin_step()
                 self._advance_ready()
-            self._t0 = row[T_START] = perf_counter_ns()  # wall clock derived by the flusher
+            t0 = perf_counter_ns()
+            self._t0 = row[T_START] = t0  # wall clock derived by the flusher
+            self.clock.begin(t0)
             self._open = True
         except Exception as exc:  # noqa: BLE001 - the tracer never stops training
             self._fail("step recording", exc)
@@ -345,17 +319,12 @@ class Tracer:
         try:
             row = self._row
             row[STEP_NS] = t1 - self._t0
-            if self.inband._open:
-                self.inband.take_step(row, self._t0)
-            explicit = self.explicit
-            if explicit.count or explicit.first_entry >= 0:
-                explicit.take_step(row, self._t0)
+            self.clock.fill(row, t1)
+            self.inband.fill(row)
             if self.signals is not None:
                 self.signals.end(row)
             ring = self._ring
-            index = ring.head
-            ring.buf[index % ring.capacity][:] = row
-            ring.head = index + 1
+            index = ring.commit(row)
             dev = self._dev
             if dev is None:
                 ring.ready = index + 1
@@ -363,15 +332,14 @@ class Tracer:
                 dev.end_step(index)
                 self._advance_ready()
             self._next_step = row[STEP] + 1
+            self._ended_at = t1
         except Exception as exc:  # noqa: BLE001
             self._fail("step recording", exc)
 
     def add_phase(self, name: str, duration_ns: int) -> None:
         """Add ``duration_ns`` to a phase of the current step (for times measured elsewhere)."""
-        if self._open:
-            col = PHASE_COL[name]
-            v = self._row[col]
-            self._row[col] = duration_ns if v < 0 else v + duration_ns
+        if self._open and self._on:
+            self.clock.add(KIND_BY_NAME[name], int(duration_ns))
 
     def record_event(
         self,
@@ -395,9 +363,12 @@ class Tracer:
         """
         self._sinks.append([fn, True])
 
-    def attach_ddp(self, model: Any) -> Any:
-        """Time (and, unless disabled, exchange in-band) this DDP model's gradient collectives."""
+    def attach_ddp(self, model: Any) -> Exchange:
+        """Time this DDP model's gradient collectives (and exchange in-band when asked and agreed)."""
+        before = len(self.inband.models)
         self.inband.attach(model)
+        if len(self.inband.models) > before:
+            self.clock.wait_sources.append(self.inband.models[-1].collect)
         return self.inband
 
     @property
@@ -412,18 +383,43 @@ class Tracer:
     def recording(self) -> bool:
         return self._on
 
+    @property
+    def step_open(self) -> bool:
+        return self._open
+
     # ------------------------------------------------------------------ internals
+
+    def _boundary(self, t: int) -> None:
+        """The step clock's deferred boundary (automatic mode): end this step, open the next."""
+        self.end_step()
+        self.begin_step(contiguous=True)
 
     def _fail(self, part: str, exc: BaseException) -> None:
         self._on = False
         self._open = False
+        self.collectives.on = False
         switch_off(part, exc)
+
+    def _next_row(self) -> int:
+        return self._ring.head
+
+    def _device_values(self, index: int) -> tuple[int, int]:
+        """(arrival, wait) on the device clock of a committed row, once its events were read back."""
+        ring = self._ring
+        if index < 0 or index >= ring.ready or ring.head - index >= ring.capacity:
+            return -1, -1
+        values = ring.buf[index % ring.capacity]
+        own, wait = int(values[DEV_SELF_NS]), int(values[DEV_COMM_WAIT_NS])
+        delay = max(int(values[PACE_DELAY_NS]), 0)
+        return (own + delay if own >= 0 else -1), wait
 
     def _pick_up_cuda(self) -> None:
         if not torch.cuda.is_initialized():
             return
         self._cuda_seen = True
         self._device = torch.device("cuda", torch.cuda.current_device())
+        if self.resources is not None:
+            self.resources.cuda_device = self._device
         if self.signals is not None:
             self.signals.enable_cuda()
             if self.options.host_syncs and self.signals.syncs is None:
@@ -434,9 +430,15 @@ class Tracer:
                 except Exception as exc:  # noqa: BLE001
                     switch_off("host-sync counter", exc)
         try:
-            from hyperacc.trace.device import CudaStepTimer
+            from hyperacc.trace.device import DeviceTimer
 
-            self._dev = CudaStepTimer()
+            self._dev = DeviceTimer()
+            self.clock.device = self._dev
+            kinds = 1 << COMM
+            if self.options.device_phases:
+                kinds |= (1 << FORWARD) | (1 << BACKWARD)
+            self.clock.device_kinds = kinds
+            self.inband.set_device(self._dev)
         except Exception as exc:  # noqa: BLE001
             switch_off("CUDA event timing", exc)
 
@@ -460,8 +462,7 @@ class Tracer:
         except (ValueError, OSError):
             return
 
-        def on_sigterm(signum: int, frame: Any) -> None:
-            self.close()
+        def chain(signum: int, frame: Any) -> None:
             if callable(previous):
                 previous(signum, frame)
             elif previous == signal.SIG_IGN:
@@ -469,6 +470,14 @@ class Tracer:
             else:  # SIG_DFL (or unknown): terminate as if we had never been here
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if self._closing and not self._closed:
+                # The signal interrupted close() on this thread: let it finish, then terminate.
+                self._terminate_after_close = functools.partial(chain, signum, frame)
+                return
+            self.close(stopping=True)
+            chain(signum, frame)
 
         try:
             signal.signal(signal.SIGTERM, on_sigterm)
@@ -502,6 +511,7 @@ class Tracer:
         poll = min(0.25, self.options.flush_every_s)
         half = self._ring.capacity // 2
         while not self._stop.wait(poll):
+            self._sample_resources()
             ring = self._ring
             now = time.monotonic()
             if now - last >= self.options.flush_every_s or ring.ready - ring.tail >= half:
@@ -512,7 +522,7 @@ class Tracer:
         """Write the rows and events recorded so far (any thread; serialised with close)."""
         with self._flush_lock:
             try:
-                rows = self._ring.take(writer_stopped=self._closed)
+                rows = self._ring.take(writer_stopped=self._closing)
             except Exception as exc:  # noqa: BLE001
                 switch_off("step flushing", exc)
                 return
@@ -521,7 +531,7 @@ class Tracer:
             table = self.rows_to_table(rows) if len(rows) else None
             if table is not None and self._write_on:
                 try:
-                    if not hasattr(self, "_step_writer"):
+                    if self._step_writer is None:
                         self._step_writer = store.step_writer(self.run_dir, self.rank)
                     self._step_writer.write(table)
                 except Exception as exc:  # noqa: BLE001
@@ -536,6 +546,31 @@ class Tracer:
                             sink[1] = False
                             switch_off(f"sink {getattr(sink[0], '__qualname__', sink[0])!s}", exc)
             self._flush_events()
+            self._flush_resources()
+
+    def _sample_resources(self) -> None:
+        sampler = self.resources
+        if sampler is None:
+            return
+        try:
+            sampler.maybe_sample(self.current_step)
+        except Exception as exc:  # noqa: BLE001
+            self.resources = None
+            switch_off("resource sampling", exc)
+
+    def _flush_resources(self) -> None:
+        sampler = self.resources
+        if sampler is None or not self._write_on:
+            return
+        try:
+            table = sampler.take()
+            if table is not None:
+                if self._resource_writer is None:
+                    self._resource_writer = store.resource_writer(self.run_dir, self.rank)
+                self._resource_writer.write(table)
+        except Exception as exc:  # noqa: BLE001
+            self.resources = None
+            switch_off("resource sampling", exc)
 
     def _flush_events(self) -> None:
         events = self._events
@@ -560,7 +595,7 @@ class Tracer:
             schema=EVENT_SCHEMA,
         )
         try:
-            if not hasattr(self, "_event_writer"):
+            if self._event_writer is None:
                 self._event_writer = store.event_writer(self.run_dir, self.rank)
             self._event_writer.write(table)
         except Exception as exc:  # noqa: BLE001
@@ -568,76 +603,63 @@ class Tracer:
             switch_off(f"writing events to {self.run_dir}", exc)
 
     def rows_to_table(self, rows: np.ndarray) -> pa.Table:
-        """Committed int64 rows -> a STEP_SCHEMA table (derives ``other_ns`` and a missing ``self_ns``)."""
-        n = len(rows)
-        # t_start: perf_counter_ns while recording (one clock read per step), wall clock on disk
-        started = rows[:, T_START] >= 0
-        rows[:, T_START] = np.where(started, rows[:, T_START] + (time.time_ns() - perf_counter_ns()), -1)
-        step_ns = rows[:, STEP_NS]
-        timed = step_ns >= 0
-        phases = rows[:, list(MEASURED_PHASES)]
-        measured = np.where(phases > 0, phases, 0).sum(axis=1)
-        rows[:, OTHER_NS] = np.where(timed, np.maximum(step_ns - measured, 0), -1)
-        # Without any gradient collective in the step, all of it was the rank's own work.
-        no_self = timed & (rows[:, SELF_NS] < 0)
-        if no_self.any():
-            own = step_ns - np.maximum(rows[:, COMM_WAIT_NS], 0) - np.maximum(rows[:, PACE_DELAY_NS], 0)
-            rows[:, SELF_NS] = np.where(no_self, np.maximum(own, 0), rows[:, SELF_NS])
-        arrays = []
-        for j, field in enumerate(STEP_SCHEMA):
-            if field.name == "rank":
-                arrays.append(pa.array(np.full(n, self.rank, np.int32)))
-            elif field.name == "node":
-                arrays.append(pa.array(np.full(n, self.node, np.int32)))
-            else:
-                col = rows[:, j]
-                mask = None if field.name in NEG_ONE_IS_VALUE or not field.nullable else col == -1
-                if mask is not None and not mask.any():
-                    mask = None
-                values = col.astype(field.type.to_pandas_dtype()) if field.type != pa.bool_() else col > 0
-                arrays.append(pa.array(values, type=field.type, mask=mask))
-        return pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
+        """Committed int64 rows -> a STEP_SCHEMA table of this rank."""
+        return rows_to_table(rows, self.rank, self.node)
 
     # ------------------------------------------------------------------ shutdown
 
-    def close(self) -> None:
-        """Stop recording, flush everything, release hooks. Idempotent; safe from a signal handler."""
+    def close(self, *, stopping: bool = False) -> None:
+        """Stop recording, flush everything, release hooks. Idempotent.
+
+        Safe from a signal handler: a SIGTERM that arrives while ``close`` runs lets it finish (every
+        recorded row reaches disk) and then terminates the process as the signal would have.
+        ``stopping``: the job is being stopped (Ctrl-C, SIGTERM): rank 0 does not wait for the other
+        ranks' last window summaries, which will not come.
+        """
         global _current
-        if self._closed:
+        if self._closing:
             return
-        self._closed = True
+        self._closing = True
         self._on = False
         self._open = False
-        self._stop.set()
-        if self._flusher.is_alive() and self._flusher is not threading.current_thread():
-            self._flusher.join(timeout=10)
-        if self._dev is not None:
-            try:
-                self._dev.resolve(self._ring.buf, self._ring.capacity, wait=True)
+        try:
+            self._stop.set()
+            if self._flusher.is_alive() and self._flusher is not threading.current_thread():
+                self._flusher.join(timeout=10)
+            if self.resources is not None:
+                self.resources.due_now()  # a last sample: short runs get at least one
+                self._sample_resources()
+            if self._dev is not None:
+                try:
+                    self._dev.resolve(self._ring.buf, self._ring.capacity, wait=True)
+                except Exception as exc:  # noqa: BLE001
+                    switch_off("CUDA event timing", exc)
                 self._ring.ready = self._ring.head
-            except Exception as exc:  # noqa: BLE001
-                switch_off("CUDA event timing", exc)
-                self._ring.ready = self._ring.head
-        self.flush()
-        self.inband.close()
-        self.explicit.close()
-        if self.aggregator is not None:
-            try:
-                self.aggregator.close()
-            except Exception as exc:  # noqa: BLE001
-                switch_off("window aggregation", exc)
-            self.flush()  # live findings logged while closing
-        if self.signals is not None:
-            self.signals.close()
-        self._events_closed = True
-        if self._ring.dropped:
-            log.warning(
-                "hyperacc trace: %d step records were dropped (the flusher fell behind); "
-                "raise the capacity option",
-                self._ring.dropped,
-            )
-        if _current is self:
-            _current = None
+            self.flush()
+            self.inband.close()
+            self.collectives.close()
+            if self.aggregator is not None:
+                try:
+                    self.aggregator.close(wait=not stopping)
+                except Exception as exc:  # noqa: BLE001
+                    switch_off("window aggregation", exc)
+                self.flush()  # live findings logged while closing
+            if self.signals is not None:
+                self.signals.close()
+            self._events_closed = True
+            if self._ring.dropped:
+                log.warning(
+                    "hyperacc trace: %d step records were dropped (the flusher fell behind); "
+                    "raise the capacity option",
+                    self._ring.dropped,
+                )
+        finally:
+            self._closed = True
+            if _current is self:
+                _current = None
+            terminate, self._terminate_after_close = self._terminate_after_close, None
+            if terminate is not None:
+                terminate()
 
     def __enter__(self) -> Tracer:
         return self

@@ -35,7 +35,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    tracer = Tracer(run_dir, window=0, probe_every=0)
+    tracer = Tracer(run_dir, window=0, probe_every=0, inband=True)
     inband = tracer.attach_ddp(model)
     # pacing switched on quickly; "off" keeps the same exchange but thresholds no spread can reach
     cfg = PacingConfig(warmup_steps=3, on_steps=3, gain=1.0, margin=0.5, max_delay_frac=0.3)

@@ -1,0 +1,246 @@
+"""``make gpu-check``: the CUDA paths of hyperacc on one GPU, checked in a few minutes, as one table.
+
+What it checks (each row: pass/FAIL and the numbers behind it):
+
+1. device-clock columns with 60+ gradient buckets: a world-size-1 NCCL DDP job through the tracer's
+   communication hook; every step gets ``dev_step_ns``, ``dev_self_ns`` and ``dev_comm_wait_ns`` from a
+   fixed event budget, whatever the bucket count; gradients bit-identical to an untraced DDP twin
+   (the hook's future semantics on NCCL);
+2. no device synchronisation per step: the traced steps run under ``torch.cuda.set_sync_debug_mode
+   ("error")``, so any synchronising call inside the tracer raises;
+3. allocator counters: ``device_allocs`` and ``alloc_retries`` read every ``alloc_every`` steps;
+4. the pinned prefetcher: batches on the device equal the loader's, in order;
+5. YUV -> RGB on the device: bit-exact with OpenCV's BT.601 conversion on the CPU;
+6. the device-side pacing delay: a collective launched inside ``PacingHook.delayed(5 ms)`` starts on
+   the device about 5 ms later while the host returns at once;
+7. per-step cost: median step time of the traced model against the untraced twin, alternating blocks.
+
+Without a CUDA device it says so and exits 0 (this is no test: CI has no GPU). Run it with the Python
+that holds a CUDA build of torch: ``PYTHONPATH=src python3 bench/gpu_check.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+Result = tuple[bool, str]
+
+
+def ddp_pair(buckets: int) -> tuple[nn.Module, nn.Module, float]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(64, 64) for _ in range(buckets)]).cuda()
+
+    cap = 64 * 65 * 4 / 2**20  # one layer per bucket
+    return DDP(build(), bucket_cap_mb=cap), DDP(build(), bucket_cap_mb=cap), cap
+
+
+def check_device_columns(state: dict) -> Result:
+    from hyperacc.trace import Tracer
+
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    tracer = Tracer(run_dir, rank=0, world_size=1, window=0, probe_every=0, alloc_every=5)
+    state["tracer"], state["run_dir"] = tracer, run_dir
+    traced, twin, _ = ddp_pair(64)
+    tracer.attach_ddp(traced)
+    opt = torch.optim.SGD(traced.parameters(), lr=0.01)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.01)
+    state.update(traced=traced, twin=twin, opt=opt, twin_opt=twin_opt)
+    exact = []
+    for step in range(30):
+        x = torch.randn(32, 64, device="cuda", generator=None)
+        with tracer.step(step):
+            loss = traced(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        twin(x).square().mean().backward()
+        exact.append(all(torch.equal(a.grad, b.grad) for a, b in zip(traced.parameters(), twin.parameters(), strict=True)))
+        twin_opt.step()
+        twin_opt.zero_grad(set_to_none=False)
+    tracer.flush()
+    torch.cuda.synchronize()
+    state["exact"] = all(exact)
+    timer = tracer._dev
+    return True, f"{len(list(traced.parameters()))} parameters, budget {timer.budget if timer else '-'} events/step"
+
+
+def check_no_sync(state: dict) -> Result:
+    tracer, traced, opt = state["tracer"], state["traced"], state["opt"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(30, 60):
+            x = torch.randn(32, 64, device="cuda")
+            with tracer.step(step):
+                traced(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return True, "30 traced steps under sync debug mode 'error'"
+
+
+def check_rows(state: dict) -> Result:
+    from hyperacc import store
+
+    tracer = state["tracer"]
+    tracer.close()
+    rows = store.read_steps(state["run_dir"]).to_pylist()
+    dev = [r for r in rows if r["dev_step_ns"] is not None]
+    comm = [r for r in rows if r["dev_comm_wait_ns"] is not None and r["dev_self_ns"] is not None]
+    ok = len(rows) == 60 and len(dev) >= 55 and len(comm) >= 55 and state["exact"]
+    med = statistics.median(r["dev_comm_wait_ns"] for r in comm) / 1e3 if comm else float("nan")
+    return ok, (
+        f"{len(rows)} rows, {len(dev)} with device step time, {len(comm)} with device wait/self "
+        f"(median wait {med:.1f} us); gradients bit-identical to the untraced twin: {state['exact']}"
+    )
+
+
+def check_allocator(state: dict) -> Result:
+    from hyperacc import store
+
+    rows = store.read_steps(state["run_dir"]).to_pylist()
+    read = [r for r in rows if r["device_allocs"] is not None]
+    ok = 8 <= len(read) <= 16 and all(r["alloc_retries"] is not None for r in read)
+    return ok, f"counters read on {len(read)} of {len(rows)} steps (every 5th), retries {sum(r['alloc_retries'] or 0 for r in read)}"
+
+
+def check_prefetch(state: dict) -> Result:
+    from hyperacc.data.prefetch import DevicePrefetcher
+
+    data = torch.utils.data.TensorDataset(torch.arange(4096, dtype=torch.float32).reshape(256, 16))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    seen = [b[0] for b in DevicePrefetcher(loader, device="cuda")]
+    ok = len(seen) == 32 and all(s.is_cuda for s in seen)
+    ok = ok and all(torch.equal(s.cpu(), b[0]) for s, b in zip(seen, loader, strict=True))
+    return ok, f"{len(seen)} batches on {seen[0].device if seen else '-'}, equal and in order"
+
+
+def check_yuv(state: dict) -> Result:
+    import cv2
+    import numpy as np
+
+    from hyperacc.data.yuv import yuv_to_rgb
+
+    rng = np.random.default_rng(0)
+    frame = rng.integers(0, 256, (1080 * 3 // 2, 1920), dtype=np.uint8)
+    want = cv2.cvtColor(frame, cv2.COLOR_YUV2RGB_NV12)
+    got = yuv_to_rgb(torch.from_numpy(frame).cuda(), "nv12").permute(1, 2, 0).cpu().numpy()
+    diff = int(np.abs(got.astype(np.int16) - want.astype(np.int16)).max())
+    return diff == 0, f"1080p NV12, max difference to OpenCV {diff}"
+
+
+def check_pacing(state: dict) -> Result:
+    import torch.distributed as dist
+
+    from hyperacc.pacing.runtime import PacingHook
+
+    hook = PacingHook(rank=0, world_size=1)
+    t = torch.ones(1024, device="cuda")
+    device_ms, host_ms = [], []
+    for delay in (0, 5_000_000):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        h0 = time.perf_counter()
+        with hook.delayed(delay, t.device):
+            dist.all_reduce(t)
+        host_ms.append((time.perf_counter() - h0) * 1e3)
+        end.record()
+        end.synchronize()
+        device_ms.append(start.elapsed_time(end))
+    extra = device_ms[1] - device_ms[0]
+    ok = 4.0 <= extra <= 8.0 and host_ms[1] < 3.0
+    return ok, f"delay 5 ms: device +{extra:.2f} ms, host {host_ms[1]:.2f} ms inside the context"
+
+
+def check_cost(state: dict) -> Result:
+    from hyperacc.trace import Tracer
+
+    tracer = Tracer(Path(tempfile.mkdtemp(prefix="gpu-check-cost-")), rank=0, world_size=1, window=0)
+    traced, twin, _ = ddp_pair(8)
+    tracer.attach_ddp(traced)
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (traced, twin)}
+    times: dict[str, list[float]] = {"untraced": [], "hyperacc": []}
+    x = torch.randn(256, 64, device="cuda")
+    for block in range(20):
+        for name, model in (("untraced", twin), ("hyperacc", traced)) if block % 2 else (("hyperacc", traced), ("untraced", twin)):
+            opt = opts[id(model)]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                if model is traced:
+                    tracer.begin_step()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                if model is traced:
+                    tracer.end_step()
+            torch.cuda.synchronize()
+            times[name].append((time.perf_counter() - t0) / 20 * 1e6)
+    tracer.close()
+    base, mine = statistics.median(times["untraced"]), statistics.median(times["hyperacc"])
+    return True, f"step {base:.1f} us untraced, {mine:.1f} us traced (ratio {mine / base:.3f}; explicit API, 8 buckets)"
+
+
+CHECKS: list[tuple[str, Callable[[dict], Result]]] = [
+    ("device columns, 64 buckets", check_device_columns),
+    ("no device sync per step", check_no_sync),
+    ("rows and gradients", check_rows),
+    ("allocator counters", check_allocator),
+    ("pinned prefetcher", check_prefetch),
+    ("YUV on the device", check_yuv),
+    ("device-side pacing delay", check_pacing),
+    ("per-step cost", check_cost),
+]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="accepted for make bench; the check is always short")
+    p.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here: nothing to check (run it on a machine with a GPU)")
+        return 0
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    print(f"gpu-check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}")
+    state: dict = {}
+    failed = 0
+    t_all = time.monotonic()
+    for name, fn in CHECKS:
+        t0 = time.monotonic()
+        try:
+            ok, detail = fn(state)
+        except Exception as exc:  # noqa: BLE001 - one failing check must not hide the others
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+            traceback.print_exc(limit=3)
+        failed += not ok
+        print(f"{'pass' if ok else 'FAIL':<5} {name:<28} {detail}  ({time.monotonic() - t0:.1f} s)", flush=True)
+    print(f"{len(CHECKS) - failed} of {len(CHECKS)} checks passed in {time.monotonic() - t_all:.0f} s")
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

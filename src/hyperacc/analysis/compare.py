@@ -1,0 +1,136 @@
+"""Runs side by side: the same figures of each run, their differences from the first run (the
+baseline), intervals where a figure is a rate, and limits for a CI gate.
+
+Pure: figures in (``Figure`` per name and run, made by ``hyperacc.analysis.diagnose``'s document),
+a comparison out. Limits are written ``name=+10%`` (may grow by at most 10 % of the baseline),
+``name=-5%`` (may fall by at most 5 %), ``name=+2pp`` (a rate may rise by at most 2 percentage points) or
+``name=+0.05`` (an absolute change). A rate's limit is broken only when the change is both above the
+limit and significant (its 95 % interval excludes zero): a CI gate that fails on noise is switched off
+by its users. docs/presentation.md, "Compare".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+
+from hyperacc.analysis.spikes import wilson_interval
+
+_LIMIT = re.compile(r"^\s*([a-z0-9_.]+)\s*=\s*([+-])\s*([0-9]*\.?[0-9]+)\s*(%|pp)?\s*$")
+
+
+class CompareError(ValueError):
+    """A limit that cannot be read or names no figure; the message says which and what is allowed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    name: str
+    value: float | None
+    unit: str  # "ms", "%", "x", "/s", ""
+    better: str  # "lower" | "higher": which direction is an improvement
+    successes: int | None = None  # for a rate: events ...
+    trials: int | None = None  # ... out of trials
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    name: str
+    sign: int  # +1: may grow by at most, -1: may fall by at most
+    amount: float
+    kind: str  # "relative" | "points" | "absolute"
+
+    def text(self) -> str:
+        unit = {"relative": "%", "points": "pp", "absolute": ""}[self.kind]
+        amount = self.amount * 100 if self.kind in ("relative", "points") else self.amount
+        return f"{self.name}={'+' if self.sign > 0 else '-'}{amount:g}{unit}"
+
+
+def parse_limits(text: str | None, known: Sequence[str]) -> list[Limit]:
+    """``'p99=+10%,spike_rate=+2pp'`` -> limits; names must be figures of the comparison."""
+    if not text or not text.strip():
+        return []
+    out = []
+    for part in text.split(","):
+        m = _LIMIT.match(part)
+        if not m:
+            raise CompareError(
+                f"cannot read the limit {part.strip()!r}: write NAME=+10% (relative), NAME=+2pp (a rate, in "
+                "percentage points) or NAME=+0.05 (absolute), joined by commas"
+            )
+        name, sign, amount, unit = m.groups()
+        if name not in known:
+            raise CompareError(f"--fail-on names {name!r}, which is no figure; figures: {', '.join(known)}")
+        value = float(amount)
+        kind = "relative" if unit == "%" else "points" if unit == "pp" else "absolute"
+        out.append(Limit(name, 1 if sign == "+" else -1, value / 100 if kind != "absolute" else value, kind))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    name: str
+    run: int  # index of the run compared with the baseline (run 0)
+    base: float | None
+    value: float | None
+    delta: float | None  # value - base
+    relative: float | None  # delta / base
+    low: float | None  # 95 % interval of the delta (rates only)
+    high: float | None
+    worse: bool | None  # the change goes the wrong way (None: unknown or unchanged)
+    broken: list[str]  # the limits this change breaks
+
+
+def compare(runs: Sequence[Mapping[str, Figure]], limits: Sequence[Limit] = ()) -> list[Change]:
+    """Every figure of every run after the first, against the first."""
+    if len(runs) < 2:
+        raise CompareError("compare needs at least two runs: the baseline first, then the others")
+    base = runs[0]
+    out = []
+    for i, run in enumerate(runs[1:], start=1):
+        for name, fb in base.items():
+            fr = run.get(name)
+            if fr is None:
+                continue
+            out.append(_change(fb, fr, i, [lim for lim in limits if lim.name == name]))
+    return out
+
+
+def _change(fb: Figure, fr: Figure, run: int, limits: Sequence[Limit]) -> Change:
+    a, b = fb.value, fr.value
+    if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)):
+        return Change(fb.name, run, a, b, None, None, None, None, None, [])
+    delta = b - a
+    rel = delta / a if a else None
+    low = high = None
+    if fb.trials and fr.trials and fb.successes is not None and fr.successes is not None:
+        low, high = _newcombe(fb.successes, fb.trials, fr.successes, fr.trials)
+    worse = None if delta == 0 else (delta > 0) == (fb.better == "lower")
+    broken = [lim.text() for lim in limits if _breaks(lim, a, delta, low, high)]
+    return Change(fb.name, run, a, b, delta, rel, low, high, worse, broken)
+
+
+def _breaks(lim: Limit, base: float, delta: float, low: float | None, high: float | None) -> bool:
+    if lim.kind == "relative":
+        change = delta / base if base else (math.inf if delta else 0.0)
+    else:
+        change = delta
+    beyond = change > lim.amount if lim.sign > 0 else change < -lim.amount
+    if not beyond:
+        return False
+    if low is not None and high is not None:  # a rate: only a significant change breaks its limit
+        return low > 0 if lim.sign > 0 else high < 0
+    return True
+
+
+def _newcombe(k1: int, n1: int, k2: int, n2: int) -> tuple[float, float]:
+    """95 % interval of p2 - p1 (Newcombe's hybrid score method, from two Wilson intervals)."""
+    p1, p2 = k1 / n1, k2 / n2
+    l1, u1 = (float(v) for v in wilson_interval(k1, n1))
+    l2, u2 = (float(v) for v in wilson_interval(k2, n2))
+    d = p2 - p1
+    low = d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2)
+    high = d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
+    return low, high

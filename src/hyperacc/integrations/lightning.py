@@ -1,0 +1,24 @@
+"""PyTorch Lightning: ``Trainer(..., callbacks=[HyperaccCallback("runs/exp1")])``.
+
+The callback installs automatic tracing when it is created, which is before the strategy wraps the
+model in DDP, so the gradient collectives are timed as under ``hyperacc run``; it flushes when
+training ends. Under ``hyperacc run`` (tracing already installed) it does nothing more.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import lightning as L
+
+from hyperacc.trace import install_auto
+
+
+class HyperaccCallback(L.Callback):
+    def __init__(self, run_dir: str | os.PathLike | None = None, **trace_options: Any) -> None:
+        super().__init__()
+        self.auto = install_auto(run_dir, **trace_options)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.auto.tracer.flush()

@@ -1,0 +1,115 @@
+"""Remediation settings: the mode, the bounds of every action and where the loop keeps its files.
+
+One frozen dataclass, validated on construction, read by the pure policy (``policy.decide``), by the
+executor that applies its decisions, and by the ranks of an elastic job (``HYPERACC_REMEDIATE`` holds
+it as JSON, or just the mode). Each field is documented in docs/remediation.md with its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ENV = "HYPERACC_REMEDIATE"
+MODES = ("off", "dry-run", "auto")
+EXCLUDE_FILE = "hosts.exclude"  # default name of the exclusion file in the run directory
+
+
+class RemediationConfigError(ValueError):
+    """An impossible remediation setting; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemediationConfig:
+    mode: str = "off"  # off | dry-run (decide and log, act on nothing) | auto
+    run_dir: str | None = None  # events, drain requests, membership (default: HYPERACC_RUN_DIR)
+    exclude_file: str | None = None  # default RUN_DIR/hosts.exclude
+    # -- drain a persistent straggler node (rule "drain-slow-node")
+    min_nodes: int | None = None  # MIN of --nnodes MIN:MAX; None: never drain
+    max_drains: int = 1  # drains per run (K)
+    drain_min_slowdown: float = 0.10  # the node's ranks at least 10 % slower than the median rank
+    drain_hold_windows: int = 2  # still confirmed this many windows after it was first confirmed
+    drain_cooldown_steps: int = 0  # steps after a drain before another one (0: one checkpoint interval)
+    drain_kinds: tuple[str, ...] = ("compute", "host", "launch")  # rank kinds of a node verdict that drain
+    signal_timeout_s: float = 60.0  # a draining rank waits this long for its agent to stop it
+    # -- live switches (rules "gc-schedule", "memory-release")
+    gc_min_share: float = 0.10  # GC explains at least 10 % of the time lost to spikes ...
+    gc_min_spikes: int = 3  # ... over at least this many spikes, or a confirmed GC straggler
+    gc_lead_steps: int = 20  # the agreed step is this far ahead, so every rank reaches it in time
+    memory_min_share: float = 0.10  # the same for allocator (memory-release) spikes
+    memory_min_spikes: int = 3
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise RemediationConfigError(f"remediation mode must be one of {', '.join(MODES)} (got {self.mode!r})")
+        if self.min_nodes is not None and self.min_nodes < 1:
+            raise RemediationConfigError(f"min_nodes must be >= 1 (got {self.min_nodes})")
+        if self.max_drains < 0:
+            raise RemediationConfigError(f"max_drains must be >= 0 (got {self.max_drains})")
+        if self.drain_hold_windows < 0 or self.drain_cooldown_steps < 0 or self.gc_lead_steps < 1:
+            raise RemediationConfigError("drain_hold_windows, drain_cooldown_steps must be >= 0, gc_lead_steps >= 1")
+        if self.drain_min_slowdown < 0 or self.signal_timeout_s <= 0:
+            raise RemediationConfigError("drain_min_slowdown must be >= 0 and signal_timeout_s > 0")
+        for name in ("gc_min_share", "memory_min_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise RemediationConfigError(f"{name} must be a share in [0, 1] (got {getattr(self, name)})")
+
+    @property
+    def acting(self) -> bool:
+        return self.mode == "auto"
+
+    def resolved_run_dir(self) -> Path | None:
+        root = self.run_dir or os.environ.get("HYPERACC_RUN_DIR", "").strip()
+        return Path(root) if root else None
+
+    def resolved_exclude_file(self) -> Path | None:
+        if self.exclude_file:
+            return Path(self.exclude_file)
+        root = self.resolved_run_dir()
+        return root / EXCLUDE_FILE if root else None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RemediationConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise RemediationConfigError(
+                f"unknown remediation option(s) {unknown}; known: {', '.join(sorted(known))}"
+            )
+        values = dict(values)
+        if "drain_kinds" in values:
+            values["drain_kinds"] = tuple(values["drain_kinds"])
+        try:
+            return cls(**values)
+        except TypeError as exc:
+            raise RemediationConfigError(f"bad remediation option: {exc}") from None
+
+    @classmethod
+    def parse(cls, text: str) -> RemediationConfig:
+        """A mode (``off``, ``dry-run``, ``auto``), a JSON object, or the path of a JSON file."""
+        text = text.strip()
+        if text in MODES:
+            return cls(mode=text)
+        if not text.startswith("{") and Path(text).is_file():
+            text = Path(text).read_text()
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            raise RemediationConfigError(
+                f"remediation must be off, dry-run, auto, a JSON object or a JSON file (not valid JSON: {exc})"
+            ) from None
+        if not isinstance(values, dict):
+            raise RemediationConfigError("remediation settings must be a JSON object")
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_env(cls) -> RemediationConfig | None:
+        raw = os.environ.get(ENV, "").strip()
+        return cls.parse(raw) if raw else None

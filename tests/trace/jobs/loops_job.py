@@ -1,0 +1,176 @@
+"""Rank script: the training loops people write, with no hyperacc in them (run under `hyperacc run`).
+
+``--loop`` picks one:
+
+- ``nanogpt``: nanoGPT's shape: batches read by hand from an ``np.memmap`` in ``get_batch`` (no
+  DataLoader), gradient accumulation with ``require_backward_grad_sync`` (the next batch is read
+  between a micro-step's forward and its backward), a GradScaler whose update is skipped on the steps
+  given by ``--skip-steps`` (an inf gradient is planted), and an evaluation under ``no_grad`` every
+  ``--eval-every`` steps;
+- ``prefetch``: a DataLoader consumed through hyperacc's DevicePrefetcher (its own thread);
+- ``fsdp2``: ``fully_shard`` (FSDP2) on CPU with gloo;
+- ``two_models``: two DDP models trained in the same step;
+- ``explicit``: a hand-written gradient all-reduce, ``async_op`` given by position, then ``wait()``.
+
+Each rank reports its final parameters' checksum and losses; under the harness, ``--plain-check``
+trains an untouched copy beside it where that makes sense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hyperacc import harness
+
+
+def mlp(width: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
+
+
+def checksum(model: nn.Module) -> float:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def nanogpt(args: argparse.Namespace, rank: int, world: int) -> dict:
+    data_path = os.path.join(tempfile.gettempdir(), f"hyperacc-loops-{os.getpid()}.bin")
+    rng = np.random.default_rng(rank)
+    rng.standard_normal(4096 * 33, dtype=np.float32).tofile(data_path)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        data = np.memmap(data_path, dtype=np.float32, mode="r").reshape(-1, 33)
+        ix = rng.integers(0, len(data), 16)
+        block = torch.from_numpy(np.array(data[ix]))
+        return block[:, :32], (block[:, 32] > 0).long()
+
+    model = DDP(mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    skip = {int(s) for s in args.skip_steps.split(",") if s}
+    losses = []
+    x, y = get_batch()
+    for it in range(args.steps):
+        if args.eval_every and it % args.eval_every == 0:
+            with torch.no_grad():
+                model.eval()
+                float(nn.functional.cross_entropy(model(x), y))
+                model.train()
+        for micro in range(args.accum):
+            model.require_backward_grad_sync = micro == args.accum - 1
+            loss = nn.functional.cross_entropy(model(x), y) / args.accum
+            x, y = get_batch()  # the next batch, read between forward and backward as nanoGPT does
+            scaler.scale(loss).backward()
+        if it in skip:
+            next(model.parameters()).grad[0, 0] = float("inf")  # the scaler skips this update
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss) * args.accum)
+    os.unlink(data_path)
+    return {"losses": losses, "checksum": checksum(model), "scale": float(scaler.get_scale())}
+
+
+def prefetch(args: argparse.Namespace, rank: int, world: int) -> dict:
+    from hyperacc.data.prefetch import DevicePrefetcher
+
+    g = torch.Generator().manual_seed(rank)
+    data = torch.utils.data.TensorDataset(torch.randn(512, 32, generator=g), torch.randint(0, 8, (512,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=16)
+    model = DDP(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for x, y in DevicePrefetcher(loader, device="cpu"):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+        if len(losses) >= args.steps:
+            break
+    return {"losses": losses, "checksum": checksum(model)}
+
+
+def fsdp2(args: argparse.Namespace, rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp(128)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(args.steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "checksum": float(sum(float(p.to_local().double().sum()) for p in model.parameters()))}
+
+
+def two_models(args: argparse.Namespace, rank: int, world: int) -> dict:
+    a, b = DDP(mlp()), DDP(mlp(32))
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(args.steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        loss = nn.functional.cross_entropy(a(x), y) + nn.functional.cross_entropy(b(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "checksum": checksum(a) + checksum(b)}
+
+
+def explicit(args: argparse.Namespace, rank: int, world: int) -> dict:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(args.steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        works = [dist.all_reduce(p.grad, dist.ReduceOp.SUM, None, True) for p in model.parameters()]
+        for w in works:
+            w.wait()
+        for p in model.parameters():
+            p.grad /= world
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "checksum": checksum(model)}
+
+
+LOOPS = {"nanogpt": nanogpt, "prefetch": prefetch, "fsdp2": fsdp2, "two_models": two_models, "explicit": explicit}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--loop", choices=sorted(LOOPS), required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--skip-steps", default="")
+    p.add_argument("--eval-every", type=int, default=0)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result = LOOPS[args.loop](args, rank, world)
+    harness.write_result({"rank": rank, **result})
+    harness.finish()
+
+
+if __name__ == "__main__":
+    main()

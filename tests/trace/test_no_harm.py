@@ -1,0 +1,84 @@
+"""hyperacc does no harm: the same script fails, trains and exits the same with tracing as without.
+
+Every test starts real ranks (torchrun, gloo) and compares with the same script under plain torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hyperacc import harness, store
+
+JOB = Path(__file__).parent / "jobs" / "faults_job.py"
+
+
+def traced(run_dir: Path, **trace: object) -> dict[str, str]:
+    return {"run-dir": str(run_dir), "trace": json.dumps({"window": 0, "probe_every": 0, **trace})}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    ("buckets", "variants"),
+    [("one", ("default", "paced")), ("many", ("paced",))],
+)
+def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(
+    tmp_path: Path, buckets: str, variants: tuple[str, ...]
+) -> None:
+    args = ["--buckets", buckets, "--die-rank", "1", "--die-step", "2"]
+    # torchrun stops the survivors once it sees the dead rank; checking every 3 s leaves them the time
+    # to meet the failure themselves, with and without hyperacc alike.
+    slow_monitor = ["--monitor-interval", "3"]
+    plain = harness.launch(JOB, args, nproc=2, timeout=180, torchrun_args=slow_monitor)
+    ref = plain.ranks[0].result
+    assert ref is not None and ref["error"], plain.explain()
+    assert ref["optimizer_steps"] == 2  # steps 0 and 1; step 2's backward raised
+    for name in variants:
+        opts = traced(tmp_path / name)
+        if name == "paced":
+            opts["pace"] = "1"  # pacing asks for the in-band exchange: slots ride on the last bucket
+        job = harness.launch(JOB, args, nproc=2, timeout=180, traced=opts, torchrun_args=slow_monitor)
+        mine = job.ranks[0].result
+        assert mine is not None, job.explain()
+        assert (mine["error"], mine["optimizer_steps"], mine["steps"]) == (
+            ref["error"], ref["optimizer_steps"], ref["steps"]
+        ), (name, mine, ref)
+        assert bool(job.returncodes[0]) == bool(plain.returncodes[0]), (name, job.returncodes, plain.returncodes)
+
+
+@pytest.mark.multirank
+def test_an_internal_error_on_one_rank_keeps_the_collective_shape(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["--buckets", "many", "--break-rank", "1", "--break-round", "3", "--twin", "--steps", "8"]
+    job = harness.launch(JOB, args, nproc=2, timeout=180, traced=traced(run, inband=True))
+    assert job.ok, job.explain()
+    for res in job.results():
+        assert res["error"] is None and res["steps"] == 8
+        assert all(res["exact"]), res["exact"]  # gradients as untouched DDP's, before and after the failure
+    stderr = job.ranks[1].stderr
+    assert stderr.count("gradient collective timing failed") == 1, stderr[-3000:]
+    steps = store.read_steps(run).to_pylist()
+    assert sorted({(r["rank"], r["step"]) for r in steps}) == [(r, s) for r in range(2) for s in range(8)]
+
+
+@pytest.mark.multirank
+def test_attaching_on_some_ranks_only_turns_the_exchange_off_for_all(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    args = ["--buckets", "many", "--attach-ranks", "0", "--twin", "--run-dir", str(run)]
+    job = harness.launch(JOB, args, nproc=2, timeout=180)
+    assert job.ok, job.explain()
+    for res in job.results():
+        assert res["error"] is None and all(res["exact"])
+    assert "not every rank of the group agreed in time" in job.ranks[0].stderr
+
+
+@pytest.mark.multirank
+def test_tracing_leaves_gradients_bit_identical_at_four_ranks(tmp_path: Path) -> None:
+    job = harness.launch(
+        JOB, ["--buckets", "many", "--twin", "--steps", "5"], nproc=4, timeout=240, traced=traced(tmp_path / "run")
+    )
+    assert job.ok, job.explain()
+    for res in job.results():
+        assert all(res["exact"]), res["exact"]

@@ -1,0 +1,138 @@
+"""The step model on hand-made timelines: phases nest, closures, deferred boundaries, the input gap,
+waits collected from the gradient collectives, and signals clipped to their step."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+from hyperacc import store
+from hyperacc.trace import Tracer
+from hyperacc.trace.columns import (
+    BACKWARD_NS,
+    COLLECTIVES,
+    COMM_WAIT_NS,
+    DATA_GAP,
+    DATA_NS,
+    FORWARD_NS,
+    MICRO_STEPS,
+    NCOLS,
+    OPTIMIZER_NS,
+    PACE_DELAY_NS,
+    SELF_NS,
+    STEP_NS,
+)
+from hyperacc.trace.step_clock import BACKWARD, COMM, DATA, EVAL, FORWARD, OPTIMIZER, StepClock
+
+MS = 1_000_000
+
+
+def finish(clock: StepClock, t_end: int, t_start: int = 0) -> list[int]:
+    row = [-1] * NCOLS
+    row[STEP_NS] = t_end - t_start
+    clock.fill(row, t_end)
+    return row
+
+
+def test_closure_phases_are_charged_to_forward_backward_and_the_update_only() -> None:
+    c = StepClock()
+    c.begin(0)
+    c.enter(DATA, 0)
+    c.exit(DATA, 2 * MS)
+    c.enter(OPTIMIZER, 3 * MS)  # Lightning: optimizer.step(closure)
+    c.enter(FORWARD, 4 * MS)
+    c.exit(FORWARD, 14 * MS)
+    c.enter(BACKWARD, 15 * MS)
+    c.exit(BACKWARD, 35 * MS)
+    c.exit(OPTIMIZER, 37 * MS)  # the update itself: 2 ms after the closure returned
+    row = finish(c, 40 * MS)
+    assert (row[DATA_NS], row[FORWARD_NS], row[BACKWARD_NS], row[OPTIMIZER_NS]) == (2 * MS, 10 * MS, 20 * MS, 2 * MS)
+    assert row[MICRO_STEPS] == 1 and row[SELF_NS] == 40 * MS and row[COMM_WAIT_NS] == -1
+
+
+def test_nested_same_phase_and_a_blocked_collective_inside_backward() -> None:
+    c = StepClock()
+    c.begin(0)
+    c.enter(BACKWARD, 0)
+    c.enter(BACKWARD, 1 * MS)  # re-entrant backward (checkpointing) is not a second micro-step
+    c.exit(BACKWARD, 5 * MS)
+    c.enter(COMM, 6 * MS)
+    c.exit(COMM, 9 * MS)
+    c.exit(BACKWARD, 10 * MS)
+    row = finish(c, 10 * MS)
+    assert row[BACKWARD_NS] == 7 * MS and row[COMM_WAIT_NS] == 3 * MS
+    assert row[MICRO_STEPS] == 1 and row[COLLECTIVES] == 1 and row[SELF_NS] == 7 * MS
+
+
+def test_gradient_rounds_collected_at_backward_exit_overlap_not_add() -> None:
+    c = StepClock()
+    # two DDP models in one backward: their rounds overlap in time
+    c.wait_sources.append(lambda: (8 * MS, 11 * MS, -1, 1))
+    c.wait_sources.append(lambda: (9 * MS, 12 * MS, 1 * MS, 1))
+    c.begin(0)
+    c.enter(BACKWARD, 0)
+    c.exit(BACKWARD, 12 * MS)
+    c.wait_sources.clear()
+    row = finish(c, 12 * MS)
+    assert row[COMM_WAIT_NS] == 3 * MS  # latest completion 12 less latest launch 9, not 3 + 3
+    assert row[PACE_DELAY_NS] == 1 * MS and row[BACKWARD_NS] == 8 * MS
+    assert row[SELF_NS] == 8 * MS and row[COLLECTIVES] == 2
+
+
+def test_input_gap_is_the_uncovered_time_before_the_last_backward() -> None:
+    c = StepClock()
+    c.input_gap = True
+    c.begin(0)
+    c.enter(FORWARD, 1 * MS)  # 1 ms read before the first forward
+    c.exit(FORWARD, 5 * MS)
+    c.enter(BACKWARD, 8 * MS)  # 3 ms read between forward and backward (nanoGPT)
+    c.exit(BACKWARD, 12 * MS)
+    c.enter(EVAL, 13 * MS)  # an evaluation forward is never input
+    c.exit(EVAL, 20 * MS)
+    c.enter(OPTIMIZER, 21 * MS)
+    c.exit(OPTIMIZER, 22 * MS)
+    row = finish(c, 22 * MS)
+    assert row[DATA_NS] == 4 * MS and row[DATA_GAP] == 1
+    c.begin(0)
+    c.enter(DATA, 0)  # a DataLoader fetch: no gap rule
+    c.exit(DATA, 1 * MS)
+    row = finish(c, 5 * MS)
+    assert row[DATA_NS] == 1 * MS and row[DATA_GAP] == 0
+
+
+def test_a_boundary_inside_an_open_phase_waits_for_it() -> None:
+    c = StepClock()
+    ended: list[int] = []
+    c.on_end = ended.append
+    c.begin(0)
+    c.enter(OPTIMIZER, 1 * MS)  # GradScaler.step
+    c.enter(OPTIMIZER, 2 * MS)  # optimizer.step inside it
+    c.exit(OPTIMIZER, 3 * MS)
+    c.request_end(3 * MS)
+    assert ended == []
+    c.exit(OPTIMIZER, 4 * MS)
+    assert ended == [4 * MS]
+
+
+def test_an_exit_skipped_by_an_exception_does_not_corrupt_the_stack() -> None:
+    c = StepClock()
+    c.begin(0)
+    c.enter(BACKWARD, 0)
+    c.enter(FORWARD, 1 * MS)  # never exited: an exception unwound past its hook
+    c.exit(BACKWARD, 5 * MS)
+    assert c.depth == 0
+    row = finish(c, 5 * MS)
+    assert row[FORWARD_NS] == 4 * MS and row[BACKWARD_NS] == 1 * MS
+
+
+def test_signals_before_the_first_step_are_not_charged_to_it(tmp_path: Path) -> None:
+    tracer = Tracer(tmp_path, rank=0, world_size=1, window=0, probe_every=0)
+    junk = [[i] for i in range(200_000)]
+    gc.collect()  # a start-up collection, before the first step
+    del junk
+    with tracer.step():
+        pass
+    tracer.close()
+    (row,) = store.read_steps(tmp_path).to_pylist()
+    assert row["gc_count"] == 0 and row["gc_ns"] == 0
+    assert row["cpu_ns"] >= 0
