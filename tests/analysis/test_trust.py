@@ -39,6 +39,18 @@ def test_a_preempted_rank_is_host():
     assert (s.rank, s.kind, s.kind_basis) == (2, "host", "cpu_time") and s.cpu_share < 0.2
 
 
+def test_a_rank_that_computes_more_is_found_by_its_cpu_time_when_host_noise_hides_it_in_wall_time():
+    # a loaded host: every rank's wall self-time wanders 5-30 ms window to window, while the CPU time
+    # of the training thread is steady; rank 2 spends 1.3 ms more CPU per step (a 30 % heavier step)
+    rng = np.random.default_rng(2)
+    cpu = 4.7 * (1 + 0.02 * rng.standard_normal((4, 10)))
+    cpu[2] += 1.3
+    wall = cpu * rng.uniform(1.0, 5.0, (4, 10))
+    cols = _with(windows(wall, wall.max(axis=0) - wall + 20.0), "cpu_ns_median", cpu)
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.kind, s.metric, s.kind_basis) == (2, "compute", "cpu_ns", "cpu_time")
+
+
 def test_without_cpu_time_the_kind_says_it_was_judged_on_wall_time_only(tmp_path):
     self_ms = noisy(4, 8, base=10.0, sd=0.2)
     self_ms[2] += 6.0

@@ -421,6 +421,7 @@ def _metric(metric: str) -> str:
         "self_ns": "self-time",
         "forward_ns": "forward time",
         "backward_ns": "backward time",
+        "cpu_ns": "CPU time",
         "data_ns": "data wait",
         "launch_ns": "launch latency",
         "gc_ns": "GC time",

@@ -28,6 +28,7 @@ _METRIC_WORD = {
     "self_ns": "self-time",
     "forward_ns": "forward time",
     "backward_ns": "backward time",
+    "cpu_ns": "CPU time",
     "data_ns": "data wait",
     "launch_ns": "launch latency",
     "gc_ns": "GC time",

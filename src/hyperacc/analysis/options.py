@@ -12,10 +12,14 @@ import numpy as np
 from hyperacc.theory import DEFAULT_TARGET
 
 # Window metrics judged for stragglers, and the straggler kind each one names. Forward and backward
-# are judged where the summaries carry them (offline): a slow forward stands out more clearly than the
-# whole self-time on a machine whose other ranks share the cores.
-STRAGGLER_METRICS: tuple[str, ...] = ("self_ns", "forward_ns", "backward_ns", "data_ns", "launch_ns", "gc_ns")
+# are judged where the summaries carry them: a slow forward stands out more clearly than the whole
+# self-time on a machine whose other ranks share the cores. CPU time (step schema 2) is immune to
+# preemption: a rank that computes more shows it even where the host's noise hides it in wall time.
+STRAGGLER_METRICS: tuple[str, ...] = (
+    "self_ns", "forward_ns", "backward_ns", "cpu_ns", "data_ns", "launch_ns", "gc_ns",
+)  # fmt: skip
 METRIC_KIND: dict[str, str] = {
+    "cpu_ns": "compute",
     "self_ns": "compute",
     "forward_ns": "compute",
     "backward_ns": "compute",

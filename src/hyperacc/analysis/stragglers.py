@@ -41,7 +41,7 @@ from hyperacc.analysis.robust import binom_sf, loo_upper_fence, modified_z, nan_
 # When a rank is slow on several metrics, one names the kind. A slow launch path lengthens everything the
 # host launches (data collation, forward), while a data or compute problem leaves the probe alone, so
 # the probe names the kind first; data and GC are parts of the step that explain a slow self-time.
-_KIND_PRIORITY: tuple[str, ...] = ("launch_ns", "data_ns", "gc_ns", "self_ns", "forward_ns", "backward_ns")
+_KIND_PRIORITY: tuple[str, ...] = ("launch_ns", "data_ns", "gc_ns", "self_ns", "forward_ns", "backward_ns", "cpu_ns")
 # Parts of the rank's own time, and the whole each must show in: data, forward and backward happen
 # before the gradient collective (inside the self-time of either tracer generation); a GC pause can
 # happen anywhere, also after the collective, so it must show in the busy time (step less wait).
@@ -119,6 +119,7 @@ def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -
         "data_ns": pivot(col("data_ns_median"), enough),
         "launch_ns": pivot(col("launch_ns_median")),  # probe steps are sparse: one sample is a median
         "gc_ns": pivot(gc_per_step, enough),
+        "cpu_ns": pivot(col("cpu_ns_median"), enough),
     }
     first = np.full(wins.size, np.iinfo(np.int64).max)
     np.minimum.at(first, wi, np.asarray(cols["first_step"], dtype=np.int64))
@@ -451,7 +452,9 @@ def _straggler(
         self_ratio = self_vals[r, fw] / self_med[fw]
     kind = METRIC_KIND[metric]
     basis, cpu_share = "metric", None
-    if kind == "compute":
+    if metric == "cpu_ns":  # it spends more CPU time per step: it computes more
+        basis = "cpu_time"
+    elif kind == "compute":
         kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts)
     judged_since = np.flatnonzero(judged)
     judged_since = judged_since[judged_since >= since_w]
