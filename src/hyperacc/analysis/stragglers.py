@@ -119,7 +119,9 @@ def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -
         "data_ns": pivot(col("data_ns_median"), enough),
         "launch_ns": pivot(col("launch_ns_median")),  # probe steps are sparse: one sample is a median
         "gc_ns": pivot(gc_per_step, enough),
-        "cpu_ns": pivot(col("cpu_ns_median"), enough),
+        # CPU time measures work only where a waiting rank sleeps (gloo, the host clock); on the device
+        # clock a rank waiting in a device sync may spin, so there it is not judged
+        "cpu_ns": np.where(device[None, :], np.nan, pivot(col("cpu_ns_median"), enough)),
     }
     first = np.full(wins.size, np.iinfo(np.int64).max)
     np.minimum.at(first, wi, np.asarray(cols["first_step"], dtype=np.int64))
@@ -401,8 +403,13 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
             if chosen is None:
                 continue
             conf, rank_flags, rule = chosen
-            if metric != "launch_ns" and _waits_more(grid.comm_wait[r], med_comm, rank_flags, values[r] - med):
-                continue  # a victim: it waited longer than the median rank, so nobody waited for it
+            # A victim: it waited longer than the median rank, so nobody waited for it. (Not asked of the
+            # launch probe, timed outside the step, nor of CPU time: a rank waiting at a collective
+            # sleeps, so more CPU time is more work, whatever the noisy waits say.)
+            if metric not in ("launch_ns", "cpu_ns") and _waits_more(
+                grid.comm_wait[r], med_comm, rank_flags, values[r] - med
+            ):
+                continue
             found.setdefault(int(r), {})[metric] = (conf, rank_flags, judged[r], values[r], med, rule)
     out = [_straggler(grid, r, per_metric, med_comm, opts) for r, per_metric in sorted(found.items())]
     _slow_nodes(out, grid, opts, med_comm)
