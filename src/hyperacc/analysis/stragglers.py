@@ -459,7 +459,9 @@ def _straggler(
         self_ratio = self_vals[r, fw] / self_med[fw]
     kind = METRIC_KIND[metric]
     basis, cpu_share = "metric", None
-    if metric == "cpu_ns":  # it spends more CPU time per step: it computes more
+    if metric == "launch_ns" and _gc_heavy(grid, r, fw, opts):
+        kind = "gc"  # the collector lengthens everything the host does, the probe included
+    elif metric == "cpu_ns":  # it spends more CPU time per step: it computes more
         basis = "cpu_time"
     elif kind == "compute":
         kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts)
@@ -537,6 +539,19 @@ def _compute_or_host(
         if seen.sum() and flags[r, fw].sum() > seen.sum() / 2:
             return "host", "major_faults", None
     return "compute", "wall_time_only", None
+
+
+def _gc_heavy(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions) -> bool:
+    """The rank's typical GC time per step is materially above the cluster's (``floor_ns`` and
+    ``min_slowdown`` of the median busy time) in most of the windows around its flagged ones."""
+    gc = grid.metrics["gc_ns"]
+    if fw.size == 0 or np.isnan(gc[r]).all():
+        return False
+    with np.errstate(invalid="ignore"):
+        excess = gc[r] - nan_median(gc, axis=0)
+        material = (excess >= opts.floor_ns) & (excess >= opts.min_slowdown * nan_median(grid.busy, axis=0))
+    seen = ~np.isnan(gc[r])
+    return bool(seen.any() and 2 * material[seen].sum() > seen.sum())
 
 
 def _culprit_confirmation(
