@@ -518,8 +518,9 @@ def _compute_or_host(
     """The kind of a slow own time: (kind, basis, cpu share). docs/detection.md, "Kind".
 
     On the device clock it is the device's work (compute). On the host clock, the training thread's
-    CPU time tells more work (CPU time grew by at least ``explain_share`` of the wall-time excess) from
-    preemption or blocking (wall time grew, CPU time did not: host). Without CPU time, major page faults
+    CPU time tells more work (CPU time grew by at least ``explain_share`` of the wall-time excess, taken
+    against the share of wall time the other ranks got to run) from preemption or blocking (wall time
+    grew, CPU time did not: host). Without CPU time, major page faults
     in most flagged windows say host; anything else is compute, and says it was judged on wall time."""
     if fw.size and grid.device[fw].all():
         return "compute", "device_clock", None
@@ -529,8 +530,13 @@ def _compute_or_host(
     if ok.sum() and (~np.isnan(cpu)).sum(axis=0)[ok].min() >= opts.min_ranks:
         cpu_ex = nan_median((cpu[r] - nan_median(cpu, axis=0))[ok])
         wall_ex = nan_median((wall[r] - nan_median(wall, axis=0))[ok])
-        if np.isfinite(wall_ex) and wall_ex > 0:
-            share = float(cpu_ex / wall_ex)
+        # On a shared host every rank runs for only a part of its wall time; more work lengthens the
+        # wall time by the work divided by that part, so the share is taken against it.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            others = np.delete(np.arange(cpu.shape[0]), r)
+            runs = float(np.clip(nan_median((cpu[others] / wall[others])[:, ok]), 0.05, 1.0))
+        if np.isfinite(wall_ex) and wall_ex > 0 and np.isfinite(runs):
+            share = float(cpu_ex / wall_ex / runs)
             return ("compute" if share >= opts.explain_share else "host"), "cpu_time", share
     faults = grid.host.get("major_faults")
     if faults is not None:
