@@ -124,13 +124,14 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         for node in nodes_bad:
             members = [s for s in d.stragglers if s["node"] == node]
             size = sum(1 for r in d.spikes.get("per_rank", []) if r["node"] == node) or len(members)
+            word = _metric(members[0]["metric"])
             versus = (
                 f"{_ratio(members[0]['node_ratio'])} the other nodes'"
                 if members[0].get("node_ratio") is not None
                 else f"{_ratio(_median([m['self_slowdown'] or m['slowdown'] for m in members]))} the cluster median"
             )
             parts.append(
-                f"node {node} is slow ({len(members)} of its {size} ranks, self-time {versus} "
+                f"node {node} is slow ({len(members)} of its {size} ranks, {word} {versus} "
                 f"since step {min(m['since_step'] for m in members)})"
             )
         for s in ranks_bad[:3]:
@@ -223,7 +224,10 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         )
         now, base = members[0].get("node_ratio"), members[0].get("node_baseline_ratio")
         if now is not None and base is not None:
-            line += f"; its self-time is {now:.2f}x the other nodes', and was {base:.2f}x in its first windows"
+            line += (
+                f"; its {_metric(members[0]['metric'])} is {now:.2f}x the other nodes', and was {base:.2f}x in "
+                "its first windows"
+            )
             if base >= 1.0 + opts.get("min_slowdown", 0.05):
                 line += " (slow from the start: a slower machine, or a fault present from the start)"
             else:

@@ -622,14 +622,17 @@ def _waits_more(wait: np.ndarray, cluster_wait: np.ndarray, flags: np.ndarray, e
     return float(np.median(diff[ok])) > max(float(np.nanmedian(excess[flags])), 0.0)
 
 
-def node_flags(grid: WindowGrid, opts: DetectionOptions) -> tuple[dict[int, np.ndarray], np.ndarray, dict]:
+def node_flags(
+    grid: WindowGrid, opts: DetectionOptions, metric: str = "self_ns"
+) -> tuple[dict[int, np.ndarray], np.ndarray, dict]:
     """Per node and window: every judged rank of the node (two or more) is slower than every other
     judged rank (full separation: the gap between the groups exceeds all the spread within them), and
     the gap between the node's median self-time and the rest's is material (``floor_ns`` and
     ``min_slowdown``). Returns ({node: flags (W,)}, judged (W,), {node: chance per window}): among
     exchangeable ranks, whatever their noise, a given group of m of R ranks holds the m slowest values
-    with chance 1 / C(R, m), which the persistence test uses."""
-    values = grid.metrics["self_ns"]
+    with chance 1 / C(R, m), which the persistence test uses. ``metric``: self-time, or CPU time (a
+    node whose ranks all compute more, where a busy host hides it in wall time)."""
+    values = grid.metrics[metric]
     present = ~np.isnan(values)
     node_ids = np.unique(grid.nodes)
     out: dict[int, np.ndarray] = {}
@@ -663,13 +666,25 @@ def node_flags(grid: WindowGrid, opts: DetectionOptions) -> tuple[dict[int, np.n
 
 
 def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, med_comm: np.ndarray) -> None:
-    """Adds (or re-kinds) the ranks of each slow node (docs/detection.md, "Slow nodes")."""
-    flags, judged, chance = node_flags(grid, opts)
+    """Adds (or re-kinds) the ranks of each slow node (docs/detection.md, "Slow nodes"): on self-time,
+    else on CPU time."""
+    done: set[int] = set()
+    for metric in ("self_ns", "cpu_ns"):
+        if not np.isnan(grid.metrics[metric]).all():
+            done |= _slow_nodes_on(out, grid, opts, med_comm, metric, done)
+
+
+def _slow_nodes_on(
+    out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, med_comm: np.ndarray, metric: str,
+    done: set[int],
+) -> set[int]:  # fmt: skip
+    flags, judged, chance = node_flags(grid, opts, metric)
     by_rank = {s.rank: s for s in out}
-    self_vals = grid.metrics["self_ns"]
+    self_vals = grid.metrics[metric]
     self_med = _cluster_median(self_vals)
+    confirmed: set[int] = set()
     for node, f in flags.items():
-        if not f.any():
+        if not f.any() or node in done:
             continue
         js = np.flatnonzero(judged)
         mostly = np.zeros(f.shape, dtype=bool)
@@ -680,6 +695,7 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
             conf = (conf[0], conf[1], bool(conf[2] and mostly[js[-1]]))
         if conf is None or f.sum() < opts.persist_k:
             continue
+        confirmed.add(node)
         confirm_w, since_w, active = conf
         fw = np.flatnonzero(f)
         seen = int(judged.sum())
@@ -701,9 +717,12 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
                 out.remove(existing)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio = self_vals[r, fw] / self_med[fw]
-            rank_kind, basis, share = _compute_or_host(grid, r, fw, opts)
+            if metric == "cpu_ns":  # its ranks compute more
+                rank_kind, basis, share = "compute", "cpu_time", None
+            else:
+                rank_kind, basis, share = _compute_or_host(grid, r, fw, opts)
             s = Straggler(
-                rank=rank, node=int(node), kind="node", metric="self_ns",
+                rank=rank, node=int(node), kind="node", metric=metric,
                 slowdown=_finite_or_none(nan_median(ratio)), since_step=int(grid.first_step[since_w]),
                 windows_flagged=int(fw.size), windows_seen=seen, confirmed_step=int(grid.last_step[confirm_w]),
                 until_step=int(grid.last_step[fw[-1]]), active=active,
@@ -711,7 +730,7 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
                 self_slowdown=_finite_or_none(nan_median(ratio)),
                 comm_wait_ns=_finite_or_none(nan_median(grid.comm_wait[r, fw])),
                 cluster_comm_wait_ns=_finite_or_none(nan_median(med_comm[fw])),
-                metrics=["self_ns"], rank_kind=rank_kind, rule="node",
+                metrics=[metric], rank_kind=rank_kind, rule="node",
                 clock="device" if grid.device[fw].all() else "host", kind_basis=basis, cpu_share=share,
                 windows_since=int((np.flatnonzero(judged) >= since_w).sum()),
                 node_ratio=now, node_baseline_ratio=baseline,
@@ -720,6 +739,7 @@ def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, 
             out.append(s)
             by_rank[rank] = s
     out.sort(key=lambda s: s.rank)
+    return confirmed
 
 
 def _group_by_node(stragglers: list[Straggler], grid: WindowGrid, opts: DetectionOptions) -> None:
