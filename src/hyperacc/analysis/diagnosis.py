@@ -355,12 +355,14 @@ def excess_phrase(e: dict[str, Any]) -> str:
 def basis_phrase(s: dict[str, Any]) -> str:
     basis, share = s.get("kind_basis"), s.get("cpu_share")
     if basis == "cpu_time" and share is not None:
-        if s.get("rank_kind", s["kind"]) == "host" or share < 0.5:
+        if s.get("rank_kind", s["kind"]) == "host":
             return (
-                f"its CPU time grew by {percent(max(share, 0.0))} of its extra wall time: it was preempted or "
-                "blocked, not computing more"
+                f"its CPU time grew by only {percent(max(share, 0.0))} of its extra wall time: it was preempted "
+                "or blocked, not computing more"
             )
-        return f"its CPU time grew by {percent(min(share, 9.99))} of its extra wall time: it computes more"
+        return "its CPU time grew with it: it computes more"
+    if basis == "cpu_time":
+        return "its CPU time per step stands out: it computes more"
     if basis == "device_clock":
         return "judged on the device clock"
     if basis == "wall_time_only":

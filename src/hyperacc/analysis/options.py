@@ -67,6 +67,7 @@ class DetectionOptions:
     # -- attribution
     explain_share: float = 0.5  # a phase, a pause or CPU time must account for half of an excess
     signal_z: float = 3.5  # a counter coincides when it is this far above its rolling median (MAD z)
+    preempt_overhead: float = 0.05  # the most CPU time preemption costs per unit of wall time it takes
     # -- rank-specific causes (a rank's spikes of one cause above the other ranks' floor)
     excess_ratio: float = 2.0  # the rank's rate of the cause at least this many times the others' ...
     excess_min_spikes: int = 3  # ... from at least this many spikes (and significant at top_alpha)
@@ -150,6 +151,7 @@ _FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "spike_mad": (0.0, math.inf, False),
     "spike_floor_rel": (0.0, math.inf, True),
     "explain_share": (0.0, 1.0, False),
+    "preempt_overhead": (0.0, 1.0, True),
     "signal_z": (0.0, math.inf, False),
     "excess_ratio": (1.0, math.inf, True),
     "target": (0.0, 1.0, False),

@@ -518,9 +518,9 @@ def _compute_or_host(
     """The kind of a slow own time: (kind, basis, cpu share). docs/detection.md, "Kind".
 
     On the device clock it is the device's work (compute). On the host clock, the training thread's
-    CPU time tells more work (CPU time grew by at least ``explain_share`` of the wall-time excess, taken
-    against the share of wall time the other ranks got to run) from preemption or blocking (wall time
-    grew, CPU time did not: host). Without CPU time, major page faults
+    CPU time tells more work (CPU time grew by more than preemption costs, ``preempt_overhead`` of the
+    wall time lost, or by ``explain_share`` of the wall-time excess taken against the share of wall time
+    the other ranks got to run) from preemption or blocking (wall time grew, CPU time did not: host). Without CPU time, major page faults
     in most flagged windows say host; anything else is compute, and says it was judged on wall time."""
     if fw.size and grid.device[fw].all():
         return "compute", "device_clock", None
@@ -537,7 +537,11 @@ def _compute_or_host(
             runs = float(np.clip(nan_median((cpu[others] / wall[others])[:, ok]), 0.05, 1.0))
         if np.isfinite(wall_ex) and wall_ex > 0 and np.isfinite(runs):
             share = float(cpu_ex / wall_ex / runs)
-            return ("compute" if share >= opts.explain_share else "host"), "cpu_time", share
+            # CPU time that grew by more than preemption itself costs (context switches, caches refilled:
+            # preempt_overhead of the wall time lost) is more work, even when the wall time grew more
+            # still: a rank that computes more is also preempted more on a contended host.
+            grew = bool(cpu_ex >= opts.floor_ns and cpu_ex >= opts.preempt_overhead * wall_ex)
+            return ("compute" if grew or share >= opts.explain_share else "host"), "cpu_time", share
     faults = grid.host.get("major_faults")
     if faults is not None:
         flags, judged, _ = outlier_flags(faults, opts, floor=1.0)
