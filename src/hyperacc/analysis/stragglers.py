@@ -449,7 +449,9 @@ def judged_windows(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions
 def _straggler(
     grid: WindowGrid, r: int, per_metric: dict[str, tuple], med_comm: np.ndarray, opts: DetectionOptions
 ) -> Straggler:
-    metric = next(m for m in _KIND_PRIORITY if m in per_metric)
+    # the kind comes from the metrics still confirmed at the end, when there are any
+    active = [m for m in _KIND_PRIORITY if m in per_metric and per_metric[m][0][2]]
+    metric = active[0] if active else next(m for m in _KIND_PRIORITY if m in per_metric)
     (confirm_w, since_w, active), flags, judged, values, med, rule = per_metric[metric]
     fw = np.flatnonzero(flags)
     self_vals = grid.metrics["self_ns"]
