@@ -9,15 +9,18 @@ environment variable ``HYPERACC_CHAOS`` holding the same JSON (``install_from_en
         {"kind": "spike",       "ranks": "all", "rate": 0.01, "ms": 40, "dist": "exp"},
         {"kind": "data_stall",  "ranks": [1],   "rate": 0.03, "ms": 60},
         {"kind": "gc_pressure", "ranks": [3],   "live": 300000, "garbage": 20000},
-        {"kind": "cold_read",   "ranks": [0],   "rate": 0.05, "mb": 8}]}
+        {"kind": "cold_read",   "ranks": [0],   "rate": 0.05, "mb": 8},
+        {"kind": "competitor",  "ranks": [1],   "cpu": 1},
+        {"kind": "launch",      "ranks": [3],   "ms": 0.02}]}
 
 What each kind does:
 
-- ``slowdown``: the rank's compute takes ``factor`` longer. It really burns CPU (a busy loop holding
-  the GIL), so it competes for cores as a slow host would. Explicit mode burns ``factor`` x the compute
-  time measured between ``compute_begin`` and ``compute_end``; automatic mode burns at the start of every
-  backward, ``factor`` x that micro-step's forward time x ``(1 + backward_ratio)`` (backward ~ 2 x
-  forward), before the gradient collective as a slow device would.
+- ``slowdown``: the rank's compute takes ``factor`` longer. It really burns CPU (``work``: ``spin``, a
+  busy loop holding the GIL, or ``matmul``, real torch matrix products, a heavier forward), so it
+  competes for cores as a slow host would. Explicit mode burns ``factor`` x the compute time measured
+  between ``compute_begin`` and ``compute_end``; automatic mode burns at the start of every backward,
+  ``factor`` x that micro-step's forward time x ``(1 + backward_ratio)`` (backward ~ 2 x forward),
+  before the gradient collective as a slow device would.
 - ``spike``: with probability ``rate`` per step, an extra ``ms`` of burnt CPU (``dist``: ``fixed``,
   ``exp`` (mean ``ms``) or ``lognormal`` (median ``ms``, ``sigma``)), inside the compute.
 - ``data_stall``: with probability ``rate`` per step, the next batch is ``ms`` late (a sleep in the
@@ -28,6 +31,13 @@ What each kind does:
   pause for a time proportional to the live set. Every collection of 1 ms or more is recorded.
 - ``cold_read``: with probability ``rate`` per step, evicts a private ``mb`` MB file from the page cache
   (``posix_fadvise(DONTNEED)``) and reads it back from storage.
+- ``competitor``: another process competes for the rank's cores, as a noisy neighbour on a shared host
+  does: a busy-looping child process (``procs`` of them) pinned to the rank's CPUs. With ``cpu`` >= 0
+  the rank and the competitor are both pinned to that one CPU, so the competition falls on this rank
+  alone. The rank's work is unchanged: it loses wall time, not CPU time.
+- ``launch``: every torch operator the rank calls from Python first burns ``ms`` on the host (a
+  ``TorchFunctionMode``), as a slow launch path (driver, contended host) does; the tracer's
+  launch-latency probe shows it.
 
 Randomness is counter-based (seed, rank, fault index, step), so the same configuration injects exactly
 the same faults whatever else the job does. Every injection is appended to the ground-truth file
@@ -57,7 +67,7 @@ from hyperacc.schema import chaos_path
 log = logging.getLogger(__name__)
 
 ENV = "HYPERACC_CHAOS"
-KINDS = ("slowdown", "spike", "data_stall", "gc_pressure", "cold_read")
+KINDS = ("slowdown", "spike", "data_stall", "gc_pressure", "cold_read", "competitor", "launch")
 _DISTS = ("fixed", "exp", "lognormal")
 
 
@@ -78,6 +88,9 @@ class Fault:
     garbage: int = 0
     mb: float = 8.0
     backward_ratio: float = 2.0
+    cpu: int = -1  # competitor: the CPU to pin the rank and the competitor to (-1: the rank's own CPUs)
+    procs: int = 1  # competitor: busy processes
+    work: str = "spin"  # slowdown: "spin" (a busy loop) or "matmul" (torch matrix products)
 
     def applies_to(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -111,8 +124,12 @@ def parse_config(config: Mapping[str, Any] | str) -> tuple[int, list[Fault], str
         fault = Fault(**{**raw, "ranks": ranks_t})
         if not 0.0 <= fault.rate <= 1.0:
             raise ChaosConfigError(f"fault #{i} ({fault.kind}): rate must be in [0, 1] (got {fault.rate})")
+        if fault.procs < 1 or fault.cpu < -1:
+            raise ChaosConfigError(f"fault #{i} ({fault.kind}): procs must be >= 1 and cpu >= -1")
         if fault.ms < 0 or fault.factor < 0 or fault.mb <= 0 or fault.live < 0 or fault.garbage < 0:
             raise ChaosConfigError(f"fault #{i} ({fault.kind}): sizes and durations must be non-negative")
+        if fault.work not in ("spin", "matmul"):
+            raise ChaosConfigError(f"fault #{i}: work must be 'spin' or 'matmul' (got {fault.work!r})")
         if fault.dist not in _DISTS:
             raise ChaosConfigError(f"fault #{i}: dist must be one of {', '.join(_DISTS)} (got {fault.dist!r})")
         faults.append(fault)
@@ -125,6 +142,24 @@ def burn_ns(duration_ns: int) -> None:
     x = 0
     while time.perf_counter_ns() < end:
         x += 1
+
+
+_MATMUL: list[Any] = []
+
+
+def matmul_ns(duration_ns: int) -> None:
+    """Real tensor work for about ``duration_ns``: 128 x 128 float32 matrix products, back to back."""
+    import torch
+
+    if not _MATMUL:
+        g = torch.Generator().manual_seed(0)
+        _MATMUL.extend([torch.randn(128, 128, generator=g), torch.randn(128, 128, generator=g),
+                        torch.empty(128, 128)])  # fmt: skip
+    a, b, out = _MATMUL
+    end = time.perf_counter_ns() + int(duration_ns)
+    with torch.no_grad():
+        while time.perf_counter_ns() < end:
+            torch.mm(a, b, out=out)
 
 
 class _Garbage:
@@ -172,7 +207,45 @@ class Chaos:
                 self._live = [[j] for j in range(f.live)]  # tracked containers: gen-2 pauses scale with them
         if any(f.kind == "gc_pressure" for _, f in self.faults):
             gc.callbacks.append(self._on_gc)
+        self._competitors: list[Any] = []
+        self._dispatch_mode: Any = None
+        for _i, f in self.faults:
+            if f.kind == "competitor":
+                self._start_competitor(f)
+            elif f.kind == "launch" and f.ms > 0 and self._dispatch_mode is None:
+                self._dispatch_mode = _slow_dispatch(int(f.ms * 1e6))
+                self._record(0, "launch", f.ms)
         process.at_exit(self.close)
+
+    def _start_competitor(self, fault: Fault) -> None:
+        """Busy child processes on the rank's CPUs (the rank itself pinned to ``fault.cpu`` when given)."""
+        import subprocess
+        import sys
+
+        try:
+            if fault.cpu >= 0:
+                os.sched_setaffinity(0, {fault.cpu})
+            cpus = sorted(os.sched_getaffinity(0))
+        except OSError as exc:
+            log.warning("chaos: cannot pin rank %d to CPU %d (%s); competitor not started", self.rank, fault.cpu, exc)
+            return
+
+        def child_setup() -> None:
+            os.sched_setaffinity(0, cpus)
+            try:  # die with the rank (PR_SET_PDEATHSIG = 1)
+                import ctypes
+                import signal
+
+                ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+            except (OSError, AttributeError):
+                pass
+
+        for _ in range(fault.procs):
+            self._competitors.append(
+                subprocess.Popen([sys.executable, "-S", "-c", "while True: pass"], preexec_fn=child_setup,
+                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )  # fmt: skip
+        self._record(0, "competitor", 0.0, {"cpus": cpus, "procs": fault.procs})
 
     # ------------------------------------------------------------ randomness and ground truth
 
@@ -263,7 +336,10 @@ class Chaos:
     def _burn(self, step: int, compute_ns: int, *, spike: bool) -> None:
         for i, f in self.faults:
             if f.kind == "slowdown" and f.factor > 0:
-                burn_ns(int(f.factor * compute_ns))
+                if f.work == "matmul":
+                    matmul_ns(int(f.factor * compute_ns))
+                else:
+                    burn_ns(int(f.factor * compute_ns))
             elif spike and f.kind == "spike" and self._rng(i, step).random() < f.rate:
                 ms = self._magnitude_ms(f, self._rng(i + 1000, step))
                 burn_ns(int(ms * 1e6))
@@ -393,6 +469,16 @@ class Chaos:
         if self._closed:
             return
         self._closed = True
+        for proc in self._competitors:
+            proc.kill()
+            proc.wait()
+        self._competitors = []
+        if self._dispatch_mode is not None:
+            try:
+                self._dispatch_mode.__exit__(None, None, None)
+            except RuntimeError:  # closed from another thread than the one that entered it
+                pass
+            self._dispatch_mode = None
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -414,6 +500,20 @@ class Chaos:
         self.flush()
         if self._cold_file is not None:
             self._cold_file.unlink(missing_ok=True)
+
+
+def _slow_dispatch(ns: int) -> Any:
+    """A TorchFunctionMode, entered on this thread, that burns ``ns`` before every torch operator."""
+    from torch.overrides import TorchFunctionMode
+
+    class SlowDispatch(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            burn_ns(ns)
+            return func(*args, **(kwargs or {}))
+
+    mode = SlowDispatch()
+    mode.__enter__()
+    return mode
 
 
 _installed: Chaos | None = None

@@ -56,3 +56,21 @@ def windows(self_ms, comm_ms=None, nodes=None, data_ms=None, gc_ms=None, steps=5
 
 def noisy(ranks, wins, seed=0, base=100.0, sd=1.0):
     return base + sd * np.random.default_rng(seed).standard_normal((ranks, wins))
+
+
+def host_noise_windows(ranks, wins, rng, base=12.0, sd=0.1, starve=0.03, episodes=False, nodes=None):
+    """Window tables of exchangeable ranks on a shared host: each rank's window median is ``base`` ms
+    with lognormal noise ``sd``, and in a share ``starve`` of (rank, window) pairs the rank lost its
+    cores for a while (self-time 1.5-4x; with ``episodes`` often for two windows in a row). Wall time
+    grew in those windows, CPU time did not (it is steadier: 2 % window to window, as measured on the
+    jobs of bench/detection.py); the waits follow a synchronous all-reduce."""
+    self_ms = base * rng.lognormal(0.0, sd, (ranks, wins))
+    starved = rng.random((ranks, wins)) < starve
+    if episodes:
+        starved[:, 1:] |= starved[:, :-1] & (rng.random((ranks, wins - 1)) < 0.5)
+    cpu_ms = 0.9 * base * rng.lognormal(0.0, 0.02, (ranks, wins))
+    self_ms = self_ms * np.where(starved, rng.uniform(1.5, 4.0, (ranks, wins)), 1.0)
+    comm = self_ms.max(axis=0) - self_ms + 20.0
+    cols = windows(self_ms, comm, nodes=nodes)
+    cols["cpu_ns_median"] = cpu_ms[cols["rank"], cols["window"]] * MS
+    return cols, self_ms, cpu_ms

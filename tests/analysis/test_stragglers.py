@@ -41,14 +41,16 @@ def test_missing_data_never_counts_as_fast_or_slow():
     assert not judged[1].any() and judged[4].sum() == 5
 
 
-def test_persistence_needs_k_of_the_last_n_judged_windows():
-    self_ms = noisy(8, 12)
+def test_persistence_needs_k_of_the_last_n_and_most_of_the_recent_windows():
+    self_ms = noisy(8, 16)
     self_ms[5, [1, 4]] *= 1.3  # 2 windows of 5: a blip, not a straggler
-    assert detect_stragglers(windows(self_ms), DetectionOptions()) == []
-    self_ms[5, [8, 10, 11]] *= 1.3  # windows 7..11 hold 3 flags: confirmed at window 11
+    assert detect_stragglers(windows(self_ms[:, :12]), DetectionOptions()) == []
+    self_ms[5, 8:] *= 1.3  # slow from window 8 on
     (s,) = detect_stragglers(windows(self_ms), DetectionOptions())
-    assert s.rank == 5 and s.since_step == 8 * 50 and s.confirmed_step == 11 * 50 + 49
-    assert s.windows_flagged == 5 and s.windows_seen == 12 and s.active
+    # 3 of 5 at window 10, but a host that starves a rank for a few windows does that too: confirmed
+    # once it was slower in most of its last 10 windows (windows 3..12 hold 4, 8, 9, 10, 11, 12)
+    assert s.rank == 5 and s.since_step == 8 * 50 and s.confirmed_step == 12 * 50 + 49
+    assert s.windows_flagged == 10 and s.windows_seen == 16 and s.active
 
 
 def test_confirmation_reports_when_it_stops():
@@ -117,9 +119,25 @@ def test_gc_time_per_step_and_a_zero_median():
     self_ms = noisy(8, 10)
     gc = np.zeros((8, 10))
     gc[7] = 8.0  # 8 ms of GC in every step of ~100 ms, the others none
+    self_ms[7] += 8.0  # the rank's own time shows it
     (s,) = detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions())
     assert (s.rank, s.kind) == (7, "gc") and s.slowdown is None and s.excess_ns == 8 * MS
     gc[7] = 2.0  # 2 % of the step: real, but not material
+    self_ms[7] -= 6.0
+    assert detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions()) == []
+
+
+def test_a_part_that_grows_while_the_own_time_stays_normal_is_no_straggler():
+    # the DDP backward measured to the last bucket launch picks up contention in the collective: 2-3x
+    # on one rank while its self-time is the cluster's (seen on clean jobs of a loaded 2-core host)
+    self_ms = noisy(4, 8, base=30.0, sd=0.3)
+    cols = windows(self_ms)
+    bwd = 1.0 + 0.05 * np.random.default_rng(5).standard_normal((4, 8))
+    bwd[1] *= 3.0
+    cols["backward_ns_median"] = bwd[cols["rank"], cols["window"]] * MS
+    assert detect_stragglers(cols, DetectionOptions()) == []
+    gc = np.zeros((4, 8))
+    gc[2] = 5.0  # GC time per step that does not lengthen the rank's own time
     assert detect_stragglers(windows(self_ms, gc_ms=gc), DetectionOptions()) == []
 
 
@@ -142,24 +160,29 @@ def test_rare_long_gc_pauses_are_spikes_not_a_gc_straggler():
     self_ms = noisy(8, 10)
     gc = np.zeros((8, 10))
     gc[7] = 8.0  # one 400 ms pause per 50-step window: 8 ms per step on average
-    cols = windows(self_ms, gc_ms=gc)
-    assert [s.rank for s in detect_stragglers(cols, DetectionOptions())] == [
-        7
-    ]  # WINDOW_SCHEMA alone: the mean
+    busy = self_ms.copy()
+    busy[7] += 8.0  # WINDOW_SCHEMA alone: the mean, and the step less the wait grew by as much
+    cols = windows(busy, gc_ms=gc)
+    assert [s.rank for s in detect_stragglers(cols, DetectionOptions())] == [7]
     cols["gc_ns_median"] = np.zeros(len(cols["rank"]))  # the typical step collects nothing
+    typical = self_ms[cols["rank"], cols["window"]] * MS  # and its typical step is normal
+    cols["busy_ns_median"] = cols["self_ns_median"] = typical
     assert detect_stragglers(cols, DetectionOptions()) == []
 
 
-def test_a_slow_forward_is_a_compute_straggler_even_when_the_total_hides_it():
+def test_a_slow_forward_is_a_compute_straggler_when_the_own_time_shows_it():
     rng = np.random.default_rng(3)
-    self_ms = 100 + 12 * rng.standard_normal((4, 10))  # a noisy host: the totals overlap
-    cols = windows(self_ms)
+    self_ms = 100 + 2 * rng.standard_normal((4, 10))
     fwd = 30 + 1.0 * rng.standard_normal((4, 10))
     fwd[1] += 12  # rank 1's forward is 40 % slower, 12 % of the step
+    self_ms[1] += 12
+    cols = windows(self_ms)
     cols["forward_ns_median"] = fwd[cols["rank"], cols["window"]] * MS
     (s,) = detect_stragglers(cols, DetectionOptions())
-    assert (s.rank, s.kind, s.metric) == (1, "compute", "forward_ns")
+    assert (s.rank, s.kind) == (1, "compute") and "forward_ns" in s.metrics
     fwd[1] -= 9  # +3 ms: 10 % of the forward but 3 % of the step, not material
+    self_ms[1] -= 9
+    cols = windows(self_ms)
     cols["forward_ns_median"] = fwd[cols["rank"], cols["window"]] * MS
     assert detect_stragglers(cols, DetectionOptions()) == []
 
@@ -175,7 +198,7 @@ def test_four_noisy_ranks_the_persistently_slowest_is_found_by_rank_order():
     assert detect_stragglers(windows(self_ms, comm), DetectionOptions(top_alpha=0)) == []
     found = detect_stragglers(windows(self_ms, comm), opts)
     assert [(s.rank, s.kind) for s in found] == [(2, "compute")]
-    assert found[0].confirmed_step == 5 * 50 - 1  # 5 of 5 windows: p = 0.25**5 < 1e-3
+    assert found[0].confirmed_step == 6 * 50 - 1  # 6 of 6 windows: p = 0.25**6 < 1e-3 / 4 ranks
 
 
 def test_rank_order_of_exchangeable_ranks_flags_nobody():

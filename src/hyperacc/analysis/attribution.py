@@ -90,23 +90,56 @@ def attribute_spikes(
     allocator = _elevated(cols, "alloc_retries", idx, w, opts) | _elevated(
         cols, "sync_all_streams", idx, w, opts
     )
-    # Switches are counted over the whole step: compare them with the whole step's length when known.
+    # Where the time went: a spike whose CPU time (or device time) grew by half of its excess is work;
+    # one whose wall time grew without CPU time was preempted or blocked (docs/detection.md, "Kind").
+    work_time = _work_growth(cols, idx, w)
+    measured = ~np.isnan(work_time)
+    did_work = measured & (np.nan_to_num(work_time, nan=0.0) >= need)
+    # Without CPU time: major faults, or involuntary switches at a higher rate than the step's length
+    # explains (a longer step collects proportionally more switches).
     step_ns = cols.get("step_ns")
     span = duration if step_ns is None else np.where(np.isnan(step_ns), duration, step_ns)
-    host = _elevated(cols, "major_faults", idx, w, opts) | _elevated_rate(
-        cols, "invol_ctx_switches", span, idx, w, opts
-    )
+    host = _elevated(cols, "major_faults", idx, w, opts)
+    host |= ~measured & _elevated_rate(cols, "invol_ctx_switches", span, idx, w, opts)
+    host |= measured & ~did_work
 
     data = explained & (top == 0)
     work = explained & (top > 0)
     # The rest of the step is the rank's own code between the timed phases (a loss, a hook, logging):
     # with no stall signal, that is compute on the host, and the event names the phase.
     causes[work] = "compute"
+    causes[~explained & did_work] = "compute"  # CPU or device time grew where no phase was timed
     causes[(work | ~explained) & host] = "host"
     causes[(work | ~explained) & allocator] = "allocator"
     causes[data] = "data"
     causes[gc_explains] = "gc"
     return causes, phases
+
+
+def _work_growth(cols: Mapping[str, np.ndarray], idx: np.ndarray, w: int) -> np.ndarray:
+    """Growth of the rank's working time at each spike over its rolling median: the device's own time
+    (``dev_step_ns - dev_comm_wait_ns``) where measured, plus the training thread's CPU time
+    (``cpu_ns``); NaN where neither was measured at that step."""
+    out = np.full(idx.size, np.nan)
+    for name in ("cpu_ns", "dev_busy_ns"):
+        if name == "dev_busy_ns":
+            step, wait = cols.get("dev_step_ns"), cols.get("dev_comm_wait_ns")
+            if step is None:
+                continue
+            values = np.asarray(step, dtype=np.float64)
+            if wait is not None:
+                values = values - np.nan_to_num(np.asarray(wait, dtype=np.float64), nan=0.0)
+        else:
+            raw = cols.get(name)
+            if raw is None:
+                continue
+            values = np.asarray(raw, dtype=np.float64)
+        if np.isnan(values[idx]).all():
+            continue
+        base, _ = window_stats(values, idx, w)
+        grew = values[idx] - base
+        out = np.where(np.isnan(out), grew, np.fmax(out, grew))
+    return out
 
 
 def _elevated(

@@ -20,6 +20,8 @@ SCHEMA_VERSION = 1
 # What to do about each kind of straggler and each spike cause (docs/detection.md, "Next steps").
 ADVICE: dict[str, str] = {
     "compute": "check that rank's device and host (clocks, thermals, other processes); drain it if it stays slow",
+    "compute_or_host": "check that rank's host for other processes taking its cores (`top`, `hyperacc affinity`) "
+    "and its device (clocks, thermals); drain it if it stays slow",
     "data": "make the input path steady: more loader workers, prefetch, readahead for the storage "
     "(docs/data.md)",
     "launch": "the host is slow to launch work: bind ranks to cores (`hyperacc affinity`), check CPU "
@@ -57,6 +59,10 @@ class Diagnosis:
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
     ranks_analyzed: int = 0
     schema_version: int = SCHEMA_VERSION
+    rank_causes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # analysis.excess
+    episodes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # stragglers that recovered
+    windows_judged: int = 0  # windows in which the straggler rules could compare enough ranks
+    steps_per_rank: int = 0  # the most steps any rank recorded (warm-up included)
 
     def to_dict(self) -> dict[str, Any]:
         """The document ``analyze --json`` prints: plain JSON types, no NaN (unknown values are None)."""
@@ -76,6 +82,10 @@ class Diagnosis:
                 "spikes": self.spikes,
                 "causes": [dict(c) for c in self.causes],
                 "projection": self.projection,
+                "rank_causes": [dict(e) for e in self.rank_causes],
+                "episodes": [dict(e) for e in self.episodes],
+                "windows_judged": self.windows_judged,
+                "steps_per_rank": self.steps_per_rank,
                 "options": dict(self.options),
                 "docs": "docs/detection.md",
             }
@@ -103,76 +113,131 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     cluster = d.spikes.get("cluster", {})
     rate = float(cluster.get("rate", 0.0))
     top_cause = d.causes[0]["cause"] if d.causes else None
+    opts = d.options or {}
+    min_ranks = opts.get("min_ranks", 4)
 
     nodes_bad = sorted({s["node"] for s in d.stragglers if s["kind"] == "node"})
     ranks_bad = [s for s in d.stragglers if s["kind"] != "node"]
+    sentences: list[str] = []
     if d.stragglers:
         parts = []
         for node in nodes_bad:
             members = [s for s in d.stragglers if s["node"] == node]
             size = sum(1 for r in d.spikes.get("per_rank", []) if r["node"] == node) or len(members)
+            word = _metric(members[0]["metric"])
+            versus = (
+                f"{_ratio(members[0]['node_ratio'])} the other nodes'"
+                if members[0].get("node_ratio") is not None
+                else f"{_ratio(_median([m['self_slowdown'] or m['slowdown'] for m in members]))} the cluster median"
+            )
             parts.append(
-                f"node {node} is slow ({len(members)} of its {size} ranks are stragglers, "
-                f"{_ratio(_median([m['self_slowdown'] or m['slowdown'] for m in members]))} since step "
-                f"{min(m['since_step'] for m in members)})"
+                f"node {node} is slow ({len(members)} of its {size} ranks, {word} {versus} "
+                f"since step {min(m['since_step'] for m in members)})"
             )
         for s in ranks_bad[:3]:
-            if s["active"]:
-                parts.append(
-                    f"rank {s['rank']} (node {s['node']}) is a persistent {s['kind']} straggler "
-                    f"({_metric(s['metric'])} {_ratio(s['slowdown'])} since step {s['since_step']})"
-                )
-            else:
-                parts.append(
-                    f"rank {s['rank']} (node {s['node']}) was a {s['kind']} straggler from step "
-                    f"{s['since_step']} to {s['until_step']} ({_metric(s['metric'])} {_ratio(s['slowdown'])})"
-                )
+            parts.append(_straggler_phrase(s))
         if len(ranks_bad) > 3:
             parts.append(f"{len(ranks_bad) - 3} more ranks are stragglers")
-        active = [s for s in d.stragglers if s["active"]]
-        verdict = _sentence("; ".join(parts))
-        if active:
-            verdict += (
-                " The other ranks wait for " + ("it" if len(active) == 1 else "them") + " in every step."
+        sentences.append(_sentence("; ".join(parts)))
+        waited = [s for s in d.stragglers if s["active"] and _culprit_share(s) is not None]
+        if waited and len(waited) == len([s for s in d.stragglers if s["active"]]):
+            share = _median([_culprit_share(s) for s in waited])
+            chance = _median([s.get("culprit_expected") for s in waited])
+            who = "it" if len(waited) == 1 else "one of them"
+            sentences.append(
+                f"The other ranks waited for {who} in {percent(share)} of the flagged steps "
+                f"({percent(chance)} by chance)."
             )
+    if d.episodes:
+        sentences.append(
+            "Earlier, "
+            + "; ".join(
+                f"rank {e['rank']} was slow from step {e['since_step']} to {e['until_step']} "
+                f"({_metric(e['metric'])} {_ratio(e['slowdown'])})"
+                for e in d.episodes[:3]
+            )
+            + (", then recovered." if len(d.episodes) == 1 else ", each then recovered.")
+        )
+    too_short = (
+        not d.stragglers and not d.episodes and d.ranks_analyzed >= min_ranks
+        and d.windows_judged < opts.get("persist_k", 3)
+    )
+    if too_short:
+        sentences.append(_too_short(d))
+    excess = d.rank_causes or []
+    if excess:
+        sentences.append(_sentence("; ".join(excess_phrase(e) for e in excess[:3])))
+    if not cluster.get("steps") and not d.stragglers:
+        verdict = "Nothing to judge yet: " + _nothing_judged(d) + "." + (" " + _too_short(d) if too_short else "")
+    elif d.stragglers or excess or too_short or d.episodes:
+        if not d.stragglers and not too_short:
+            sentences.insert(0, "No straggler at the end of the run.")
         if rate >= spike_verdict_rate and top_cause:
-            verdict += f" Separately, {percent(rate)} of steps spiked, mostly from {top_cause}."
+            sentences.append(f"Separately, {percent(rate)} of steps spiked on some rank, mostly from {top_cause}.")
+        verdict = " ".join(sentences)
     elif rate >= spike_verdict_rate and cluster.get("spike_steps", 0):
         verdict = f"No straggler, but {percent(rate)} of steps spiked on at least one rank" + (
-            f", mostly from {top_cause} ({percent(d.causes[0]['share'])} of the time lost)."
+            f", mostly from {top_cause} ({percent(d.causes[0]['share'])} of the time lost), a floor the "
+            "ranks share (no rank stands out)."
             if top_cause
             else "."
         )
     elif cluster.get("spike_steps", 0):
         verdict = f"Steady: no straggler, and only {percent(rate)} of steps spiked."
-    elif not cluster.get("steps"):
-        verdict = "Nothing to judge yet: every recorded step falls in the warm-up."
     else:
         verdict = f"Steady: no straggler and no spike in {cluster.get('steps', d.steps)} steps."
-    if d.ranks_analyzed < d.options.get("min_ranks", 4) and verdict.startswith("Steady"):
+    if d.ranks_analyzed < min_ranks and verdict.startswith("Steady"):
         spiked = f"{percent(rate)} of steps spiked" if cluster.get("spike_steps") else "no spike"
         verdict = (
             f"Steady: {spiked} in {cluster['steps']} steps "
             f"(stragglers are not judged with {d.ranks_analyzed} rank(s))."
         )
 
-    for s in d.stragglers[:10]:
+    for s in (d.stragglers + d.episodes)[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
             f"rank {s['rank']} (node {s['node']}): {_metric(s['metric'])} {_ratio(s['slowdown'])} the cluster "
             f"median in {s['windows_flagged']} of {s['windows_seen']} windows, since step {s['since_step']} "
-            f"(confirmed at step {s['confirmed_step']}{until})"
+            f"(confirmed at step {s['confirmed_step']} by {_RULE.get(s.get('rule', 'outlier'), 'the outlier rule')}"
+            f"{until})"
         )
-        if _culprit(s):
+        share = _culprit_share(s)
+        if share is not None:
+            line += (
+                f"; it waited least in the collective in {s['culprit_steps']} of {s['culprit_known']} steps of those "
+                f"windows ({percent(share)}, {percent(s['culprit_expected'])} by chance)"
+            )
+        elif _culprit(s):
             line += (
                 f"; it waits {_ms(s['comm_wait_ns'])} in the collective against {_ms(s['cluster_comm_wait_ns'])} "
                 "for the median rank: it is the culprit, the others are victims"
             )
+        basis = basis_phrase(s)
+        if basis:
+            line += f"; {basis}"
         evidence.append(line)
     for node in nodes_bad:
-        members = [s["rank"] for s in d.stragglers if s["node"] == node]
+        members = [s for s in d.stragglers if s["node"] == node]
+        line = (
+            f"node {node}: ranks {[s['rank'] for s in members]} are all slower than every other rank, by more than "
+            "the spread within nodes, so the node is the problem, not one device"
+        )
+        now, base = members[0].get("node_ratio"), members[0].get("node_baseline_ratio")
+        if now is not None and base is not None:
+            line += (
+                f"; its {_metric(members[0]['metric'])} is {now:.2f}x the other nodes', and was {base:.2f}x in "
+                "its first windows"
+            )
+            if base >= 1.0 + opts.get("min_slowdown", 0.05):
+                line += " (slow from the start: a slower machine, or a fault present from the start)"
+            else:
+                line += f" (it became slow at step {min(s['since_step'] for s in members)})"
+        evidence.append(line)
+    for e in excess[:5]:
         evidence.append(
-            f"node {node}: ranks {members} are all slow, so the node is the problem, not one device"
+            f"rank {e['rank']} (node {e['node']}): {e['spikes']} {e['cause']} spikes in {e['steps']} steps "
+            f"({percent(e['rate'])}) against {percent(e['others_rate'])} on the other ranks, "
+            f"{_ms(e['mean_excess_ns'])} each, {_ms(e['time_lost_ns'])} lost (p = {e['p_value']:.1g})"
         )
     if cluster:
         evidence.append(
@@ -199,17 +264,15 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"{c['cause']} {percent(c['share'])} ({_ms(c['time_lost_ns'])})" for c in d.causes[:4]
             )
         )
-    min_ranks = d.options.get("min_ranks", 4)
     if d.ranks_analyzed < min_ranks:
         evidence.append(
             f"stragglers were not judged: {d.ranks_analyzed} rank(s) with records, and a robust comparison "
             f"needs at least {min_ranks}"
         )
+    elif too_short:
+        evidence.append(_too_short(d, detail=True))
     if cluster and not cluster.get("steps"):
-        evidence.append(
-            f"every recorded step falls in the warm-up (the first {d.options.get('warmup_steps', 10)} steps of "
-            "each rank): nothing was judged"
-        )
+        evidence.append(_nothing_judged(d) + ": nothing was judged")
     line = headline(d.projection)
     if line and cluster.get("spike_steps", 0):
         evidence.append(line)
@@ -224,7 +287,16 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         steps.append(f"node {node}: {ADVICE['node']}")
         seen.add("node")
     for s in ranks_bad[:5]:
-        steps.append(f"rank {s['rank']}: {ADVICE[s['kind']]}")
+        key = s["kind"]
+        if s["kind"] == "compute" and s.get("kind_basis") == "wall_time_only":
+            key = "compute_or_host"
+        steps.append(f"rank {s['rank']}: {ADVICE[key]}")
+    for e in excess[:3]:
+        key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
+        steps.append(f"rank {e['rank']}, {e['cause']} spikes: {ADVICE[key]}")
+        seen.add(key)
+    if too_short:
+        steps.append(_too_short_advice(d))
     if not d.stragglers or rate >= spike_verdict_rate:
         for c in d.causes[:2]:
             if c["share"] < 0.2 and steps:
@@ -236,6 +308,108 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     if not steps:
         steps.append("nothing to fix; keep tracing to catch regressions")
     d.verdict, d.evidence, d.next_step = verdict, evidence, steps
+
+
+_RULE = {
+    "outlier": "the outlier rule",
+    "rank_order": "rank order",
+    "culprit": "the per-step culprit record",
+    "node": "the slow-node rule",
+}
+_EXCESS_WORDS = {
+    "data": "stalls in data loading",
+    "gc": "pauses in garbage collection",
+    "allocator": "stalls in the CUDA allocator",
+    "host": "loses its CPU (preempted or blocked)",
+    "compute": "has compute spikes",
+    "unknown": "spikes with no recorded cause",
+    "compute/host": "has spikes in its own work (compute or preemption: CPU time was not measured)",
+}
+
+
+def _straggler_phrase(s: dict[str, Any]) -> str:
+    """"Persistent" only when the rank was slow in nearly every window since it started (80 %)."""
+    what = f"{_metric(s['metric'])} {_ratio(s['slowdown'])}"
+    since = s.get("windows_since") or s["windows_seen"]
+    if s["active"] and s["windows_flagged"] >= 0.8 * since:
+        return f"rank {s['rank']} (node {s['node']}) is a persistent {s['kind']} straggler ({what} since step {s['since_step']})"
+    if s["active"]:
+        return (
+            f"rank {s['rank']} (node {s['node']}) is an intermittent {s['kind']} straggler ({what} in "
+            f"{s['windows_flagged']} of {since} windows since step {s['since_step']})"
+        )
+    return (
+        f"rank {s['rank']} (node {s['node']}) was a {s['kind']} straggler from step {s['since_step']} to "
+        f"{s['until_step']} ({what})"
+    )
+
+
+def excess_phrase(e: dict[str, Any]) -> str:
+    return (
+        f"rank {e['rank']} (node {e['node']}) {_EXCESS_WORDS.get(e['cause'], e['cause'] + ' spikes')} on "
+        f"{percent(e['rate'])} of its steps ({percent(e['others_rate'])} on the other ranks), "
+        f"{_ms(e['mean_excess_ns'])} each, {_ms(e['time_lost_ns'])} lost"
+    )
+
+
+def basis_phrase(s: dict[str, Any]) -> str:
+    basis, share = s.get("kind_basis"), s.get("cpu_share")
+    if basis == "cpu_time" and share is not None:
+        if s.get("rank_kind", s["kind"]) == "host":
+            return (
+                f"its CPU time grew by only {percent(max(share, 0.0))} of its extra wall time: it was preempted "
+                "or blocked, not computing more"
+            )
+        return "its CPU time grew with it: it computes more"
+    if basis == "cpu_time":
+        return "its CPU time per step stands out: it computes more"
+    if basis == "device_clock":
+        return "judged on the device clock"
+    if basis == "wall_time_only":
+        return "CPU time was not measured, so more work cannot be told from preemption"
+    if basis == "major_faults":
+        return "its major page faults stand out: the host pages from storage"
+    return ""
+
+
+def _too_short(d: Diagnosis, detail: bool = False) -> str:
+    o = d.options or {}
+    k, w, warm = o.get("persist_k", 3), o.get("window_steps", 50), o.get("warmup_steps", 10)
+    need = warm + k * w
+    text = (
+        f"Stragglers not judged: {d.steps_per_rank} steps per rank, and confirming one needs {need} "
+        f"({k} windows of {w} steps after {warm} steps of warm-up)"
+    )
+    if detail:
+        return text[:1].lower() + text[1:] + f"; {d.windows_judged} window(s) could be judged"
+    return text + "."
+
+
+def _too_short_advice(d: Diagnosis) -> str:
+    o = d.options or {}
+    k, warm, least = o.get("persist_k", 3), o.get("warmup_steps", 10), o.get("min_window_samples", 10)
+    fit = (d.steps_per_rank - warm) // k
+    if fit >= least:
+        return (
+            f"record more steps, or judge shorter windows: --window-steps {fit} (at least {least} steps each) "
+            "gives the rules the windows they need"
+        )
+    return f"record at least {warm + k * least} steps per rank ({k} windows of at least {least} steps after warm-up)"
+
+
+def _nothing_judged(d: Diagnosis) -> str:
+    warm = (d.options or {}).get("warmup_steps", 10)
+    if d.steps_per_rank <= warm:
+        return f"every recorded step falls in the warm-up (the first {warm} steps of each rank)"
+    return (
+        f"{d.steps_per_rank} steps per rank, {d.steps_per_rank - warm} after the warm-up, and a spike needs a "
+        "baseline of at least 3 steps"
+    )
+
+
+def _culprit_share(s: dict[str, Any]) -> float | None:
+    n, c = s.get("culprit_known"), s.get("culprit_steps")
+    return c / n if n and c is not None else None
 
 
 def _culprit(s: dict[str, Any]) -> bool:
@@ -251,6 +425,9 @@ def _sentence(text: str) -> str:
 def _metric(metric: str) -> str:
     return {
         "self_ns": "self-time",
+        "forward_ns": "forward time",
+        "backward_ns": "backward time",
+        "cpu_ns": "CPU time",
         "data_ns": "data wait",
         "launch_ns": "launch latency",
         "gc_ns": "GC time",

@@ -1,7 +1,9 @@
 """Straggler detection while training runs, over the window summaries that reach the analyzer rank.
 
-Pure: ``LiveDetector.update(window_table)`` takes the newest WINDOW_SCHEMA rows and returns one-line
-messages for what it newly confirms (a straggler, a change of its kind, a straggler that recovered).
+Pure: ``LiveDetector.update(window_table)`` takes the newest window rows (``windows.summarize_windows``
+through ``windows.WindowStream``, in WINDOW_SCHEMA plus its extra columns) and returns one-line
+messages for what it newly confirms (a straggler, a change of its kind, a straggler that recovered, a
+rank whose spikes of one cause stand out from the other ranks').
 The caller (the tracer's background thread on rank 0) logs them, and reports ranks whose summaries
 are late itself; a rank without a summary is simply not judged in that window. It applies the same rules as ``hyperacc analyze`` (docs/detection.md) to a bounded history of
 windows, so memory does not grow with the length of the run.
@@ -14,14 +16,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase
+from hyperacc.analysis.excess import RankExcess, excess_from_windows
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.stragglers import Straggler, detect_stragglers
-from hyperacc.analysis.windows import EXTRA_WINDOW_COLUMNS
+from hyperacc.analysis.windows import EXTRA_WINDOW_COLUMNS, RANK_CAUSES
 from hyperacc.schema import WINDOW_SCHEMA
 
 _REQUIRED = ("rank", "node", "window", "first_step", "last_step", "steps")
 _METRIC_WORD = {
     "self_ns": "self-time",
+    "forward_ns": "forward time",
+    "backward_ns": "backward time",
+    "cpu_ns": "CPU time",
     "data_ns": "data wait",
     "launch_ns": "launch latency",
     "gc_ns": "GC time",
@@ -40,6 +47,7 @@ class LiveDetector:
         self.keep_windows = max(2 * self.opts.persist_n, 10)
         self._history: dict[str, np.ndarray] = {}
         self._reported: dict[int, str] = {}  # rank -> kind already announced
+        self._excess_reported: set[tuple[int, str]] = set()  # (rank, cause) of rank-specific spikes
 
     @property
     def confirmed(self) -> dict[int, str]:
@@ -65,6 +73,10 @@ class LiveDetector:
             del self._reported[rank]
             if rank in reporting:  # a rank that stopped reporting did not recover; it is just not judged
                 messages.append(f"rank {rank} is no longer a straggler")
+        current = {(e.rank, e.cause): e for e in excess_from_windows(self._history, RANK_CAUSES, self.opts)}
+        for key in sorted(set(current) - self._excess_reported):
+            messages.append(_excess_line(current[key]))
+        self._excess_reported = set(current)
         return messages
 
     def _append(self, cols: dict[str, np.ndarray]) -> None:
@@ -91,7 +103,17 @@ def _straggler_line(s: Straggler, before: str | None) -> str:
             f"; it waits {s.comm_wait_ns / 1e6:.3g} ms in the collective vs {s.cluster_comm_wait_ns / 1e6:.3g} ms "
             "for the median rank (the others are victims)"
         )
+    basis = basis_phrase(s.to_dict())
+    if basis:
+        line += f"; {basis}"
     return line
+
+
+def _excess_line(e: RankExcess) -> str:
+    return (
+        f"{excess_phrase(e.to_dict())} over the recent windows ({e.spikes} spikes in {e.steps} steps); "
+        "the other ranks' spikes are a floor they share"
+    )
 
 
 def _to_columns(table: pa.Table) -> dict[str, np.ndarray]:
@@ -105,9 +127,10 @@ def _to_columns(table: pa.Table) -> dict[str, np.ndarray]:
             f"window table lacks column(s) {missing}; it must follow hyperacc.schema.WINDOW_SCHEMA"
         )
     out: dict[str, np.ndarray] = {}
-    extras = [c for c in EXTRA_WINDOW_COLUMNS if c in table.column_names]
+    names = set(table.column_names)
+    extras = [c for c in EXTRA_WINDOW_COLUMNS if c in names]
     for name in list(WINDOW_SCHEMA.names) + extras:
-        if name not in table.column_names:
+        if name not in names:
             out[name] = np.full(table.num_rows, np.nan)
             continue
         col = table.column(name)

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from hyperacc.theory import DEFAULT_TARGET
 
 # Window metrics judged for stragglers, and the straggler kind each one names. Forward and backward
-# are judged where the summaries carry them (offline): a slow forward stands out more clearly than the
-# whole self-time on a machine whose other ranks share the cores.
-STRAGGLER_METRICS: tuple[str, ...] = ("self_ns", "forward_ns", "backward_ns", "data_ns", "launch_ns", "gc_ns")
+# are judged where the summaries carry them: a slow forward stands out more clearly than the whole
+# self-time on a machine whose other ranks share the cores. CPU time (step schema 2) is immune to
+# preemption: a rank that computes more shows it even where the host's noise hides it in wall time.
+STRAGGLER_METRICS: tuple[str, ...] = (
+    "self_ns", "forward_ns", "backward_ns", "cpu_ns", "data_ns", "launch_ns", "gc_ns",
+)  # fmt: skip
 METRIC_KIND: dict[str, str] = {
+    "cpu_ns": "compute",
     "self_ns": "compute",
     "forward_ns": "compute",
     "backward_ns": "compute",
@@ -25,7 +32,11 @@ CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "
 
 @dataclasses.dataclass(frozen=True)
 class DetectionOptions:
-    """Thresholds of the detection rules (docs/detection.md names each one)."""
+    """Thresholds of the detection rules (docs/detection.md names each one).
+
+    Validated on construction: a value that is not a finite number of the right kind and range raises
+    ``ValueError`` with a message that names the option and what is allowed.
+    """
 
     # -- eligibility
     warmup_steps: int = 10  # first steps of every rank are left out (compilation, allocation, caches)
@@ -43,8 +54,8 @@ class DetectionOptions:
     # -- persistence
     persist_k: int = 3  # outlier in k ...
     persist_n: int = 5  # ... of the rank's last n judged windows
-    top_alpha: float = 1e-3  # rank-order persistence: slowest rank in so many windows that p < alpha (0: off)
-    top_min_windows: int = 4  # and slowest in at least this many windows
+    top_alpha: float = 1e-3  # significance of every count test against exchangeable ranks (0: those tests off)
+    top_min_windows: int = 4  # rank order: slowest in at least this many windows
     # -- node grouping
     node_fraction: float = 0.5  # more than this share of a node's ranks slow: a node problem
     # -- spikes within a rank
@@ -54,8 +65,12 @@ class DetectionOptions:
     spike_floor_ns: int = 1_000_000  # ... and > 1 ms ...
     spike_floor_rel: float = 0.25  # ... and > 25 % of the rank's typical step
     # -- attribution
-    explain_share: float = 0.5  # a phase or a pause must account for half of a spike's excess
+    explain_share: float = 0.5  # a phase, a pause or CPU time must account for half of an excess
     signal_z: float = 3.5  # a counter coincides when it is this far above its rolling median (MAD z)
+    preempt_overhead: float = 0.05  # the most CPU time preemption costs per unit of wall time it takes
+    # -- rank-specific causes (a rank's spikes of one cause above the other ranks' floor)
+    excess_ratio: float = 2.0  # the rank's rate of the cause at least this many times the others' ...
+    excess_min_spikes: int = 3  # ... from at least this many spikes (and significant at top_alpha)
     # -- output and projection
     top_events: int = 50
     target: float = DEFAULT_TARGET  # tolerated share of cluster steps that spike (hyperacc.theory)
@@ -63,20 +78,35 @@ class DetectionOptions:
     ranks_per_node: int | None = None  # None: measured (ranks of the largest node)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _INT_BOUNDS:
+                if value is None and f.name == "ranks_per_node":
+                    continue
+                _check_int(f.name, value, _INT_BOUNDS[f.name])
+            elif f.name in _FLOAT_BOUNDS:
+                _check_float(f.name, value, *_FLOAT_BOUNDS[f.name])
+        if self.target >= 1.0:
+            raise ValueError(f"target must be a probability > 0 and < 1 (got {self.target!r})")
         if self.outlier_rule not in ("and", "or"):
             raise ValueError(f"outlier_rule must be 'and' or 'or' (got {self.outlier_rule!r})")
         if self.spike_metric not in ("self_ns", "busy_ns"):
             raise ValueError(f"spike_metric must be 'self_ns' or 'busy_ns' (got {self.spike_metric!r})")
-        if not 1 <= self.persist_k <= self.persist_n:
-            raise ValueError(f"need 1 <= persist_k <= persist_n (got k={self.persist_k}, n={self.persist_n})")
-        if self.window_steps < 1 or self.spike_window < 3:
-            raise ValueError("window_steps must be >= 1 and spike_window >= 3")
-        if not 0.0 < self.target < 1.0:
-            raise ValueError(f"target must be a probability in (0, 1) (got {self.target})")
+        if self.persist_k > self.persist_n:
+            raise ValueError(
+                f"persist_k must be <= persist_n (got persist_k={self.persist_k}, persist_n={self.persist_n})"
+            )
         if self.min_ranks < 3:
             raise ValueError(
-                "min_ranks must be >= 3: with two ranks no robust test can tell which one is slow"
+                f"min_ranks must be >= 3 (got {self.min_ranks}): with two ranks no robust test can tell "
+                "which one is slow"
             )
+        nodes = self.projection_nodes
+        if isinstance(nodes, (str, bytes)) or not isinstance(nodes, (tuple, list)):
+            raise ValueError(f"projection_nodes must be a list of node counts >= 1 (got {nodes!r})")
+        for n in nodes:
+            _check_int("projection_nodes", n, 1)
+        object.__setattr__(self, "projection_nodes", tuple(int(n) for n in nodes))
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> DetectionOptions:
@@ -85,3 +115,64 @@ class DetectionOptions:
         if unknown:
             raise ValueError(f"unknown detection option(s) {unknown}; known: {', '.join(sorted(known))}")
         return cls(**{k: v for k, v in options.items() if v is not None})
+
+    @property
+    def steps_to_confirm(self) -> int:
+        """The fewest steps per rank (warm-up included) in which the window rules can confirm anything:
+        ``persist_k`` windows of ``window_steps``, after the warm-up."""
+        return self.warmup_steps + self.persist_k * self.window_steps
+
+
+# Integer options and their least allowed value.
+_INT_BOUNDS: dict[str, int] = {
+    "warmup_steps": 0,
+    "window_steps": 1,
+    "min_window_samples": 1,
+    "min_ranks": 3,
+    "floor_ns": 0,
+    "launch_floor_ns": 0,
+    "persist_k": 1,
+    "persist_n": 1,
+    "top_min_windows": 1,
+    "spike_window": 3,
+    "spike_floor_ns": 0,
+    "excess_min_spikes": 1,
+    "top_events": 1,
+    "ranks_per_node": 1,
+}
+# Float options: (least, greatest, whether the least itself is allowed).
+_FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
+    "z_threshold": (0.0, math.inf, False),
+    "iqr_k": (0.0, math.inf, True),
+    "min_mad_rel": (0.0, math.inf, True),
+    "min_slowdown": (0.0, math.inf, True),
+    "top_alpha": (0.0, 1.0, True),
+    "node_fraction": (0.0, 1.0, True),
+    "spike_mad": (0.0, math.inf, False),
+    "spike_floor_rel": (0.0, math.inf, True),
+    "explain_share": (0.0, 1.0, False),
+    "preempt_overhead": (0.0, 1.0, True),
+    "signal_z": (0.0, math.inf, False),
+    "excess_ratio": (1.0, math.inf, True),
+    "target": (0.0, 1.0, False),
+}
+
+
+def _check_int(name: str, value: Any, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer >= {least} (got {value!r})")
+    if value < least:
+        raise ValueError(f"{name} must be >= {least} (got {value})")
+
+
+def _check_float(name: str, value: Any, least: float, most: float, closed: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a number (got {value!r})")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number (got {value!r})")
+    low_ok = v >= least if closed else v > least
+    if not low_ok or v > most:
+        lo = f">= {least:g}" if closed else f"> {least:g}"
+        hi = "" if most == math.inf else f" and <= {most:g}"
+        raise ValueError(f"{name} must be {lo}{hi} (got {value!r})")

@@ -142,6 +142,43 @@ def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
     return median_filter(values, size=window, mode="nearest")
 
 
+def binom_sf(k: np.ndarray | float, n: np.ndarray | float, p: np.ndarray | float) -> np.ndarray:
+    """P(Binomial(n, p) >= k), elementwise (k, n integers; NaN where n < 0).
+
+    Summed in log space from the pmf, so it needs no statistics package: the live detector runs in a
+    training process, where importing one costs seconds of a held interpreter lock.
+    """
+    k_a, n_a, p_a = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (k, n, p)))
+    out = np.empty(k_a.shape)
+    for idx in np.ndindex(k_a.shape):
+        out[idx] = _binom_sf_one(float(k_a[idx]), float(n_a[idx]), float(p_a[idx]))
+    return out
+
+
+def _binom_sf_one(k: float, n: float, p: float) -> float:
+    import math
+
+    if not (n >= 0 and 0.0 <= p <= 1.0) or math.isnan(k):
+        return math.nan
+    k, n = math.ceil(k), int(round(n))
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    if p <= 0.0:
+        return 0.0
+    if p >= 1.0:
+        return 1.0
+    j = np.arange(k + 1, n + 1, dtype=np.float64)
+    # log C(n, j) from log C(n, k), term by term: C(n, j) = C(n, j - 1) (n - j + 1) / j
+    log_c = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+    log_c = np.concatenate(([log_c], log_c + np.cumsum(np.log(n - j + 1) - np.log(j))))
+    jj = np.arange(k, n + 1, dtype=np.float64)
+    logpmf = log_c + jj * math.log(p) + (n - jj) * math.log1p(-p)
+    top = float(logpmf.max())
+    return float(min(1.0, math.exp(top) * np.exp(logpmf - top).sum()))
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence numpy's 'All-NaN slice' RuntimeWarnings: an all-missing slice is an answer (NaN)."""

@@ -22,20 +22,14 @@ from typing import Any
 import numpy as np
 
 from hyperacc import store, theory
-from hyperacc.analysis.attribution import attribute_spikes
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
+from hyperacc.analysis.excess import cause_groups, grouped, rank_excess
 from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.projection import project
-from hyperacc.analysis.spikes import (
-    communication_spikes,
-    detect_spikes,
-    spike_metric,
-    spike_parts,
-    wilson_interval,
-)
-from hyperacc.analysis.stragglers import detect_stragglers
-from hyperacc.analysis.windows import concat_windows, summarize_windows
+from hyperacc.analysis.spikes import communication_spikes, judge_spikes, wilson_interval
+from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
+from hyperacc.analysis.windows import RANK_CAUSES, concat_windows, summarize_windows
 
 _EVENT = tuple[float, int, int, int, "str | None", str]  # (excess_ns, rank, node, step, phase, cause)
 
@@ -56,6 +50,9 @@ class RankFindings:
     time_lost: dict[str, float]  # excess ns per cause
     events: list[_EVENT]  # the rank's largest spikes
     judged_count: int = 0  # steps judged for spikes (kept when the arrays are dropped)
+    steps_seen: int = 0  # steps recorded, warm-up included (kept when the arrays are dropped)
+    cpu_measured: bool = False  # the rank's records carry CPU time (cpu_ns)
+    comm_clock: str = "host"  # the clock of comm_wait: host, or device where the rank measured it
 
     @property
     def main_cause(self) -> str | None:
@@ -69,14 +66,13 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
     cols = {k: v[keep] for k, v in cols.items()}
     cols["node"] = np.full(cols["step"].size, node, dtype=np.int64)
     cols["rank"] = np.full(cols["step"].size, rank, dtype=np.int64)
-    x = spike_metric(cols, opts)
-    sp = detect_spikes(x, opts, spike_parts(cols, opts), cols["step_ns"])
-    idx = np.flatnonzero(sp.spike)
-    # Stragglers are judged on typical steps: a spike is a transient, counted in the spike rates.
-    typical = {k: v[~sp.spike] for k, v in cols.items()}
-    windows = summarize_windows(typical, window_steps=opts.window_steps, min_samples=opts.min_window_samples)
+    judged = judge_spikes(cols, opts)
+    sp, idx, causes, phases = judged.series, judged.idx, judged.causes, judged.phases
+    # Stragglers are judged on typical steps: a spike is a transient, counted in the spike rates. The
+    # same summary the live aggregation makes (warm-up already left out here).
+    windows = summarize_windows(cols, opts, first_step=int(cols["step"][0]) - opts.warmup_steps
+                                if cols["step"].size else None, spikes=judged)  # fmt: skip
     excess = sp.excess[idx]
-    causes, phases = attribute_spikes(cols, idx, excess, x, opts)
     counts: dict[str, int] = {}
     lost: dict[str, float] = {}
     for cause in np.unique(causes) if idx.size else []:
@@ -88,11 +84,17 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
         (float(excess[i]), rank, node, int(steps[idx[i]]), phases[i], str(causes[i]))
         for i in np.argsort(-excess)[: opts.top_events]
     ]
-    comm = cols["comm_wait_ns"]
+    # The wait in collectives on the device clock where the rank measured it (on NCCL the host wait is
+    # microseconds: the work completes when it is enqueued), else on the host clock.
+    comm, clock = cols["comm_wait_ns"], "host"
+    dev = cols.get("dev_comm_wait_ns")
+    if dev is not None and np.isfinite(dev).any():
+        comm, clock = dev, "device"
     ok = ~np.isnan(comm)
     return RankFindings(
         rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
-        judged_count=int(sp.judged.sum()),
+        judged_count=int(sp.judged.sum()), steps_seen=int(all_steps.size),
+        cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
     )  # fmt: skip
 
 
@@ -136,6 +138,21 @@ class _Cluster:
         self.comm_min[pos[better]] = f.comm_wait[better]
         self.comm_rank[pos[better]] = f.rank
 
+    def culprits(self, window_steps: int) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+        """The per-step culprit record by window: ({(rank, window): steps it waited least}, {window:
+        steps with a known culprit})."""
+        valid = self.comm_rank >= 0
+        steps = self.first + np.flatnonzero(valid)
+        win = steps // window_steps
+        rank = self.comm_rank[valid]
+        pairs, counts = np.unique(np.stack([rank, win]), axis=1, return_counts=True) if rank.size else (
+            np.zeros((2, 0), dtype=np.int64), np.zeros(0, dtype=np.int64))  # fmt: skip
+        known_w, known_n = np.unique(win, return_counts=True)
+        return (
+            {(int(r), int(w)): int(c) for (r, w), c in zip(pairs.T, counts, strict=True)},
+            dict(zip(known_w.tolist(), known_n.tolist(), strict=True)),
+        )
+
 
 def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: Any) -> Diagnosis:
     """Stragglers, spikes, causes and projection of a run directory (docs/detection.md).
@@ -166,10 +183,7 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
             unread.append(src.rank)
             continue
         cluster.add(f)
-        # float32 keeps a median of nanoseconds to 7 digits and halves the largest thing held.
-        windows.append(
-            {k: v.astype(np.float32) if v.dtype == np.float64 else v for k, v in f.windows.items()}
-        )
+        windows.append(_held(f.windows))
         nodes.add(node, f.judged, f.spikes)
         for item in f.events:
             _keep_top(events, item, opts.top_events)
@@ -183,9 +197,30 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
 
     summaries = concat_windows(windows)
     windows.clear()
-    stragglers = [s.to_dict() for s in detect_stragglers(summaries, opts)]
+    # The per-step comparisons of waits (culprit record, communication spikes) never mix clocks: with
+    # ranks on both, they are left out.
+    one_clock = len({f.comm_clock for f in findings}) == 1
+    if one_clock:
+        _add_culprits(summaries, cluster, opts.window_steps)
+    found = detect_stragglers(summaries, opts)
+    # A straggler is what is still slow at the end; one that recovered is an episode of the run.
+    stragglers = [s.to_dict() for s in found if s.active]
+    episodes = [s.to_dict() for s in found if not s.active]
+    windows_judged = judged_windows(summaries, opts)
     del summaries
-    comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
+    groups = cause_groups(RANK_CAUSES, cpu_measured=all(f.cpu_measured for f in findings))
+    rank_causes = [
+        e.to_dict()
+        for e in rank_excess(
+            [f.rank for f in findings], [f.node for f in findings], [f.judged_count for f in findings],
+            grouped({c: [f.counts.get(c, 0) for f in findings] for c in RANK_CAUSES}, groups),
+            grouped({c: [f.time_lost.get(c, 0.0) for f in findings] for c in RANK_CAUSES}, groups), opts,
+        )
+    ]  # fmt: skip
+    if one_clock:
+        comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
+    else:
+        comm_spike, comm_n, comm_lost = np.zeros(cluster.present.size, dtype=bool), 0, 0.0
     spike_steps = int((cluster.self_spike | comm_spike).sum())
     judged_steps = int(cluster.judged.sum())
 
@@ -233,6 +268,10 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
         projection=projection,
         options=dataclasses.asdict(opts),
         ranks_analyzed=len(findings),
+        rank_causes=rank_causes,
+        episodes=episodes,
+        windows_judged=windows_judged,
+        steps_per_rank=max((int(f.steps_seen) for f in findings), default=0),
     )
     explain(d)
     return d
@@ -265,6 +304,34 @@ def _reduced(
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+def _held(summary: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What ``diagnose`` keeps of a rank's window summaries until every rank is read: float32 (a median
+    of nanoseconds to 7 digits, half the memory), without the spike tallies (the findings carry them)
+    and without the columns of clocks and counters this rank never measured (a column some rank lacks
+    is dropped for all, so the device clock is used only where every rank has it)."""
+    out = {}
+    for k, v in summary.items():
+        if k.startswith(("spikes_", "lost_ns_")) or k == "judged_steps":
+            continue
+        if k.startswith(("dev_", "cpu_")) and np.isnan(v).all():
+            continue
+        out[k] = v.astype(np.float32) if v.dtype == np.float64 else v
+    return out
+
+
+def _add_culprits(summaries: dict[str, np.ndarray], cluster: _Cluster, window_steps: int) -> None:
+    """Fills the offline-only culprit columns of the window summaries from the per-step record."""
+    if not summaries["rank"].size:
+        return
+    per_pair, known = cluster.culprits(window_steps)
+    if not known:
+        return
+    pairs = zip(summaries["rank"].tolist(), summaries["window"].tolist(), strict=True)
+    summaries["culprit_steps"] = np.array([per_pair.get((r, w), 0) for r, w in pairs], dtype=np.float64)
+    summaries["culprit_known"] = np.array([known.get(w, 0) for w in summaries["window"].tolist()],
+                                          dtype=np.float64)  # fmt: skip
 
 
 def _keep_top(events: list[_EVENT], item: _EVENT, n: int) -> None:

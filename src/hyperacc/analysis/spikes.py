@@ -31,10 +31,20 @@ def spike_metric(cols: Mapping[str, np.ndarray], opts: DetectionOptions) -> np.n
     """The per-step series spikes are judged on: self-time, or ``busy_ns`` = step_ns - comm_wait_ns
     (everything the rank did except waiting for its peers, optimizer and the rest included)."""
     if opts.spike_metric == "busy_ns":
-        step = np.asarray(cols["step_ns"], dtype=np.float64)
-        wait = np.asarray(cols["comm_wait_ns"], dtype=np.float64)
-        return np.where(np.isnan(wait), step, step - wait)  # no collective timed: the step was all its own
+        return busy_ns(cols)
     return np.array(cols["self_ns"], dtype=np.float64)
+
+
+def busy_ns(cols: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Per step: the step less the wait in collectives and the pacing delay, that is all of the rank's
+    own work. Where no collective was timed, the whole step was its own."""
+    step = np.asarray(cols["step_ns"], dtype=np.float64)
+    wait = np.asarray(cols.get("comm_wait_ns", np.full(step.shape, np.nan)), dtype=np.float64)
+    pace = cols.get("pace_delay_ns")
+    own = np.where(np.isnan(wait), step, step - wait)
+    if pace is not None:
+        own = own - np.nan_to_num(np.asarray(pace, dtype=np.float64), nan=0.0)
+    return own
 
 
 def spike_parts(cols: Mapping[str, np.ndarray], opts: DetectionOptions) -> dict[str, np.ndarray]:
@@ -103,6 +113,34 @@ def detect_spikes(
     excess[judged] = resid
     spike[judged] = hit
     return SeriesSpikes(judged, spike, baseline, excess)
+
+
+@dataclasses.dataclass
+class RankSpikes:
+    """One rank's spikes with their causes (``judge_spikes``): what the window summaries, the spike
+    rates and the events of the diagnosis are all made from."""
+
+    series: SeriesSpikes  # per step of the judged columns
+    values: np.ndarray  # the judged series (``spike_metric``)
+    idx: np.ndarray  # positions of the spikes
+    causes: np.ndarray  # object: the cause of each spike (docs/detection.md, "Attribution")
+    phases: np.ndarray  # object: the phase that grew most, or None
+
+    @property
+    def excess(self) -> np.ndarray:
+        return self.series.excess[self.idx]
+
+
+def judge_spikes(cols: Mapping[str, np.ndarray], opts: DetectionOptions) -> RankSpikes:
+    """Spikes of one rank's (post warm-up) step columns and the cause of each: the same sequence
+    offline (``run_dir.reduce_rank``) and live (``windows.WindowStream``)."""
+    from hyperacc.analysis.attribution import attribute_spikes
+
+    values = spike_metric(cols, opts)
+    series = detect_spikes(values, opts, spike_parts(cols, opts), cols.get("step_ns"))
+    idx = np.flatnonzero(series.spike)
+    causes, phases = attribute_spikes(cols, idx, series.excess[idx], values, opts)
+    return RankSpikes(series, values, idx, causes, phases)
 
 
 def wilson_interval(

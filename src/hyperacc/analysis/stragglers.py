@@ -1,23 +1,34 @@
-"""Straggler ranks: robust outliers per window and metric, persistence, culprit vs victim, node grouping.
+"""Straggler ranks and nodes: robust outliers per window and metric, persistence, culprit vs victim.
 
-Input is a table of per-window, per-rank summaries (WINDOW_SCHEMA, from the tracer while training runs
-or from ``windows.summarize_windows`` offline). The rules and their defaults are in
-docs/detection.md ("Stragglers"); in short:
+Input is a table of per-window, per-rank summaries (``windows.summarize_windows``, offline or from the
+tracer's live aggregation). The rules and their defaults are in docs/detection.md ("Stragglers"); in
+short:
 
 * per window and metric, a rank is an outlier when it is SLOW by both the modified z-score
-  (median/MAD, > 3.5) and Tukey's upper fence of the other ranks (Q3 + 1.5 IQR), and by at least 5 % and a floor in
-  absolute terms. Fast ranks are never outliers; a rank without data in a window is not judged there,
-  and a window with fewer than ``min_ranks`` reporting ranks is not judged at all;
+  (median/MAD, > 3.5) and Tukey's upper fence of the other ranks (Q3 + 1.5 IQR), and by at least 5 % and
+  a floor in absolute terms. Fast ranks are never outliers; a rank without data in a window is not
+  judged there, and a window with fewer than ``min_ranks`` reporting ranks is not judged at all;
+* a part of the rank's own time (forward, backward, data, GC) counts only in windows where the own time
+  itself is materially slower and the part explains at least half of that: a part that grows while the
+  self-time stays normal is contention, not a straggler;
+* self-time and wait are judged on the device clock where every rank of the window has it, else on the
+  host clock, never a mix of the two in one comparison;
 * under a synchronous all-reduce every rank's step time is the same, so step time is never judged.
-  Self-time names the culprit; a rank that, over its flagged windows, waited in the collective longer
-  than the median rank by more than it was slow is a victim and is never a compute straggler;
-* a rank is a straggler once it is an outlier in ``k`` of its last ``n`` judged windows;
-* when more than half of a node's ranks are stragglers, the node is the problem.
+  A rank that, over its flagged windows, waited in the collective longer than the median rank by more
+  than it was slow is a victim and is never a straggler;
+* a rank is a straggler once it is an outlier in ``k`` of its last ``n`` judged windows, or the slowest
+  rank, or the per-step culprit, far more often than exchangeable ranks would be;
+* a node whose ranks are all slower than every other rank, by more than the spread within nodes, in
+  more windows than chance allows, is a slow node (this works from two nodes up, where half the ranks
+  being slow breaks every per-rank test);
+* the kind of a slow self-time comes from where the time went: CPU time grew with it (compute) or not
+  (host: preempted or blocked).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,14 +36,23 @@ import numpy as np
 import pyarrow as pa
 
 from hyperacc.analysis.options import METRIC_KIND, STRAGGLER_METRICS, DetectionOptions
-from hyperacc.analysis.robust import loo_upper_fence, modified_z, nan_median
+from hyperacc.analysis.robust import binom_sf, loo_upper_fence, modified_z, nan_median
 
-# When a rank is slow on several metrics, one names the kind. Data and GC are parts of the step that explain a slow self-time; the launch probe is timed outside the
-# step, so it names the kind only when nothing inside the step is slow.
-_KIND_PRIORITY: tuple[str, ...] = ("data_ns", "gc_ns", "self_ns", "forward_ns", "backward_ns", "launch_ns")
-# Parts of the self-time: their excess must also be material to the whole (min_slowdown of the median
-# self-time), so a data wait that doubles from 0.5 to 1 ms in a 100 ms step is no straggler.
-_PARTS: tuple[str, ...] = ("forward_ns", "backward_ns", "data_ns", "gc_ns")
+# When a rank is slow on several metrics, one names the kind. A slow launch path lengthens everything the
+# host launches (data collation, forward), while a data or compute problem leaves the probe alone, so
+# the probe names the kind first; data and GC are parts of the step that explain a slow self-time.
+_KIND_PRIORITY: tuple[str, ...] = ("launch_ns", "data_ns", "gc_ns", "self_ns", "forward_ns", "backward_ns", "cpu_ns")
+# Parts of the rank's own time, and the whole each must show in: data, forward and backward happen
+# before the gradient collective (inside the self-time of either tracer generation); a GC pause can
+# happen anywhere, also after the collective, so it must show in the busy time (step less wait).
+_PARTS: dict[str, str] = {"forward_ns": "self", "backward_ns": "self", "data_ns": "self", "gc_ns": "busy"}
+# Host and device columns of the metrics measured on both clocks.
+_CLOCKED: dict[str, tuple[str, str]] = {
+    "self_ns": ("self_ns_median", "dev_self_ns_median"),
+    "forward_ns": ("forward_ns_median", "dev_forward_ns_median"),
+    "backward_ns": ("backward_ns_median", "dev_backward_ns_median"),
+    "comm_wait_ns": ("comm_wait_ns_median", "dev_comm_wait_ns_median"),
+}
 
 
 @dataclasses.dataclass
@@ -45,8 +65,14 @@ class WindowGrid:
     first_step: np.ndarray  # (W,)
     last_step: np.ndarray  # (W,)
     metrics: dict[str, np.ndarray]  # STRAGGLER_METRICS -> (R, W)
-    comm_wait: np.ndarray  # (R, W)
-    host: dict[str, np.ndarray]  # host signals -> (R, W) (offline summaries only)
+    device: np.ndarray  # (W,) True where self, wait, forward and backward are on the device clock
+    comm_wait: np.ndarray  # (R, W), on the same clock as self-time
+    busy: np.ndarray  # (R, W) step less wait (host clock)
+    self_host: np.ndarray  # (R, W) self-time on the host clock (what CPU time is compared with)
+    cpu: np.ndarray  # (R, W) CPU time of the training thread per step
+    host: dict[str, np.ndarray]  # host signals -> (R, W)
+    culprit: np.ndarray  # (R, W) steps the rank waited least (offline)
+    culprit_known: np.ndarray  # (R, W) steps of the window with a known culprit (offline)
 
 
 def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -> WindowGrid:
@@ -72,18 +98,30 @@ def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -
     def col(name: str) -> np.ndarray:
         return np.asarray(cols[name], dtype=np.float64) if name in cols else np.full(rank.size, np.nan)
 
+    # The device clock where every rank judged in the window has it (never a mix of clocks).
+    host_self, dev_self = pivot(col("self_ns_median"), enough), pivot(col("dev_self_ns_median"), enough)
+    has_host, has_dev = ~np.isnan(host_self), ~np.isnan(dev_self)
+    device = has_dev.any(axis=0) & ~(has_host & ~has_dev).any(axis=0)
+
+    def clocked(name: str) -> np.ndarray:
+        host_col, dev_col = _CLOCKED[name]
+        return np.where(device[None, :], pivot(col(dev_col), enough), pivot(col(host_col), enough))
+
     if "gc_ns_median" in cols:  # the typical step's GC time; rare long pauses are spikes
         gc_per_step = col("gc_ns_median")
     else:  # WINDOW_SCHEMA alone: mean GC time per step
         with np.errstate(invalid="ignore", divide="ignore"):
             gc_per_step = col("gc_ns_sum") / steps
     metrics = {
-        "self_ns": pivot(col("self_ns_median"), enough),
-        "forward_ns": pivot(col("forward_ns_median"), enough),
-        "backward_ns": pivot(col("backward_ns_median"), enough),
+        "self_ns": clocked("self_ns"),
+        "forward_ns": clocked("forward_ns"),
+        "backward_ns": clocked("backward_ns"),
         "data_ns": pivot(col("data_ns_median"), enough),
         "launch_ns": pivot(col("launch_ns_median")),  # probe steps are sparse: one sample is a median
         "gc_ns": pivot(gc_per_step, enough),
+        # CPU time measures work only where a waiting rank sleeps (gloo, the host clock); on the device
+        # clock a rank waiting in a device sync may spin, so there it is not judged
+        "cpu_ns": np.where(device[None, :], np.nan, pivot(col("cpu_ns_median"), enough)),
     }
     first = np.full(wins.size, np.iinfo(np.int64).max)
     np.minimum.at(first, wi, np.asarray(cols["first_step"], dtype=np.int64))
@@ -94,9 +132,13 @@ def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -
         for name in ("invol_ctx_switches", "major_faults")
         if f"{name}_median" in cols
     }
+    busy = pivot(col("busy_ns_median"), enough)
+    if np.isnan(busy).all() and "step_ns_median" in cols:  # WINDOW_SCHEMA alone
+        busy = pivot(col("step_ns_median") - np.nan_to_num(col("comm_wait_ns_median")), enough)
     return WindowGrid(
-        ranks, nodes, wins, first, last, metrics, pivot(col("comm_wait_ns_median"), enough), host
-    )
+        ranks, nodes, wins, first, last, metrics, device, clocked("comm_wait_ns"), busy, host_self,
+        pivot(col("cpu_ns_median"), enough), host, pivot(col("culprit_steps")), pivot(col("culprit_known")),
+    )  # fmt: skip
 
 
 def outlier_flags(
@@ -128,12 +170,30 @@ def outlier_flags(
     return robust & material & judged, judged, med
 
 
-def confirmation(flags: np.ndarray, judged: np.ndarray, k: int, n: int) -> tuple[int, int, bool] | None:
+def cross_rank_outliers(values: np.ndarray, opts: DetectionOptions, floor: float) -> tuple[np.ndarray, ...]:
+    """One cross-rank comparison (a single window): the same rule as ``outlier_flags``.
+
+    Returns (flagged, z, ratio to the median, judged) per value; nothing is judged with fewer than
+    ``opts.min_ranks`` finite values (the fence of the other ranks needs three of them)."""
+    v = np.asarray(values, dtype=np.float64).reshape(-1, 1)
+    v = np.where(np.isfinite(v), v, np.nan)
+    flags, judged, med = outlier_flags(v, opts, floor)
+    z, _, _ = modified_z(v, axis=0, min_mad_rel=opts.min_mad_rel)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(med[None, :] > 0, v / med[None, :], np.nan)
+    z = np.where(judged, z, np.nan)
+    return flags[:, 0], z[:, 0], ratio[:, 0], judged[:, 0]
+
+
+def confirmation(
+    flags: np.ndarray, judged: np.ndarray, k: int, n: int, beyond: np.ndarray | None = None
+) -> tuple[int, int, bool] | None:
     """Persistence of one rank's flags over windows.
 
     Returns (confirm_window, since_window, active) as window indices, or None when the rank never was an
     outlier in ``k`` of ``n`` consecutive judged windows. ``since_window`` is the first flagged window of
     the run of ``n`` that confirmed it; ``active`` says whether it is still confirmed at its last window.
+    ``beyond`` (per window) must also hold at the confirming window (``beyond_floor``).
     """
     js = np.flatnonzero(judged)
     if js.size == 0:
@@ -144,13 +204,62 @@ def confirmation(flags: np.ndarray, judged: np.ndarray, k: int, n: int) -> tuple
     c = np.concatenate(([0], np.cumsum(f)))
     i = np.arange(js.size)
     rolling = c[i + 1] - c[np.maximum(i + 1 - n, 0)]
-    hits = np.flatnonzero(rolling >= k)
+    ok = rolling >= k
+    if beyond is not None:
+        ok &= beyond[js]
+    hits = np.flatnonzero(ok)
     if hits.size == 0:
         return None
     i0 = int(hits[0])
     group = js[max(0, i0 - n + 1) : i0 + 1]
     since = int(group[np.flatnonzero(flags[group])[0]])
     return int(js[i0]), since, bool(rolling[-1] >= k)
+
+
+def beyond_floor(flags: np.ndarray, judged: np.ndarray, opts: DetectionOptions) -> np.ndarray:
+    """(rank x window) True where, counting the windows up to there, the rank was an outlier in more
+    windows than the other ranks were: P(Binomial(w_r, q) >= k_r) < ``top_alpha`` / R, with ``q = (K_o
+    + 1) / (W_o + 2)`` the other ranks' pooled rate of outlier windows (``K_o`` of ``W_o``, with one
+    pseudo-count).
+
+    On a shared host every rank is an outlier in a window now and then (it lost its cores for a
+    while); that is the floor the ranks share, and a straggler must stand out from it. Every other rank
+    counts in the floor (a trimmed floor would be too low under exchangeable noise), so several slow
+    ranks raise each other's floor and need more windows to stand out; a slow node has its own rule.
+    With ``top_alpha`` = 0 the test is off (always True)."""
+    if opts.top_alpha <= 0:
+        return np.ones(flags.shape, dtype=bool)
+    f = np.cumsum(flags & judged, axis=1).astype(np.float64)
+    w = np.cumsum(judged, axis=1).astype(np.float64)
+    ranks = max(int(judged.any(axis=1).sum()), 1)
+    out = np.zeros(flags.shape, dtype=bool)
+    rows = np.arange(flags.shape[0])
+    for r, i in zip(*np.nonzero(flags & judged), strict=True):
+        others = (rows != r) & (w[:, i] > 0)
+        if not others.any():
+            continue
+        q = (float(f[others, i].sum()) + 1.0) / (float(w[others, i].sum()) + 2.0)
+        out[r, i] = float(binom_sf(f[r, i], w[r, i], q)) < opts.top_alpha / ranks
+    # once significant, the count only matters where the rank is flagged again: carry it forward
+    return np.maximum.accumulate(out, axis=1)
+
+
+def majority(material: np.ndarray, judged: np.ndarray, horizon: int) -> np.ndarray:
+    """(rank x window) True where the rank was materially slower than the window median in more than
+    half of its last ``horizon`` judged windows (up to and including this one).
+
+    Persistence that means what it says: a rank that a busy host starves now and then is an outlier
+    in a few windows (three of five, even), but not slower in most of them; a straggler is."""
+    out = np.zeros(material.shape, dtype=bool)
+    for r in range(material.shape[0]):
+        js = np.flatnonzero(judged[r])
+        if js.size == 0:
+            continue
+        m = np.concatenate(([0], np.cumsum(material[r, js].astype(np.int64))))
+        i = np.arange(js.size)
+        lo = np.maximum(i + 1 - horizon, 0)
+        out[r, js] = 2 * (m[i + 1] - m[lo]) > (i + 1 - lo)
+    return out
 
 
 def slowest_flags(
@@ -167,29 +276,53 @@ def slowest_flags(
     return top & unique[None, :] & material & judged
 
 
-def top_confirmation(top: np.ndarray, judged: np.ndarray, opts: DetectionOptions) -> tuple[int, int, bool] | None:
-    """Rank-order persistence (docs/detection.md): a rank that is the slowest in so many windows that
-    exchangeable ranks would rarely do it, P(Binomial(w, 1/R) >= count) < ``top_alpha`` over its first
-    ``w`` judged windows (R the ranks judged per window). Returns (confirm_window, since_window, active)."""
+def top_confirmation(
+    top: np.ndarray,
+    judged: np.ndarray,
+    opts: DetectionOptions,
+    p_one: np.ndarray | None = None,
+    eligible: np.ndarray | None = None,
+    gate: np.ndarray | None = None,
+) -> tuple[int, int, bool] | None:
+    """Rank-order persistence (docs/detection.md): a rank (or node) that is the slowest in so many
+    windows that exchangeable ranks would rarely do it, P(Binomial(w, p) >= count) < ``top_alpha`` over
+    its first ``w`` judged windows. ``p`` is 1/R (R the ranks judged per window) unless ``p_one`` gives
+    each window's chance and ``eligible`` the windows judged. Returns (confirm_window, since_window,
+    active)."""
     if opts.top_alpha <= 0:
         return None
-    from scipy.stats import binom
-
-    ranks_per_window = judged.sum(axis=0).astype(np.float64)
-    cols = np.flatnonzero(ranks_per_window >= opts.min_ranks)
+    if eligible is None:
+        ranks_per_window = judged.sum(axis=0).astype(np.float64)
+        eligible = ranks_per_window >= opts.min_ranks
+    cols = np.flatnonzero(eligible)
     if cols.size == 0:
         return None
     hits = np.cumsum(top[cols].astype(np.int64))
     w = np.arange(1, cols.size + 1)
-    p_one = 1.0 / np.cumsum(ranks_per_window[cols]) * w  # 1 / mean ranks judged so far
-    pvals = binom.sf(hits - 1, w, p_one)
-    ok = np.flatnonzero((pvals < opts.top_alpha) & (hits >= opts.top_min_windows))
+    if p_one is None:
+        chance = 1.0 / np.cumsum(judged.sum(axis=0)[cols]) * w  # 1 / mean ranks judged so far
+    else:
+        chance = np.cumsum(p_one[cols]) / w
+    pvals = binom_sf(hits, w, chance)
+    # Bonferroni over the ranks (or nodes) tested: each gets its share of top_alpha
+    tested = max(int((judged.sum(axis=1) > 0).sum()), 1) if p_one is None else 1
+    good = (pvals < opts.top_alpha / tested) & (hits >= opts.top_min_windows)
+    if gate is not None:
+        good &= gate[cols]
+    ok = np.flatnonzero(good)
     if ok.size == 0:
         return None
     i0 = int(ok[0])
     since = int(cols[np.flatnonzero(top[cols[: i0 + 1]])[0]])
-    active = bool(pvals[-1] < opts.top_alpha)
-    return int(cols[i0]), since, active
+    return int(cols[i0]), since, _recent(top[cols], opts)
+
+
+def _recent(flags: np.ndarray, opts: DetectionOptions) -> bool:
+    """Still slow at the end: flagged in ``persist_k`` of the last ``persist_n`` judged windows (in more
+    than half of them when fewer were judged)."""
+    last = flags[-opts.persist_n :]
+    need = opts.persist_k if last.size >= opts.persist_n else last.size // 2 + 1
+    return bool(last.sum() >= need)
 
 
 @dataclasses.dataclass
@@ -197,7 +330,7 @@ class Straggler:
     rank: int
     node: int
     kind: str  # compute | data | launch | gc | host | node
-    metric: str  # self_ns | data_ns | launch_ns | gc_ns
+    metric: str  # self_ns | forward_ns | backward_ns | data_ns | launch_ns | gc_ns
     slowdown: float | None  # the metric's ratio to the cluster median (None when that median is 0)
     since_step: int
     windows_flagged: int
@@ -211,75 +344,271 @@ class Straggler:
     cluster_comm_wait_ns: float | None  # the cluster median wait over the same windows
     metrics: list[str]  # every metric on which the rank is a confirmed straggler
     rank_kind: str  # the kind before node grouping
+    rule: str = "outlier"  # what confirmed it: outlier | rank_order | culprit | node
+    clock: str = "host"  # host | device: the clock of the judged self-time and wait
+    kind_basis: str = "metric"  # cpu_time | device_clock | major_faults | wall_time_only | metric
+    cpu_share: float | None = None  # CPU time excess / self-time excess over the flagged windows
+    windows_since: int = 0  # judged windows from since_step to its last judged window
+    culprit_steps: int | None = None  # steps of the flagged windows in which it waited least (offline)
+    culprit_known: int | None = None  # steps of the flagged windows with a known culprit
+    culprit_expected: float | None = None  # the share an exchangeable rank would have (1 / ranks)
+    node_ratio: float | None = None  # slow node: its median self-time / the other nodes', flagged windows
+    node_baseline_ratio: float | None = None  # the same in the node's first judged windows (its baseline)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -> list[Straggler]:
-    """Confirmed stragglers from window summaries, at most one entry per rank (docs/detection.md)."""
+    """Confirmed stragglers from window summaries, at most one entry per rank (docs/detection.md).
+
+    ``active`` says whether each is still confirmed at its last judged window: the diagnosis calls the
+    active ones stragglers and the others episodes (slow for a while, then recovered)."""
     grid = window_grid(windows, opts)
     if grid.ranks.size == 0 or grid.windows.size == 0:
         return []
     found: dict[int, dict[str, tuple]] = {}
     med_comm = _cluster_median(grid.comm_wait)
-    med_self = _cluster_median(grid.metrics["self_ns"])
+    wholes = {"self": grid.metrics["self_ns"], "busy": grid.busy}
+    whole_med = {k: _cluster_median(v) for k, v in wholes.items()}
     for metric in STRAGGLER_METRICS:
         values = grid.metrics[metric]
         if np.isnan(values).all():
             continue
         floor = opts.launch_floor_ns if metric == "launch_ns" else opts.floor_ns
-        flags, judged, med = outlier_flags(values, opts, floor, med_self if metric in _PARTS else None)
+        part = _PARTS.get(metric)
+        flags, judged, med = outlier_flags(values, opts, floor, whole_med[part] if part else None)
+        if part:
+            flags &= _shows_in_whole(values - med[None, :], wholes[part], whole_med[part], opts)
         top = slowest_flags(values, judged, med, opts, floor) if metric == "self_ns" else None
+        with np.errstate(invalid="ignore"):
+            above = (values - med[None, :] >= floor) & (values >= med[None, :] * (1 + opts.min_slowdown))
+        mostly = majority(judged & above, judged, 2 * opts.persist_n)
+        beyond = beyond_floor(flags, judged, opts) & mostly
         for r in range(values.shape[0]):
-            conf = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n)
-            rank_flags = flags[r]
-            if conf is None and top is not None:
-                conf = top_confirmation(top[r], judged, opts)
-                rank_flags = top[r]
-            if conf is None:
+            chosen = None
+            for rule in ("outlier", "rank_order", "culprit"):
+                if rule == "outlier":
+                    conf = confirmation(flags[r], judged[r], opts.persist_k, opts.persist_n, beyond[r])
+                    rank_flags = flags[r]
+                elif rule == "rank_order" and top is not None:
+                    conf, rank_flags = top_confirmation(top[r], judged, opts, gate=mostly[r]), top[r]
+                elif rule == "culprit" and metric == "self_ns":
+                    conf, rank_flags = _culprit_confirmation(grid, r, judged, med, opts, floor)
+                else:
+                    continue
+                chosen = _better(chosen, conf, rank_flags, rule, mostly[r], judged[r])
+                if chosen is not None and chosen[0][2]:
+                    break
+            if chosen is None:
                 continue
-            if METRIC_KIND[metric] == "compute" and _waits_more(
+            conf, rank_flags, rule = chosen
+            # A victim: it waited longer than the median rank, so nobody waited for it. (Not asked of the
+            # launch probe, timed outside the step, nor of CPU time: a rank waiting at a collective
+            # sleeps, so more CPU time is more work, whatever the noisy waits say.)
+            if metric not in ("launch_ns", "cpu_ns") and _waits_more(
                 grid.comm_wait[r], med_comm, rank_flags, values[r] - med
             ):
-                continue  # a victim: it waited longer than the median rank, so nobody waited for it
-            found.setdefault(int(r), {})[metric] = (conf, rank_flags, judged[r], values[r], med)
-    out: list[Straggler] = []
-    self_vals = grid.metrics["self_ns"]
-    self_med = _cluster_median(self_vals)
-    for r, per_metric in sorted(found.items()):
-        metric = next(m for m in _KIND_PRIORITY if m in per_metric)
-        (confirm_w, since_w, active), flags, judged, values, med = per_metric[metric]
-        fw = np.flatnonzero(flags)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            ratio = values[fw] / med[fw]
-            self_ratio = self_vals[r, fw] / self_med[fw]
-        kind = METRIC_KIND[metric]
-        if kind == "compute" and _host_signal(grid, r, fw, opts):
-            kind = "host"
-        out.append(
-            Straggler(
-                rank=int(grid.ranks[r]),
-                node=int(grid.nodes[r]),
-                kind=kind,
-                metric=metric,
-                slowdown=_finite_or_none(nan_median(ratio)),
-                since_step=int(grid.first_step[since_w]),
-                windows_flagged=int(flags.sum()),
-                windows_seen=int(judged.sum()),
-                confirmed_step=int(grid.last_step[confirm_w]),
-                until_step=int(grid.last_step[fw[-1]]),
-                active=active,
-                excess_ns=_finite(nan_median(values[fw] - med[fw])),
-                self_slowdown=_finite_or_none(nan_median(self_ratio)),
-                comm_wait_ns=_finite_or_none(nan_median(grid.comm_wait[r, fw])),
-                cluster_comm_wait_ns=_finite_or_none(nan_median(med_comm[fw])),
-                metrics=[m for m in STRAGGLER_METRICS if m in per_metric],
-                rank_kind=kind,
-            )
-        )
+                continue
+            found.setdefault(int(r), {})[metric] = (conf, rank_flags, judged[r], values[r], med, rule)
+    out = [_straggler(grid, r, per_metric, med_comm, opts) for r, per_metric in sorted(found.items())]
+    _slow_nodes(out, grid, opts, med_comm)
     _group_by_node(out, grid, opts)
     return out
+
+
+def _better(chosen: tuple | None, conf: tuple | None, flags: np.ndarray, rule: str, mostly: np.ndarray,
+            judged: np.ndarray) -> tuple | None:
+    """The rules in order: the first that still confirms the rank at its last window wins, else the first
+    that confirmed it at all (an episode). "Still" includes being slower than the median in most of its
+    recent windows at its last judged window: persistent means what it says."""
+    if conf is None:
+        return chosen
+    last = np.flatnonzero(judged)
+    conf = (conf[0], conf[1], bool(conf[2] and last.size and mostly[last[-1]]))
+    if chosen is None or (conf[2] and not chosen[0][2]):
+        return (conf, flags, rule)
+    return chosen
+
+
+def judged_windows(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -> int:
+    """Windows in which at least ``min_ranks`` ranks had a judged self-time (or, without self-time,
+    any judged metric): how much of the run the straggler rules could see."""
+    grid = window_grid(windows, opts)
+    if grid.ranks.size == 0:
+        return 0
+    best = 0
+    for metric in ("self_ns", *STRAGGLER_METRICS):
+        present = ~np.isnan(grid.metrics[metric])
+        best = max(best, int((present.sum(axis=0) >= opts.min_ranks).sum()))
+        if metric == "self_ns" and best:
+            return best
+    return best
+
+
+def _straggler(
+    grid: WindowGrid, r: int, per_metric: dict[str, tuple], med_comm: np.ndarray, opts: DetectionOptions
+) -> Straggler:
+    # the kind comes from the metrics still confirmed at the end, when there are any
+    active = [m for m in _KIND_PRIORITY if m in per_metric and per_metric[m][0][2]]
+    metric = active[0] if active else next(m for m in _KIND_PRIORITY if m in per_metric)
+    (confirm_w, since_w, active), flags, judged, values, med, rule = per_metric[metric]
+    fw = np.flatnonzero(flags)
+    self_vals = grid.metrics["self_ns"]
+    self_med = _cluster_median(self_vals)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = values[fw] / med[fw]
+        self_ratio = self_vals[r, fw] / self_med[fw]
+    kind = METRIC_KIND[metric]
+    basis, cpu_share = "metric", None
+    if metric == "launch_ns" and _gc_heavy(grid, r, fw, opts):
+        kind = "gc"  # the collector lengthens everything the host does, the probe included
+    elif metric == "cpu_ns":  # it spends more CPU time per step: it computes more
+        basis = "cpu_time"
+    elif kind == "compute":
+        kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts)
+    judged_since = np.flatnonzero(judged)
+    judged_since = judged_since[judged_since >= since_w]
+    s = Straggler(
+        rank=int(grid.ranks[r]),
+        node=int(grid.nodes[r]),
+        kind=kind,
+        metric=metric,
+        slowdown=_finite_or_none(nan_median(ratio)),
+        since_step=int(grid.first_step[since_w]),
+        windows_flagged=int(flags.sum()),
+        windows_seen=int(judged.sum()),
+        confirmed_step=int(grid.last_step[confirm_w]),
+        until_step=int(grid.last_step[fw[-1]]),
+        active=active,
+        excess_ns=_finite(nan_median(values[fw] - med[fw])),
+        self_slowdown=_finite_or_none(nan_median(self_ratio)),
+        comm_wait_ns=_finite_or_none(nan_median(grid.comm_wait[r, fw])),
+        cluster_comm_wait_ns=_finite_or_none(nan_median(med_comm[fw])),
+        metrics=[m for m in STRAGGLER_METRICS if m in per_metric],
+        rank_kind=kind,
+        rule=rule,
+        clock="device" if metric in _CLOCKED and grid.device[fw].all() else "host",
+        kind_basis=basis,
+        cpu_share=cpu_share,
+        windows_since=int(judged_since.size),
+    )
+    _culprit_evidence(s, grid, r, fw)
+    return s
+
+
+def _shows_in_whole(
+    part_excess: np.ndarray, whole: np.ndarray, whole_med: np.ndarray, opts: DetectionOptions
+) -> np.ndarray:
+    """(rank x window) True where the rank's own time (the whole the part belongs to) is materially
+    above the cluster median too, and the part explains at least ``explain_share`` of that excess.
+
+    A part that grows while the whole stays normal is not a straggler: the DDP backward measured to the
+    last bucket launch picks up contention in the collective, a slower forward can be offset elsewhere.
+    Where the whole was not measured the part is not held back (there is nothing to check it with)."""
+    with np.errstate(invalid="ignore"):
+        ex = whole - whole_med[None, :]
+        material = (ex >= opts.floor_ns) & (ex >= opts.min_slowdown * whole_med[None, :])
+        explains = part_excess >= opts.explain_share * ex
+        ok = material & explains
+    return np.where(np.isnan(whole), True, ok)
+
+
+def _compute_or_host(
+    grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions
+) -> tuple[str, str, float | None]:
+    """The kind of a slow own time: (kind, basis, cpu share). docs/detection.md, "Kind".
+
+    On the device clock it is the device's work (compute). On the host clock, the training thread's
+    CPU time tells more work (CPU time grew by more than preemption costs, ``preempt_overhead`` of the
+    wall time lost, or by ``explain_share`` of the wall-time excess taken against the share of wall time
+    the other ranks got to run) from preemption or blocking (wall time grew, CPU time did not: host). Without CPU time, major page faults
+    in most flagged windows say host; anything else is compute, and says it was judged on wall time."""
+    if fw.size and grid.device[fw].all():
+        return "compute", "device_clock", None
+    cpu = grid.cpu[:, fw]
+    wall = grid.self_host[:, fw]
+    ok = ~np.isnan(cpu[r]) & ~np.isnan(wall[r])
+    if ok.sum() and (~np.isnan(cpu)).sum(axis=0)[ok].min() >= opts.min_ranks:
+        cpu_ex = nan_median((cpu[r] - nan_median(cpu, axis=0))[ok])
+        wall_ex = nan_median((wall[r] - nan_median(wall, axis=0))[ok])
+        # On a shared host every rank runs for only a part of its wall time; more work lengthens the
+        # wall time by the work divided by that part, so the share is taken against it.
+        with np.errstate(invalid="ignore", divide="ignore"):
+            others = np.delete(np.arange(cpu.shape[0]), r)
+            runs = float(np.clip(nan_median((cpu[others] / wall[others])[:, ok]), 0.05, 1.0))
+        if np.isfinite(wall_ex) and wall_ex > 0 and np.isfinite(runs):
+            share = float(cpu_ex / wall_ex / runs)
+            # CPU time that grew by more than preemption itself costs (context switches, caches refilled:
+            # preempt_overhead of the wall time lost) is more work, even when the wall time grew more
+            # still: a rank that computes more is also preempted more on a contended host.
+            grew = bool(cpu_ex >= opts.floor_ns and cpu_ex >= opts.preempt_overhead * wall_ex)
+            return ("compute" if grew or share >= opts.explain_share else "host"), "cpu_time", share
+    faults = grid.host.get("major_faults")
+    if faults is not None:
+        flags, judged, _ = outlier_flags(faults, opts, floor=1.0)
+        seen = judged[r, fw]
+        if seen.sum() and flags[r, fw].sum() > seen.sum() / 2:
+            return "host", "major_faults", None
+    return "compute", "wall_time_only", None
+
+
+def _gc_heavy(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions) -> bool:
+    """The rank's typical GC time per step is materially above the cluster's (``floor_ns`` and
+    ``min_slowdown`` of the median busy time) in most of the windows around its flagged ones."""
+    gc = grid.metrics["gc_ns"]
+    if fw.size == 0 or np.isnan(gc[r]).all():
+        return False
+    with np.errstate(invalid="ignore"):
+        excess = gc[r] - nan_median(gc, axis=0)
+        material = (excess >= opts.floor_ns) & (excess >= opts.min_slowdown * nan_median(grid.busy, axis=0))
+    seen = ~np.isnan(gc[r])
+    return bool(seen.any() and 2 * material[seen].sum() > seen.sum())
+
+
+def _culprit_confirmation(
+    grid: WindowGrid, r: int, judged: np.ndarray, med: np.ndarray, opts: DetectionOptions, floor: float
+) -> tuple[tuple[int, int, bool] | None, np.ndarray]:
+    """The per-step culprit record (offline): the rank waited least in the collective in far more steps
+    than an exchangeable rank would, P(Binomial(n, 1/R) >= c) < ``top_alpha`` / R and at least twice
+    the chance share, and its self-time was materially above the median in most of its judged windows.
+
+    Steps are many where windows are few, so this confirms a straggler in a run too short for the
+    window rules; where no culprit record exists (live, or no collective timed) it confirms nothing."""
+    none = (None, np.zeros(judged.shape[1], dtype=bool))
+    if opts.top_alpha <= 0:
+        return none
+    cols = np.flatnonzero(judged[r] & (judged.sum(axis=0) >= opts.min_ranks))
+    known = grid.culprit_known[r, cols]
+    ok = ~np.isnan(known) & (known > 0)
+    cols = cols[ok]
+    if cols.size < 2:
+        return none
+    n = float(np.nansum(grid.culprit_known[r, cols]))
+    c = float(np.nansum(grid.culprit[r, cols]))
+    ranks = float(judged[:, cols].sum(axis=0).mean())
+    p0 = 1.0 / ranks
+    if n <= 0 or c < 2 * p0 * n or float(binom_sf(c, n, p0)) >= opts.top_alpha / ranks:
+        return none
+    values = grid.metrics["self_ns"][r, cols]
+    with np.errstate(invalid="ignore"):
+        ex = values - med[cols]
+        material = (ex >= floor) & (values >= med[cols] * (1.0 + opts.min_slowdown))
+    if material.sum() * 2 <= cols.size:
+        return none
+    flags = np.zeros(judged.shape[1], dtype=bool)
+    flags[cols[material]] = True
+    return (int(cols[-1]), int(cols[material][0]), _recent(material, opts)), flags
+
+
+def _culprit_evidence(s: Straggler, grid: WindowGrid, r: int, fw: np.ndarray) -> None:
+    known = grid.culprit_known[r, fw]
+    if fw.size == 0 or np.isnan(known).all() or np.nansum(known) <= 0:
+        return
+    s.culprit_known = int(np.nansum(known))
+    s.culprit_steps = int(np.nansum(grid.culprit[r, fw]))
+    judged = ~np.isnan(grid.metrics["self_ns"][:, fw])
+    s.culprit_expected = float(1.0 / max(judged.sum(axis=0).mean(), 1.0))
 
 
 def _waits_more(wait: np.ndarray, cluster_wait: np.ndarray, flags: np.ndarray, excess: np.ndarray) -> bool:
@@ -299,6 +628,126 @@ def _waits_more(wait: np.ndarray, cluster_wait: np.ndarray, flags: np.ndarray, e
     return float(np.median(diff[ok])) > max(float(np.nanmedian(excess[flags])), 0.0)
 
 
+def node_flags(
+    grid: WindowGrid, opts: DetectionOptions, metric: str = "self_ns"
+) -> tuple[dict[int, np.ndarray], np.ndarray, dict]:
+    """Per node and window: every judged rank of the node (two or more) is slower than every other
+    judged rank (full separation: the gap between the groups exceeds all the spread within them), and
+    the gap between the node's median self-time and the rest's is material (``floor_ns`` and
+    ``min_slowdown``). Returns ({node: flags (W,)}, judged (W,), {node: chance per window}): among
+    exchangeable ranks, whatever their noise, a given group of m of R ranks holds the m slowest values
+    with chance 1 / C(R, m), which the persistence test uses. ``metric``: self-time, or CPU time (a
+    node whose ranks all compute more, where a busy host hides it in wall time)."""
+    values = grid.metrics[metric]
+    present = ~np.isnan(values)
+    node_ids = np.unique(grid.nodes)
+    out: dict[int, np.ndarray] = {}
+    chance: dict[int, np.ndarray] = {}
+    judged = present.sum(axis=0) >= opts.min_ranks
+    if node_ids.size < 2:
+        return out, judged, chance
+    n_w = values.shape[1]
+    node_med = np.full((node_ids.size, n_w), np.nan)
+    for i, n in enumerate(node_ids):
+        sel = grid.nodes == n
+        node_med[i] = nan_median(values[sel], axis=0)
+    sizes = np.stack([present[grid.nodes == n].sum(axis=0) for n in node_ids])
+    for i, n in enumerate(node_ids):
+        sel = grid.nodes == n
+        m = sizes[i]
+        rest = present & ~sel[:, None]
+        with np.errstate(invalid="ignore"):
+            lo = np.where(present[sel], values[sel], np.inf).min(axis=0)
+            hi = np.where(rest, values, -np.inf).max(axis=0)
+            rest_med = nan_median(np.where(rest, values, np.nan), axis=0)
+            gap = node_med[i] - rest_med
+            ok = (m >= 2) & (rest.sum(axis=0) >= 2) & judged & (lo > hi)
+            ok &= (gap >= opts.floor_ns) & (gap >= opts.min_slowdown * rest_med)
+        out[int(n)] = ok
+        total = present.sum(axis=0)
+        chance[int(n)] = np.array(
+            [1.0 / math.comb(int(t), int(k)) if t >= k >= 1 else 1.0 for t, k in zip(total, m, strict=True)]
+        )
+    return out, judged, chance
+
+
+def _slow_nodes(out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, med_comm: np.ndarray) -> None:
+    """Adds (or re-kinds) the ranks of each slow node (docs/detection.md, "Slow nodes"): on self-time,
+    else on CPU time."""
+    done: set[int] = set()
+    for metric in ("self_ns", "cpu_ns"):
+        if not np.isnan(grid.metrics[metric]).all():
+            done |= _slow_nodes_on(out, grid, opts, med_comm, metric, done)
+
+
+def _slow_nodes_on(
+    out: list[Straggler], grid: WindowGrid, opts: DetectionOptions, med_comm: np.ndarray, metric: str,
+    done: set[int],
+) -> set[int]:  # fmt: skip
+    flags, judged, chance = node_flags(grid, opts, metric)
+    by_rank = {s.rank: s for s in out}
+    self_vals = grid.metrics[metric]
+    self_med = _cluster_median(self_vals)
+    confirmed: set[int] = set()
+    for node, f in flags.items():
+        if not f.any() or node in done:
+            continue
+        js = np.flatnonzero(judged)
+        mostly = np.zeros(f.shape, dtype=bool)
+        mostly[js] = majority(f[js][None, :], np.ones((1, js.size), dtype=bool), 2 * opts.persist_n)[0]
+        node_opts = dataclasses.replace(opts, top_alpha=opts.top_alpha / len(flags))  # Bonferroni over nodes
+        conf = top_confirmation(f, None, opts=node_opts, p_one=chance[node], eligible=judged, gate=mostly)
+        if conf is not None and js.size:
+            conf = (conf[0], conf[1], bool(conf[2] and mostly[js[-1]]))
+        if conf is None or f.sum() < opts.persist_k:
+            continue
+        confirmed.add(node)
+        confirm_w, since_w, active = conf
+        fw = np.flatnonzero(f)
+        seen = int(judged.sum())
+        # the node against the other nodes now, and in its own first judged windows (its baseline)
+        sel = grid.nodes == node
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rel = nan_median(self_vals[sel], axis=0) / nan_median(self_vals[~sel], axis=0)
+        now = _finite_or_none(nan_median(rel[fw]))
+        first = js[: opts.persist_n]
+        baseline = _finite_or_none(nan_median(rel[first])) if first.size else None
+        for r in np.flatnonzero(grid.nodes == node):
+            rank = int(grid.ranks[r])
+            existing = by_rank.get(rank)
+            if existing is not None and existing.active:
+                existing.kind = "node"
+                existing.node_ratio, existing.node_baseline_ratio = now, baseline
+                continue
+            if existing is not None:  # an episode of the rank alone; the node is slow now
+                out.remove(existing)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                ratio = self_vals[r, fw] / self_med[fw]
+            if metric == "cpu_ns":  # its ranks compute more
+                rank_kind, basis, share = "compute", "cpu_time", None
+            else:
+                rank_kind, basis, share = _compute_or_host(grid, r, fw, opts)
+            s = Straggler(
+                rank=rank, node=int(node), kind="node", metric=metric,
+                slowdown=_finite_or_none(nan_median(ratio)), since_step=int(grid.first_step[since_w]),
+                windows_flagged=int(fw.size), windows_seen=seen, confirmed_step=int(grid.last_step[confirm_w]),
+                until_step=int(grid.last_step[fw[-1]]), active=active,
+                excess_ns=_finite(nan_median(self_vals[r, fw] - self_med[fw])),
+                self_slowdown=_finite_or_none(nan_median(ratio)),
+                comm_wait_ns=_finite_or_none(nan_median(grid.comm_wait[r, fw])),
+                cluster_comm_wait_ns=_finite_or_none(nan_median(med_comm[fw])),
+                metrics=[metric], rank_kind=rank_kind, rule="node",
+                clock="device" if grid.device[fw].all() else "host", kind_basis=basis, cpu_share=share,
+                windows_since=int((np.flatnonzero(judged) >= since_w).sum()),
+                node_ratio=now, node_baseline_ratio=baseline,
+            )  # fmt: skip
+            _culprit_evidence(s, grid, r, fw)
+            out.append(s)
+            by_rank[rank] = s
+    out.sort(key=lambda s: s.rank)
+    return confirmed
+
+
 def _group_by_node(stragglers: list[Straggler], grid: WindowGrid, opts: DetectionOptions) -> None:
     """More than ``node_fraction`` of a node's ranks slow (and at least two): the node is the problem.
 
@@ -309,21 +758,12 @@ def _group_by_node(stragglers: list[Straggler], grid: WindowGrid, opts: Detectio
     size = dict(zip(node_ids.tolist(), node_sizes.tolist(), strict=True))
     slow: dict[int, int] = {}
     for s in stragglers:
-        slow[s.node] = slow.get(s.node, 0) + 1
+        if s.active:
+            slow[s.node] = slow.get(s.node, 0) + 1
     for s in stragglers:
         n = size.get(s.node, 1)
-        if n >= 2 and slow[s.node] / n > opts.node_fraction:
+        if s.active and n >= 2 and slow[s.node] / n > opts.node_fraction:
             s.kind = "node"
-
-
-def _host_signal(grid: WindowGrid, r: int, windows: np.ndarray, opts: DetectionOptions) -> bool:
-    """A compute straggler whose context switches or major faults are outliers in most flagged windows."""
-    for values in grid.host.values():
-        flags, judged, _ = outlier_flags(values, opts, floor=1.0)
-        seen = judged[r, windows]
-        if seen.sum() and flags[r, windows].sum() > seen.sum() / 2:
-            return True
-    return False
 
 
 def _cluster_median(values: np.ndarray) -> np.ndarray:

@@ -30,8 +30,10 @@ MS = 1_000_000
 @dataclasses.dataclass(frozen=True)
 class SyntheticFault:
     """``kind``: slowdown (compute x (1+factor) from ``start_step``), data_stall, gc, compute_spike,
-    host (preemption: the rank loses the core for ``ms``, with extra context switches), comm (the
-    collective itself is slow for everyone; ``ranks`` is ignored), launch (probe x (1+factor))."""
+    host (preemption: the rank loses the core for ``ms``, with extra context switches and no CPU time),
+    comm (the collective itself is slow for everyone; ``ranks`` is ignored), launch (probe x
+    (1+factor)). The CPU time of each step (``cpu_ns``) is the work done: phases less what a host fault
+    took."""
 
     kind: str
     ranks: tuple[int, ...] = ()
@@ -98,6 +100,7 @@ def write_rank(root: Path, spec: SyntheticRun, rank: int, arrival: np.ndarray) -
     optimizer = spec.optimizer_ms * MS * rng.lognormal(0.0, spec.noise, spec.steps)
     other = spec.other_ms * MS * rng.lognormal(0.0, spec.noise, spec.steps)
     step_ns = arrival + collective + optimizer + other
+    signals = {**signals, "cpu_ns": signals["cpu_ns"] + optimizer + other}
     cols = {
         "rank": np.full(spec.steps, rank, dtype=np.int32),
         "node": np.full(spec.steps, node, dtype=np.int32),
@@ -138,6 +141,7 @@ def _rank_self(
     probe = steps % spec.launch_every == 0
     launch = np.where(probe, spec.launch_ns * rng.lognormal(0.0, spec.noise, n), np.nan)
     truth: list[dict] = []
+    lost_cpu = np.zeros(n)
     node = rank // spec.ranks_per_node
     for i, f in enumerate(spec.faults):
         if f.kind == "comm" or rank not in f.ranks:
@@ -165,18 +169,23 @@ def _rank_self(
                 backward = backward + extra
             else:
                 forward = forward + extra
+                lost_cpu = lost_cpu + extra
                 invol = invol + np.where(hit, 40.0, 0.0)
             kind = {"gc": "gc_pause", "compute_spike": "spike"}.get(f.kind, f.kind)
             truth += [{"rank": rank, "node": node, "step": int(s), "kind": kind, "magnitude_ms": f.ms}
                       for s in np.flatnonzero(hit)]  # fmt: skip
     self_ns = data + h2d + forward + backward
     phases = {"data_ns": data, "h2d_ns": h2d, "forward_ns": forward, "backward_ns": backward}
+    # CPU time of the training thread: the work it did (a host fault takes wall time, not CPU time; a data
+    # stall waits; GC pauses and slowdowns are work)
+    cpu = h2d + forward + backward - lost_cpu
     signals = {
         "gc_ns": gc_ns,
         "gc_count": (gc_ns > 0).astype(np.int32),
         "major_faults": faults_major,
         "invol_ctx_switches": invol,
         "launch_ns": launch,
+        "cpu_ns": cpu,
     }
     return self_ns, phases, signals, truth
 

@@ -1,97 +1,281 @@
-"""Per-window, per-rank summaries (WINDOW_SCHEMA) computed from one rank's step columns.
+"""Per-window, per-rank summaries (WINDOW_SCHEMA plus extra columns) from one rank's step columns.
 
-The offline analysis summarises every rank with ``summarize_windows`` and the straggler rules read the
-result exactly as they read the summaries the tracer sends while training runs, so both paths are
-judged by the same code (docs/detection.md, "Windows").
+This is the one summary every straggler verdict reads: ``hyperacc analyze`` summarises each rank with
+``summarize_windows``, and the tracer's live aggregation summarises the rank's own steps with the same
+function (through ``WindowStream``), so the live and the offline verdicts judge the same numbers
+(docs/detection.md, "Windows").
+
+A summary is made of a rank's *typical* steps: warm-up and spike steps are left out of the medians
+(a spike is a transient, counted in the spike rates); the spikes of each window are counted by cause.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.robust import nan_median
+from hyperacc.analysis.spikes import RankSpikes, busy_ns, judge_spikes
 from hyperacc.schema import WINDOW_SCHEMA
 
-# Columns this summary adds to WINDOW_SCHEMA: forward and backward time, the typical step's GC time (a
-# rare long pause is a spike, not a straggler) and the signals of the "host" straggler kind.
-EXTRA_WINDOW_COLUMNS: tuple[str, ...] = (
-    "forward_ns_median",
-    "backward_ns_median",
-    "gc_ns_median",
-    "invol_ctx_switches_median",
-    "major_faults_median",
-)
+# Causes a rank's own spikes can have (``communication`` belongs to the cluster, not to a rank).
+RANK_CAUSES: tuple[str, ...] = tuple(c for c in CAUSES if c != "communication")
 
-_MEDIANS = {
+# Medians this summary adds to WINDOW_SCHEMA: the phases, the typical step's GC time (a rare long
+# pause is a spike, not a straggler), the rank's own time, CPU time (compute versus preemption),
+# the device-clock columns, and the signals of the "host" kind.
+_EXTRA_MEDIANS: dict[str, str] = {
+    "forward_ns_median": "forward_ns",
+    "backward_ns_median": "backward_ns",
+    "gc_ns_median": "gc_ns",
+    "invol_ctx_switches_median": "invol_ctx_switches",
+    "major_faults_median": "major_faults",
+    "busy_ns_median": "busy_ns",
+    "cpu_ns_median": "cpu_ns",
+    "dev_self_ns_median": "dev_self_ns",
+    "dev_comm_wait_ns_median": "dev_comm_wait_ns",
+    "dev_forward_ns_median": "dev_forward_ns",
+    "dev_backward_ns_median": "dev_backward_ns",
+    "dev_step_ns_median": "dev_step_ns",
+}
+# Counts this summary adds: the window's judged steps (spikes included), its spikes and the time they
+# lost per cause. Offline only, the per-step culprit record (``culprit_steps``: steps in which the rank
+# waited least in the collective; ``culprit_known``: steps of the window whose culprit is known).
+_EXTRA_COUNTS: tuple[str, ...] = (
+    "judged_steps",
+    *(f"spikes_{c}" for c in RANK_CAUSES),
+    *(f"lost_ns_{c}" for c in RANK_CAUSES),
+)
+EXTRA_WINDOW_COLUMNS: tuple[str, ...] = (*_EXTRA_MEDIANS, *_EXTRA_COUNTS, "culprit_steps", "culprit_known")
+
+_MEDIANS: dict[str, str] = {
     "self_ns_median": "self_ns",
     "data_ns_median": "data_ns",
     "comm_wait_ns_median": "comm_wait_ns",
     "launch_ns_median": "launch_ns",
     "step_ns_median": "step_ns",
-    "gc_ns_median": "gc_ns",
-    "forward_ns_median": "forward_ns",
-    "backward_ns_median": "backward_ns",
-    "invol_ctx_switches_median": "invol_ctx_switches",
-    "major_faults_median": "major_faults",
+    **_EXTRA_MEDIANS,
 }
+SUMMARY_COLUMNS: tuple[str, ...] = (*WINDOW_SCHEMA.names, *EXTRA_WINDOW_COLUMNS)
 
 
 def summarize_windows(
-    cols: Mapping[str, np.ndarray], *, window_steps: int, min_samples: int = 1
+    cols: Mapping[str, np.ndarray],
+    opts: DetectionOptions | None = None,
+    *,
+    first_step: int | None = None,
+    windows: Sequence[int] | None = None,
+    spikes: RankSpikes | None = None,
+    window_steps: int | None = None,
+    min_samples: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """One row per window the rank has steps in: WINDOW_SCHEMA columns plus EXTRA_WINDOW_COLUMNS.
+    """One row per window the rank has judged steps in (SUMMARY_COLUMNS).
 
-    ``cols`` holds one rank's columns sorted by step (``columns.read_rank``). Window ``w`` covers steps
-    ``[w * window_steps, (w + 1) * window_steps)``, the same for every rank. A median of fewer than
-    ``min_samples`` measured steps is NaN (not judged); the launch probe needs one sample.
+    ``cols``: one rank's step columns as numpy arrays sorted by step (``columns.read_rank``, or the
+    tracer's own rows), NaN where not measured; ``rank`` and ``node`` may be scalars' arrays. Window
+    ``w`` covers steps ``[w * window_steps, (w + 1) * window_steps)``, the same for every rank.
+
+    With ``opts`` (how ``diagnose`` and the live aggregation call it): steps before ``first_step +
+    opts.warmup_steps`` are left out (``first_step`` defaults to the first step given; a stream passes
+    the rank's first step ever), spikes are judged on the rest (``judge_spikes``; pass ``spikes`` when
+    already judged on the same columns), left out of the medians and counted by cause. ``windows``
+    limits the output to those windows; the other steps given still serve as the spikes' baseline.
+    A median of fewer than ``opts.min_window_samples`` measured steps is NaN (not judged); the launch
+    probe needs one sample.
+
+    Without ``opts`` the given rows are summarised as they are (the caller has already left out warm-up
+    and spikes), with ``window_steps`` (default 50) and ``min_samples`` (default 1).
     """
+    if opts is None:
+        opts = DetectionOptions(window_steps=window_steps or 50, min_window_samples=min_samples or 1)
+        judge = False
+    else:
+        judge = True
+    width = opts.window_steps
+    steps_all = np.asarray(cols["step"], dtype=np.int64)
+    if judge and steps_all.size:
+        start = int(steps_all[0]) if first_step is None else int(first_step)
+        keep = steps_all >= start + opts.warmup_steps
+        if not keep.all():
+            cols = {k: _column(v, keep.size)[keep] for k, v in cols.items()}
+            if spikes is not None:
+                raise ValueError("pass spikes judged on the post-warm-up columns")
     steps = np.asarray(cols["step"], dtype=np.int64)
-    names = list(WINDOW_SCHEMA.names) + list(EXTRA_WINDOW_COLUMNS)
     if steps.size == 0:
-        return {n: np.empty(0, dtype=_dtype(n)) for n in names}
-    win = steps // window_steps
+        return _empty()
+    n = steps.size
+    rank = int(_column(cols["rank"], n)[0])
+    node = int(_column(cols["node"], n)[0])
+    spike_at = np.zeros(n, dtype=bool)
+    cause_at = np.full(n, -1, dtype=np.int64)
+    lost_at = np.zeros(n)
+    judged_at = np.ones(n, dtype=bool)
+    if judge:
+        if spikes is None:
+            spikes = judge_spikes(cols, opts)
+        spike_at = spikes.series.spike
+        judged_at = spikes.series.judged | np.isnan(spikes.values)  # a step without the metric still counts
+        index = {c: i for i, c in enumerate(RANK_CAUSES)}
+        cause_at[spikes.idx] = [index.get(str(c), index["unknown"]) for c in spikes.causes]
+        lost_at[spikes.idx] = np.maximum(spikes.excess, 0.0)
+
+    win = steps // width
     uniq, first_idx, counts = np.unique(win, return_index=True, return_counts=True)
+    if windows is not None:
+        wanted = np.isin(uniq, np.asarray(list(windows), dtype=np.int64))
+    else:
+        wanted = np.ones(uniq.size, dtype=bool)
     row = np.repeat(np.arange(uniq.size), counts)  # steps are sorted, so windows are contiguous
-    offset = steps - win * window_steps
+    offset = steps - win * width
+    typical = ~spike_at
     out: dict[str, np.ndarray] = {
-        "rank": np.full(uniq.size, int(cols["rank"][0]), dtype=np.int32),
-        "node": np.full(uniq.size, int(cols["node"][0]), dtype=np.int32),
+        "rank": np.full(uniq.size, rank, dtype=np.int32),
+        "node": np.full(uniq.size, node, dtype=np.int32),
         "window": uniq.astype(np.int64),
         "first_step": steps[first_idx],
         "last_step": steps[first_idx + counts - 1],
-        "steps": counts.astype(np.int64),
+        "steps": np.bincount(row[typical], minlength=uniq.size).astype(np.int64),
     }
-    grid = np.full((uniq.size, window_steps), np.nan)
+    grid = np.full((uniq.size, width), np.nan)
+    derived = {"busy_ns": busy_ns(cols) if "step_ns" in cols else None}
     for out_name, col in _MEDIANS.items():
-        values = cols.get(col)
+        values = derived[col] if col in derived else cols.get(col)
         if values is None:
             out[out_name] = np.full(uniq.size, np.nan)
             continue
         grid.fill(np.nan)
-        grid[row, offset] = values
+        v = np.asarray(_column(values, n), dtype=np.float64)
+        if np.isnan(v).all():
+            out[out_name] = np.full(uniq.size, np.nan)
+            continue
+        # the launch probe is a measurement of its own: a spike in the step does not void it
+        use = np.ones(n, dtype=bool) if col == "launch_ns" else typical
+        grid[row[use], offset[use]] = v[use]
         n_ok = np.count_nonzero(~np.isnan(grid), axis=1)
         med = nan_median(grid, axis=1)
-        need = 1 if col == "launch_ns" else min_samples
+        need = 1 if col == "launch_ns" else opts.min_window_samples
         out[out_name] = np.where(n_ok >= need, med, np.nan)
     gc_values = cols.get("gc_ns")
     if gc_values is None:
         out["gc_ns_sum"] = np.full(uniq.size, np.nan)
     else:
-        grid.fill(np.nan)
-        grid[row, offset] = gc_values
-        n_ok = np.count_nonzero(~np.isnan(grid), axis=1)
-        out["gc_ns_sum"] = np.where(n_ok >= min_samples, np.nansum(grid, axis=1), np.nan)
-    return {n: out[n] for n in names}
+        g = np.asarray(_column(gc_values, n), dtype=np.float64)
+        ok = ~np.isnan(g) & typical
+        n_ok = np.bincount(row[ok], minlength=uniq.size)
+        total = np.bincount(row[ok], weights=g[ok], minlength=uniq.size)
+        out["gc_ns_sum"] = np.where(n_ok >= opts.min_window_samples, total, np.nan)
+    if judge:
+        out["judged_steps"] = np.bincount(row[judged_at], minlength=uniq.size).astype(np.float64)
+        for i, cause in enumerate(RANK_CAUSES):
+            sel = cause_at == i
+            out[f"spikes_{cause}"] = np.bincount(row[sel], minlength=uniq.size).astype(np.float64)
+            out[f"lost_ns_{cause}"] = np.bincount(row[sel], weights=lost_at[sel], minlength=uniq.size)
+    else:
+        for name in _EXTRA_COUNTS:
+            out[name] = np.full(uniq.size, np.nan)
+    out["culprit_steps"] = np.full(uniq.size, np.nan)
+    out["culprit_known"] = np.full(uniq.size, np.nan)
+    return {k: out[k][wanted] for k in SUMMARY_COLUMNS}
+
+
+class WindowStream:
+    """One rank's step records as they arrive -> its window summaries, exactly as offline.
+
+    ``add(cols)`` takes the rank's newest step columns (numpy arrays, in step order) and returns the
+    rows of the windows that are now final; ``close()`` returns the rest (a partial last window
+    included). A window is final once ``spike_window - 1`` later steps have arrived: the spike
+    baselines (a centred rolling median and MAD, each over ``spike_window`` steps) then see the same
+    steps as the offline analysis, so every window row equals the one ``diagnose`` computes. Memory is
+    bounded: one window plus twice the spike window of steps.
+    """
+
+    def __init__(self, opts: DetectionOptions | None = None) -> None:
+        self.opts = opts or DetectionOptions()
+        self._cols: dict[str, np.ndarray] = {}
+        self._first_step: int | None = None
+        self._next_window: int | None = None
+
+    def add(self, cols: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+        n = np.asarray(cols["step"]).size
+        if n == 0:
+            return []
+        new = {k: np.asarray(_column(v, n)) for k, v in cols.items()}
+        if self._first_step is None:
+            self._first_step = int(new["step"][0])
+        if self._cols:
+            names = [k for k in self._cols if k in new]
+            self._cols = {k: np.concatenate([self._cols[k], new[k]]) for k in names}
+        else:
+            self._cols = new
+        return self._emit(final=False)
+
+    def close(self) -> list[dict[str, Any]]:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> list[dict[str, Any]]:
+        if not self._cols or self._first_step is None:
+            return []
+        opts = self.opts
+        steps = self._cols["step"].astype(np.int64)
+        start = self._first_step + opts.warmup_steps
+        post = steps[steps >= start]
+        if post.size == 0:
+            return []
+        if self._next_window is None:
+            self._next_window = int(post[0]) // opts.window_steps
+        context = opts.spike_window - 1
+        last = int(steps[-1])
+        # window w is final when steps up to its end + context have arrived
+        final_upto = (last - context + 1) // opts.window_steps - 1 if not final else last // opts.window_steps
+        if final_upto < self._next_window:
+            return []
+        wanted = list(range(self._next_window, final_upto + 1))
+        summary = summarize_windows(self._cols, opts, first_step=self._first_step, windows=wanted)
+        self._next_window = final_upto + 1
+        # keep the context the next window needs: its own steps and spike_window - 1 before them
+        keep = steps >= max(self._next_window * opts.window_steps - context, start)
+        if not keep.all():
+            self._cols = {k: v[keep] for k, v in self._cols.items()}
+        return window_rows(summary)
+
+
+def window_rows(summary: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
+    """Summary columns -> one JSON-ready dict per window (None where not measured)."""
+    names = [n for n in SUMMARY_COLUMNS if n in summary]
+    size = len(summary[names[0]]) if names else 0
+    rows = []
+    for i in range(size):
+        item: dict[str, Any] = {}
+        for name in names:
+            v = summary[name][i]
+            if _dtype(name) is np.float64:
+                f = float(v)
+                item[name] = f if math.isfinite(f) else None
+            else:
+                item[name] = int(v)
+        rows.append(item)
+    return rows
+
+
+def rows_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Window rows (``window_rows``, or the same dicts after a JSON round trip) of any ranks -> a table
+    in WINDOW_SCHEMA with the extra columns the rows carry, as ``LiveDetector.update`` takes it."""
+    present = {k for r in rows for k in r}
+    fields = list(WINDOW_SCHEMA) + [pa.field(n, pa.float64()) for n in EXTRA_WINDOW_COLUMNS if n in present]
+    schema = pa.schema(fields)
+    ordered = sorted(rows, key=lambda r: (r["window"], r["rank"]))
+    return pa.Table.from_pylist([{f.name: r.get(f.name) for f in schema} for r in ordered], schema=schema)
 
 
 def concat_windows(parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    names = list(WINDOW_SCHEMA.names) + list(EXTRA_WINDOW_COLUMNS)
     if not parts:
-        return {n: np.empty(0, dtype=_dtype(n)) for n in names}
-    return {n: np.concatenate([p[n] for p in parts]) for n in names}
+        return _empty()
+    return {n: np.concatenate([p[n] for p in parts]) for n in SUMMARY_COLUMNS if all(n in p for p in parts)}
 
 
 def window_table(columns: Mapping[str, np.ndarray]) -> pa.Table:
@@ -101,6 +285,15 @@ def window_table(columns: Mapping[str, np.ndarray]) -> pa.Table:
     return pa.table(
         {f.name: pa.array(columns[f.name], type=f.type, from_pandas=True) for f in schema}, schema=schema
     )
+
+
+def _column(values: Any, n: int) -> np.ndarray:
+    arr = np.asarray(values)
+    return np.broadcast_to(arr, (n,)) if arr.ndim == 0 else arr
+
+
+def _empty() -> dict[str, np.ndarray]:
+    return {n: np.empty(0, dtype=_dtype(n)) for n in SUMMARY_COLUMNS}
 
 
 def _dtype(name: str) -> type:

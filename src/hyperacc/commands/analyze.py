@@ -201,7 +201,11 @@ def _render(doc: dict[str, Any]) -> None:
     for col in ("nodes", "ranks", "steps that spike", f"per-rank rate for <= {_pct(p['target'])}"):
         t.add_column(col, justify="right")
     for row in p["rows"]:
-        t.add_row(str(row["nodes"]), str(row["ranks"]), _pct(row["p_cluster"]), _pct(row["required_p_rank"]))
+        need = _pct(row["required_p_rank"]) if row["required_p_rank"] is not None else "none (node-wide)"
+        t.add_row(str(row["nodes"]), str(row["ranks"]), _pct(row["p_cluster"]), need)
+    if any(row["required_p_rank"] is None for row in p["rows"]):
+        t.caption = (f"none (node-wide): node-wide spikes alone ({_pct(p.get('p_node') or 0.0)} of each node's "
+                     "steps) exceed the target there, so no per-rank rate can meet it")  # fmt: skip
     con.print(t)
     if doc["missing_ranks"]:
         con.print(f"[yellow]Missing ranks (no step records): {doc['missing_ranks']}[/yellow]")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from typing import Any
 
@@ -26,8 +27,13 @@ from hyperacc.store import RunDirError
               help="Node of each rank = rank // this (default: from the traces' host names).")  # fmt: skip
 @click.option("--warmup-steps", type=click.IntRange(0), default=0, show_default=True,
               help="Leading steps left out of the analysis (profiler windows are usually already warm).")  # fmt: skip
+@click.option("--window-steps", type=click.IntRange(1), default=None,
+              help="Steps per straggler window (default 50; a profiling window of few steps needs fewer).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the import, diagnosis and latency table as JSON.")
-def command(inputs: tuple[str, ...], run_dir: str, ranks_per_node: int | None, warmup_steps: int, as_json: bool) -> None:
+def command(
+    inputs: tuple[str, ...], run_dir: str, ranks_per_node: int | None, warmup_steps: int,
+    window_steps: int | None, as_json: bool,
+) -> None:  # fmt: skip
     """Import torch.profiler (Kineto) traces, one per rank, and analyse them.
 
     Example: hyperacc import-kineto traces/ --run-dir runs/imported
@@ -48,8 +54,10 @@ def command(inputs: tuple[str, ...], run_dir: str, ranks_per_node: int | None, w
         raise click.ClickException(str(exc)) from None
     for _path, msg in result.errors:
         err.print(f"[yellow]skipped[/yellow] {msg}", highlight=False, soft_wrap=True)
+    for msg in result.warnings:
+        err.print(f"[yellow]note[/yellow] {msg}", highlight=False, soft_wrap=True)
     try:
-        diagnosis = diagnosis_of(run_dir, warmup_steps=warmup_steps)
+        diagnosis = diagnosis_of(run_dir, warmup_steps=warmup_steps, window_steps=window_steps)
     except (RunDirError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     runtime = runtime_api_outliers(result.runtime)
@@ -61,6 +69,7 @@ def command(inputs: tuple[str, ...], run_dir: str, ranks_per_node: int | None, w
                 "run_dir": str(result.run_dir),
                 "ranks": {str(r): str(p) for r, p in result.ranks.items()},
                 "errors": [{"file": str(p), "error": m} for p, m in result.errors],
+                "warnings": list(result.warnings),
                 "steps": result.steps,
                 "events_seen": result.events_seen,
             },
@@ -107,19 +116,21 @@ def _render_runtime(rows: list[dict[str, Any]]) -> None:
     t.add_column("outliers", min_width=8)
     for api in order[:16]:
         rs = by_api[api]
-        med = sorted(r["median_ns"] for r in rs)[len(rs) // 2]
+        med = statistics.median(r["median_ns"] for r in rs)
         slow = max(rs, key=lambda r: r["median_ns"])
         out = [r for r in rs if r["outlier"]]
         excess = slow["excess"]
         t.add_row(
             api, f"{sum(r['calls'] for r in rs):,}", _us(med), _us(max(r["p99_ns"] for r in rs)),
             f"{slow['rank']}" + ("" if excess is None or not math.isfinite(excess) else f" ({100 * excess:+.0f} %)"),
-            ", ".join(f"rank {r['rank']}" for r in out) or "-",
+            (", ".join(f"rank {r['rank']}" for r in out) or "-") if any(r.get("judged") for r in rs) else "not tested",
         )  # fmt: skip
     if ranks < MIN_RANKS:
-        t.caption = f"the cross-rank outlier test needs at least {MIN_RANKS} ranks"
+        t.caption = (f"not tested: the cross-rank outlier test needs at least {MIN_RANKS} ranks "
+                     f"(the other ranks' fence needs three of them); these traces have {ranks}")  # fmt: skip
     else:
-        t.caption = "outlier: modified z > 3.5, above Q3 + 1.5 IQR and 10 % over the median (docs/presentation.md)"
+        t.caption = ("outlier: the straggler rule on one window (modified z > 3.5, above the other ranks' "
+                     "Q3 + 1.5 IQR, 5 % and 0.2 us over the median; docs/detection.md)")  # fmt: skip
     con.print(t)
     flagged = [r for r in rows if r["outlier"]]
     for r in flagged[:10]:

@@ -12,15 +12,16 @@ arrays (``array.array``), never as Python objects per event. Peak memory is abou
 bytes per kept event (CUDA runtime calls, collective kernels, annotations, steps); CPU operators, the
 bulk of a trace, keep nothing.
 
-A truncated or corrupt file raises ``KinetoTraceError`` naming the file; ``import_traces`` records it and
-goes on with the other ranks.
+A truncated file (a job killed while writing, a cut ``.gz``) is imported up to where it ends, with a
+warning; a corrupt or step-less file raises ``KinetoTraceError`` naming the file, and ``import_traces``
+records it and goes on with the other ranks.
 """
 
 from __future__ import annotations
 
 import array
 import dataclasses
-import gzip
+import datetime as _dt
 import io
 import json
 import os
@@ -34,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hyperacc.analysis.options import DetectionOptions
 from hyperacc.schema import EVENT_SCHEMA, STEP_SCHEMA, RankMeta
 from hyperacc.store import event_writer, step_writer, write_meta
 
@@ -86,6 +88,7 @@ _PHASE_IDS = {name: i for i, (name, _) in enumerate(PHASE_PATTERNS)}
 _PHASE_RES = tuple(re.compile(p, re.IGNORECASE) for _, p in PHASE_PATTERNS)
 _STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 _COLLECTIVE_PREFIXES = ("nccl", "rccl")
+_HOST_COLLECTIVE_PREFIXES = ("gloo:",)
 _FIELDS = frozenset({"distributedInfo", "host_name", "hostname", "baseTimeNanoseconds"})  # top-level keys kept
 
 _CHUNK_CHARS = 1 << 20
@@ -101,21 +104,78 @@ class KinetoTraceError(ValueError):
 # Streaming reader
 
 
+class _Truncated(Exception):
+    """The document ends before it is complete (a cut file): what was read so far is kept."""
+
+
+class _GzipTail(io.RawIOBase):
+    """A gzip stream that reads up to where it ends: a cut or damaged stream yields every byte that
+    could be decompressed before the damage, then end of file (``truncated`` says why)."""
+
+    def __init__(self, path: Path) -> None:
+        self._raw = open(path, "rb")  # noqa: SIM115
+        self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        self._pending = b""
+        self._done = False
+        self.truncated: str | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        while not self._pending and not self._done:
+            chunk = self._raw.read(1 << 16)
+            try:
+                if not chunk:
+                    self._pending = self._z.flush()
+                    if not self._z.eof:
+                        self.truncated = "the compressed stream ends early"
+                    self._done = True
+                    break
+                self._pending = self._z.decompress(chunk)
+                if self._z.eof and self._z.unused_data:  # another gzip member follows
+                    rest = self._z.unused_data
+                    self._z = zlib.decompressobj(16 + zlib.MAX_WBITS)
+                    self._pending += self._z.decompress(rest)
+            except zlib.error as exc:
+                self.truncated = f"the compressed stream is damaged ({exc})"
+                self._done = True
+        n = min(len(b), len(self._pending))
+        b[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
 class _Reader:
-    """Walks a Chrome-trace JSON document chunk by chunk; yields ``traceEvents`` items one at a time."""
+    """Walks a Chrome-trace JSON document chunk by chunk; yields ``traceEvents`` items one at a time.
+
+    Both layouts Chrome's trace format allows are read: an object with a ``traceEvents`` array, and a
+    bare array of events. A UTF-8 byte-order mark is skipped."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self._gzip: _GzipTail | None = None
         raw: io.BufferedIOBase
         if _is_gzip(path):
-            raw = gzip.open(path, "rb")  # type: ignore[assignment]
+            self._gzip = _GzipTail(path)
+            raw = io.BufferedReader(self._gzip)
         else:
             raw = open(path, "rb")  # noqa: SIM115
-        self._text = io.TextIOWrapper(raw, encoding="utf-8")
+        self._text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="strict")
         self.buf = ""
         self.pos = 0
         self.eof = False
         self.consumed = 0  # characters dropped from the front of the buffer
+        self._single_until = -1  # decode events one at a time up to this position (see _batch)
+        self.truncated: str | None = None  # why the document ends early, when it does
+
+    @property
+    def position(self) -> int:
+        return self.consumed + self.pos
 
     def close(self) -> None:
         self._text.close()
@@ -138,6 +198,7 @@ class _Reader:
             return False
         if self.pos:
             self.consumed += self.pos
+            self._single_until -= self.pos
             self.buf = self.buf[self.pos :] + chunk
             self.pos = 0
         else:
@@ -157,23 +218,29 @@ class _Reader:
 
     def _expect(self, chars: str) -> str:
         c = self._skip_ws()
-        if c == "" or c not in chars:
-            found = "end of file" if c == "" else repr(c)
-            raise self._fail(f"expected one of {chars!r}, found {found}")
+        if c == "":
+            raise _Truncated(f"it ends where one of {chars!r} was expected")
+        if c not in chars:
+            raise self._fail(f"expected one of {chars!r}, found {c!r}")
         self.pos += 1
         return c
 
     def _value(self) -> Any:
         """Decodes the JSON value at the cursor, reading more input until it is complete."""
-        self._skip_ws()
+        if self._skip_ws() == "":
+            raise _Truncated("it ends where a value was expected")
         while True:
             try:
                 obj, end = _decoder.raw_decode(self.buf, self.pos)
             except json.JSONDecodeError as exc:
-                if self.eof or len(self.buf) - self.pos > _MAX_VALUE_CHARS:
+                if len(self.buf) - self.pos > _MAX_VALUE_CHARS:
                     raise self._fail(f"invalid JSON: {exc.msg}") from None
-                if not self._refill():
-                    raise self._fail(f"invalid JSON: {exc.msg}") from None
+                if self.eof or not self._refill():
+                    # The text runs to the end of the file: a document that was cut, unless it visibly
+                    # closes after the damage (then it is corrupt).
+                    if self.buf.rstrip().endswith(("]}", "]")):
+                        raise self._fail(f"invalid JSON: {exc.msg}") from None
+                    raise _Truncated(f"invalid JSON at the end of the file ({exc.msg})") from None
                 continue
             # A number ending exactly at the buffer end may continue in the next chunk.
             if end >= len(self.buf) and not self.eof and self._refill():
@@ -183,7 +250,21 @@ class _Reader:
 
     def document(self, on_event, on_field) -> None:
         """Parses the top-level object: ``on_field(key, value)`` for small fields, ``on_event(ev)``
-        for each element of ``traceEvents``."""
+        for each element of ``traceEvents`` (or of a top-level array). A document that ends early is
+        read up to its end and ``truncated`` says why."""
+        try:
+            self._document(on_event, on_field)
+        except _Truncated as exc:
+            why = self._gzip.truncated if self._gzip is not None and self._gzip.truncated else str(exc)
+            self.truncated = f"{why}, near character {self.position}"
+
+    def _document(self, on_event, on_field) -> None:
+        c = self._skip_ws()
+        if c == "":
+            raise self._fail("the file is empty")
+        if c == "[":  # the JSON Array Format: events only
+            self._events(on_event)
+            return
         self._expect("{")
         if self._skip_ws() == "}":
             self.pos += 1
@@ -220,12 +301,17 @@ class _Reader:
         """Many whole events at once: decodes ``[`` + text up to a ``},`` + ``]`` in one C call.
 
         The cut is only a guess at an event boundary; it is right exactly when the slice decodes (a cut
-        inside an event or a string leaves an unclosed object or string). None: decode one event.
+        inside an event or a string leaves an unclosed object or string). None: decode one event. When
+        three guesses fail (``},`` inside strings), the events up to the first guess are decoded one at
+        a time before batches are tried again, so a file full of such strings costs one failed try per
+        chunk, not per event.
         """
+        if self.pos < self._single_until:
+            return None
         if len(self.buf) - self.pos < _CHUNK_CHARS:
             self._refill()
         end = min(len(self.buf), self.pos + _CHUNK_CHARS)
-        cut = self.buf.rfind("},", self.pos, end)
+        first = cut = self.buf.rfind("},", self.pos, end)
         for _ in range(3):
             if cut <= self.pos:
                 return None
@@ -236,6 +322,7 @@ class _Reader:
                 continue
             self.pos = cut + 1
             return batch
+        self._single_until = first
         return None
 
 
@@ -263,6 +350,8 @@ class RankTrace:
     events: pa.Table  # EVENT_SCHEMA: collective kernels, memory peaks
     runtime: pa.Table  # RUNTIME_API_SCHEMA
     events_seen: int
+    truncated: str | None = None  # why the file ends early (its readable part was imported)
+    runtime_calls: tuple[dict[int, str], np.ndarray, np.ndarray] | None = None  # names, name ids, durations (us)
 
 
 class _Collector:
@@ -292,6 +381,9 @@ class _Collector:
         self.mem_ts = array.array("d")
         self.mem_total = array.array("d")
         self.mem_dev = array.array("i")
+        self.h_ts = array.array("d")  # host-side collectives (gloo:*): start, duration, label
+        self.h_dur = array.array("d")
+        self.h_label = array.array("i")
         self.gpu_seen = False
         self.names: dict[str, int] = {}  # runtime API name -> id
         self.labels: dict[str, int] = {}  # collective label -> id
@@ -329,6 +421,21 @@ class _Collector:
         ph = ev.get("ph")
         if ph == "X":
             cat = ev.get("cat")
+            name = ev.get("name")
+            if isinstance(name, str) and name.startswith(_HOST_COLLECTIVE_PREFIXES) and cat != "kernel":
+                # gloo runs a collective on its own thread: the annotation spans launch to completion,
+                # the wait for the slowest peer included (as an NCCL kernel's duration does)
+                try:
+                    self.h_ts.append(float(ev["ts"]))
+                    self.h_dur.append(float(ev.get("dur", 0.0)))
+                except (KeyError, TypeError, ValueError):
+                    return
+                label = name.split(":", 1)[1]
+                lid = self.labels.get(label)
+                if lid is None:
+                    lid = self.labels[label] = len(self.labels)
+                self.h_label.append(lid)
+                return
             if cat == "cpu_op" or cat == "python_function":
                 # older profilers filed ProfilerStep#N under cpu_op; everything else here is skipped
                 name = ev.get("name")
@@ -428,11 +535,18 @@ def scan_trace(path: str | os.PathLike) -> RankTrace:
     finally:
         reader.close()
     if not col.step_num:
+        if reader.truncated:
+            raise KinetoTraceError(
+                f"{p}: the trace is truncated ({reader.truncated}) before any ProfilerStep#N; "
+                "export it again (torch.profiler export_chrome_trace) or leave it out"
+            )
         raise KinetoTraceError(
             f"{p}: no ProfilerStep#N annotations among {col.n} events; record the trace with "
             "torch.profiler.profile(schedule=...) and call prof.step() once per training step"
         )
-    return _build(p, col)
+    trace = _build(p, col)
+    trace.truncated = reader.truncated
+    return trace
 
 
 def _np(a: array.array, dtype) -> np.ndarray:
@@ -531,6 +645,13 @@ def _build(path: Path, col: _Collector) -> RankTrace:
     if len(k_ts):
         sel = k_step >= 0
         comm_ns = np.bincount(k_step[sel], weights=k_dur[sel], minlength=n)[:n] * 1e3
+    h_ts, h_dur = _np(col.h_ts, np.float64), _np(col.h_dur, np.float64)
+    h_label = _np(col.h_label, np.int32)
+    has_host_comm = bool(len(h_ts)) and not len(k_ts)
+    if has_host_comm:
+        # Host collectives (gloo) of a step: the union of their spans from the step's start to its end
+        # (buckets overlap one another; the part outside the step belongs to no step).
+        comm_ns = _union_per_step(s_ts, s_end, h_ts, h_ts + h_dur) * 1e3
 
     step_ns = s_dur * 1e3
     cpu_phase_total = phase_ns.sum(axis=0) * 1e3
@@ -549,11 +670,11 @@ def _build(path: Path, col: _Collector) -> RankTrace:
         "t_start_ns": pa.array(_wall_ns(base_ns, s_ts)),
         "step_ns": col_i64(step_ns),
         # Without visible collectives a multi-rank step cannot be split into work and wait.
-        "self_ns": col_i64(np.maximum(step_ns - comm_ns, 0.0), has_gpu or (world or 1) <= 1),
+        "self_ns": col_i64(np.maximum(step_ns - comm_ns, 0.0), has_gpu or has_host_comm or (world or 1) <= 1),
     }
     for name in ("data", "h2d", "forward", "backward", "optimizer"):
         cols[f"{name}_ns"] = col_i64(phase_ns[_PHASE_IDS[name]] * 1e3, has_phases)
-    cols["comm_wait_ns"] = col_i64(comm_ns, has_gpu)
+    cols["comm_wait_ns"] = col_i64(comm_ns, has_gpu or has_host_comm)
     cols["other_ns"] = col_i64(np.maximum(step_ns - cpu_phase_total, 0.0), has_phases)
     cols["launch_ns"] = col_i64(np.nan_to_num(launch_ns), ~np.isnan(launch_ns))
     cols["host_syncs"] = col_i64(host_syncs, has_gpu)
@@ -562,6 +683,9 @@ def _build(path: Path, col: _Collector) -> RankTrace:
         {f.name: cols.get(f.name, pa.nulls(n, type=f.type)) for f in STEP_SCHEMA}, schema=STEP_SCHEMA
     )
 
+    if has_host_comm:  # the host collectives become the collective events
+        k_ts, k_dur, k_label = h_ts, h_dur, h_label
+        k_step, k_elems = step_of(h_ts), np.full(len(h_ts), np.nan)
     events = _events_table(col, base_ns, k_ts, k_dur, k_step, k_label, k_elems, s_num, step_of)
     runtime = _runtime_table(r_name, r_dur, names)
     return RankTrace(
@@ -576,7 +700,30 @@ def _build(path: Path, col: _Collector) -> RankTrace:
         events=events,
         runtime=runtime,
         events_seen=col.n,
+        runtime_calls=(names, r_name, r_dur),
     )
+
+
+def _union_per_step(s_ts: np.ndarray, s_end: np.ndarray, c_ts: np.ndarray, c_end: np.ndarray) -> np.ndarray:
+    """Per step, the length (us) of the union of the intervals clipped to [start, end) of the step."""
+    out = np.zeros(len(s_ts))
+    order = np.argsort(c_ts, kind="stable")
+    c_ts, c_end = c_ts[order], c_end[order]
+    for i in range(len(s_ts)):
+        sel = (c_end > s_ts[i]) & (c_ts < s_end[i])
+        if not sel.any():
+            continue
+        a = np.clip(c_ts[sel], s_ts[i], s_end[i])
+        b = np.clip(c_end[sel], s_ts[i], s_end[i])
+        total, cur_a, cur_b = 0.0, a[0], b[0]
+        for x, y in zip(a[1:].tolist(), b[1:].tolist(), strict=True):
+            if x > cur_b:
+                total += cur_b - cur_a
+                cur_a, cur_b = x, y
+            else:
+                cur_b = max(cur_b, y)
+        out[i] = total + (cur_b - cur_a)
+    return out
 
 
 def _wall_ns(base_ns: int, ts_us: np.ndarray) -> np.ndarray:
@@ -671,68 +818,44 @@ def _runtime_table(r_name: np.ndarray, r_dur: np.ndarray, names: dict[int, str])
 
 
 # --------------------------------------------------------------------------------------------------
-# Cross-rank outlier test on runtime API latency (docs/presentation.md, "Runtime API latency outliers")
+# Cross-rank outlier test on runtime API latency (docs/detection.md, "Runtime API latency")
 
-Z_THRESHOLD = 3.5  # modified z-score (Iglewicz & Hoaglin)
-IQR_K = 1.5  # Tukey's upper fence
-MIN_EXCESS = 0.10  # at least 10 % above the cluster median
-MIN_RANKS = 3
-MAD_FLOOR = 0.01  # MAD never below 1 % of the median
+MIN_RANKS = DetectionOptions().min_ranks  # the cross-rank test needs this many ranks (the analysis' own)
 
 
-def robust_outliers(
-    values: np.ndarray,
-    *,
-    z_threshold: float = Z_THRESHOLD,
-    iqr_k: float = IQR_K,
-    min_excess: float = MIN_EXCESS,
-    min_ranks: int = MIN_RANKS,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Flags values that are high against the others: modified z > ``z_threshold`` AND above the upper
-    Tukey fence Q3 + ``iqr_k``·IQR AND at least ``min_excess`` above the median.
+def runtime_api_outliers(
+    runtime: pa.Table, metric: str = "median_ns", opts: DetectionOptions | None = None
+) -> pa.Table:
+    """The runtime API table with, per API, the analysis' cross-rank outlier test on ``metric``
+    (``stragglers.cross_rank_outliers``: modified z and the other ranks' Tukey fence, at least
+    ``min_slowdown`` and ``launch_floor_ns`` above the median, with the same ``DetectionOptions``).
+    Adds ``z``, ``excess`` (ratio to the cross-rank median, minus 1), ``outlier`` and ``judged`` (False
+    where fewer than ``min_ranks`` ranks called the API: not tested)."""
+    from hyperacc.analysis.stragglers import cross_rank_outliers
 
-    Returns (z, excess, flagged); ``excess`` is value / median - 1. z = 0.6745·(x − median)/MAD with the
-    MAD floored at ``MAD_FLOOR`` x median (identical ranks would otherwise make any difference infinitely
-    significant). Fewer than ``min_ranks`` finite values: no test (z NaN, nothing flagged).
-    """
-    from hyperacc.analysis.robust import modified_z, tukey_fences  # the analysis' own statistics
-
-    x = np.asarray(values, dtype=np.float64)
-    z = np.full(x.shape, np.nan)
-    excess = np.full(x.shape, np.nan)
-    flagged = np.zeros(x.shape, dtype=bool)
-    ok = np.isfinite(x)
-    if ok.sum() < min_ranks:
-        return z, excess, flagged
-    v = x[ok]
-    zv, med, _ = modified_z(v, axis=None, min_mad_rel=MAD_FLOOR)
-    _, upper = tukey_fences(v, k=iqr_k, axis=None)
-    z[ok] = zv
-    ex = v / float(med) - 1.0 if float(med) > 0 else np.zeros_like(v)
-    excess[ok] = ex
-    flagged[ok] = (zv > z_threshold) & (v > upper) & (ex >= min_excess)
-    return z, excess, flagged
-
-
-def runtime_api_outliers(runtime: pa.Table, metric: str = "median_ns") -> pa.Table:
-    """The runtime API table with, per API, the cross-rank test on ``metric``: columns ``z``,
-    ``excess`` (ratio to the cross-rank median, minus 1) and ``outlier``."""
+    opts = opts or DetectionOptions()
     if runtime.num_rows == 0:
-        return runtime.append_column("z", pa.array([], pa.float64())).append_column(
-            "excess", pa.array([], pa.float64())
-        ).append_column("outlier", pa.array([], pa.bool_()))
+        return (
+            runtime.append_column("z", pa.array([], pa.float64()))
+            .append_column("excess", pa.array([], pa.float64()))
+            .append_column("outlier", pa.array([], pa.bool_()))
+            .append_column("judged", pa.array([], pa.bool_()))
+        )
     api = np.asarray(runtime.column("api").to_pylist(), dtype=object)
     vals = runtime.column(metric).to_numpy(zero_copy_only=False).astype(np.float64)
     z = np.full(len(api), np.nan)
     excess = np.full(len(api), np.nan)
     flagged = np.zeros(len(api), dtype=bool)
+    judged = np.zeros(len(api), dtype=bool)
     for name in dict.fromkeys(api.tolist()):
         sel = np.flatnonzero(api == name)
-        z[sel], excess[sel], flagged[sel] = robust_outliers(vals[sel])
+        f, zz, ratio, j = cross_rank_outliers(vals[sel], opts, float(opts.launch_floor_ns))
+        z[sel], excess[sel], flagged[sel], judged[sel] = zz, ratio - 1.0, f, j
     return (
         runtime.append_column("z", pa.array(z))
         .append_column("excess", pa.array(excess))
         .append_column("outlier", pa.array(flagged))
+        .append_column("judged", pa.array(judged))
     )
 
 
@@ -748,6 +871,7 @@ class ImportResult:
     runtime: pa.Table  # RUNTIME_API_SCHEMA, every imported rank
     steps: int  # step records written
     events_seen: int
+    warnings: list[str] = dataclasses.field(default_factory=list)  # imported, but worth a look
 
 
 def find_traces(inputs: Sequence[str | os.PathLike]) -> list[Path]:
@@ -800,22 +924,33 @@ def import_traces(
         if progress is not None:
             progress(f)
 
-    ranks: dict[int, RankTrace] = {}
+    claims: dict[int, list[RankTrace]] = {}
     for pos, tr in enumerate(traces):
         rank = tr.rank
         if rank is None:
             m = _RANK_IN_NAME.search(tr.path.name)
             rank = int(m.group(1)) if m else pos
-        if rank in ranks:
-            errors.append(
-                (tr.path, f"{tr.path}: rank {rank} is also claimed by {ranks[rank].path}; pass one trace per rank")
-            )
-            continue
-        ranks[rank] = tr
-    if not ranks:
+        claims.setdefault(rank, []).append(tr)
+    if not claims:
         detail = "; ".join(msg for _, msg in errors)
         raise KinetoTraceError(f"no trace could be imported: {detail}")
-
+    _one_job(claims)
+    warnings: list[str] = []
+    ranks: dict[int, RankTrace] = {}
+    for rank, group in sorted(claims.items()):
+        merged, refused = _merge_windows(rank, group)
+        ranks[rank] = merged
+        errors += refused
+        if len(group) - len(refused) > 1:
+            warnings.append(
+                f"rank {rank}: {len(group) - len(refused)} profiling windows ("
+                + ", ".join(tr.path.name for tr in group if all(tr.path != p for p, _ in refused))
+                + ") imported as one rank"
+            )
+    for tr in ranks.values():
+        if tr.truncated:
+            warnings.append(f"{tr.path}: truncated ({tr.truncated}); its {tr.steps.num_rows} complete steps were imported")
+    warnings += _time_overlap(ranks)
     world = max([tr.world_size or 0 for tr in ranks.values()] + [max(ranks) + 1])
     nodes = _nodes(ranks, ranks_per_node)
     local: dict[int, list[int]] = {}
@@ -861,6 +996,7 @@ def import_traces(
     report = {
         "ranks": {str(r): str(ranks[r].path) for r in sorted(ranks)},
         "errors": [{"file": str(p), "error": msg} for p, msg in errors],
+        "warnings": warnings,
         "world_size": world,
     }
     (kdir / IMPORT_REPORT_FILE).write_text(json.dumps(report, indent=1))
@@ -871,7 +1007,88 @@ def import_traces(
         runtime=runtime,
         steps=written,
         events_seen=events_seen,
+        warnings=warnings,
     )
+
+
+def _one_job(claims: dict[int, list[RankTrace]]) -> None:
+    """Traces of different jobs must not be analysed as one: their world sizes must agree."""
+    sizes: dict[int, list[str]] = {}
+    for group in claims.values():
+        for tr in group:
+            if tr.world_size is not None:
+                sizes.setdefault(tr.world_size, []).append(tr.path.name)
+    if len(sizes) > 1:
+        detail = "; ".join(f"world size {w} in {', '.join(names[:3])}" + (" ..." if len(names) > 3 else "")
+                           for w, names in sorted(sizes.items()))  # fmt: skip
+        raise KinetoTraceError(
+            f"the traces come from different jobs ({detail}); pass the traces of one job (one per rank)"
+        )
+
+
+def _merge_windows(rank: int, group: list[RankTrace]) -> tuple[RankTrace, list[tuple[Path, str]]]:
+    """One rank's trace files: several profiling windows (``tensorboard_trace_handler`` writes one file
+    per window) become one rank; a file whose steps repeat steps already taken is refused."""
+    kept = [group[0]]
+    refused: list[tuple[Path, str]] = []
+    seen = set(group[0].steps.column("step").to_pylist())
+    for tr in group[1:]:
+        steps = set(tr.steps.column("step").to_pylist())
+        if steps & seen:
+            refused.append((tr.path, f"{tr.path}: rank {rank} is also claimed by {kept[0].path} with the same steps; "
+                                     "pass one trace per rank and profiling window"))  # fmt: skip
+            continue
+        kept.append(tr)
+        seen |= steps
+    if len(kept) == 1:
+        return kept[0], refused
+    kept.sort(key=lambda t: t.steps.column("step")[0].as_py())
+    names: dict[str, int] = {}
+    ids, durs = [], []
+    for tr in kept:
+        if tr.runtime_calls is None:
+            continue
+        tnames, tid, tdur = tr.runtime_calls
+        remap = np.array([names.setdefault(tnames[i], len(names)) for i in range(len(tnames))], dtype=np.int32)
+        ids.append(remap[tid] if len(tid) else tid)
+        durs.append(tdur)
+    all_ids = np.concatenate(ids) if ids else np.empty(0, dtype=np.int32)
+    all_durs = np.concatenate(durs) if durs else np.empty(0)
+    by_id = {v: k for k, v in names.items()}
+    first = kept[0]
+    merged = dataclasses.replace(
+        first,
+        steps=pa.concat_tables([t.steps for t in kept]),
+        events=pa.concat_tables([t.events for t in kept]),
+        runtime=_runtime_table(all_ids, all_durs, by_id),
+        events_seen=sum(t.events_seen for t in kept),
+        truncated="; ".join(t.truncated for t in kept if t.truncated) or None,
+        runtime_calls=(by_id, all_ids, all_durs),
+    )
+    return merged, refused
+
+
+def _time_overlap(ranks: dict[int, RankTrace]) -> list[str]:
+    """A rank whose steps overlap no other rank's in wall-clock time was probably recorded in another
+    job (or another day): said, not refused (clocks of different hosts can disagree)."""
+    spans = {}
+    for r, tr in ranks.items():
+        t0 = tr.steps.column("t_start_ns").to_numpy(zero_copy_only=False)
+        dur = tr.steps.column("step_ns").cast(pa.float64()).to_numpy(zero_copy_only=False)
+        if len(t0) and np.isfinite(dur).any():
+            spans[r] = (float(t0.min()), float(np.nanmax(t0 + np.nan_to_num(dur))))
+    if len(spans) < 2:
+        return []
+    out = []
+    for r, (a, b) in sorted(spans.items()):
+        others = [(c, d) for q, (c, d) in spans.items() if q != r]
+        if not any(c <= b and a <= d for c, d in others):
+            day = _dt.datetime.fromtimestamp(a / 1e9, tz=_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+            out.append(
+                f"rank {r} ({ranks[r].path.name}): its steps ({day}) overlap no other rank's in time; "
+                "were these traces recorded in one job?"
+            )
+    return out
 
 
 def _nodes(ranks: dict[int, RankTrace], ranks_per_node: int | None) -> dict[int, int]:

@@ -1,0 +1,165 @@
+"""Rank-specific causes: a rank whose spikes of one cause are far above the host-wide noise floor.
+
+On a busy host every rank spikes now and then (a scheduler slice lost, another job's burst); those
+spikes are the floor that all ranks share. An intermittent culprit (a rank that stalls in data loading
+on 2 % of its steps) hides among them when spikes are only counted per cluster. This rule compares each
+rank's rate of each cause with the other ranks' pooled rate of the same cause (docs/detection.md,
+"Rank-specific causes"):
+
+    P(Binomial(n_r, q) >= k_r) < top_alpha / tests   with q = (m k~ + 1) / (m n~ + 2)
+    AND k_r / n_r >= excess_ratio x q   AND k_r >= excess_min_spikes
+    AND, for the unspecific causes (compute, host, unknown) with min_ranks ranks or more, the rank's
+        rate is an outlier among the ranks' rates (the straggler rule of one window: modified z, the
+        other ranks' Tukey fence, min_slowdown)
+
+``tests`` is the number of (rank, cause) pairs with at least ``excess_min_spikes`` spikes (a pair with
+fewer is never a finding, so it is no test). ``k_r`` of ``n_r`` judged steps of the rank spiked with
+that cause; ``k~`` and ``n~`` are the medians of
+the ``m`` other ranks' counts and judged steps (the typical rank's rate, with one pseudo-spike over all
+their steps so that a cause no other rank shows still needs several spikes to stand out; the median, so
+that two culprits do not hide each other). The last condition is there because a shared host's spikes are burstier than a
+binomial: on clean jobs here the ranks' rates of unspecific spikes ranged 6-18 % in one run, a spread
+no binomial floor allows for; data, GC and allocator spikes come from a signal of their own, and the
+healthy ranks' floor of them is near zero. Pure: counts in, findings out; offline and live use it alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.robust import binom_sf
+from hyperacc.analysis.stragglers import cross_rank_outliers
+
+# Spikes of a rank's own work that no phase or signal names specifically. Without CPU time the line
+# between them is noise (a preempted step and a longer computation look alike), so they are counted
+# as one cause, "compute/host"; with CPU time, compute (CPU time grew) and host (it did not) are told
+# apart and tested each on its own.
+UNSPECIFIC: tuple[str, ...] = ("compute", "host", "unknown")
+MERGED = "compute/host"
+
+
+def cause_groups(causes: Sequence[str], cpu_measured: bool) -> dict[str, tuple[str, ...]]:
+    """The causes tested for rank-specific excess, each with the spike causes it counts."""
+    groups: dict[str, tuple[str, ...]] = {}
+    for c in causes:
+        if c in UNSPECIFIC and not cpu_measured:
+            groups.setdefault(MERGED, ())
+            groups[MERGED] += (c,)
+        else:
+            groups[c] = (c,)
+    if cpu_measured and "unknown" in groups:  # no phase grew and CPU time did not tell: still unspecific
+        groups["host"] = groups.get("host", ()) + groups.pop("unknown")
+    return groups
+
+
+@dataclasses.dataclass
+class RankExcess:
+    rank: int
+    node: int
+    cause: str
+    spikes: int  # spikes of this cause on the rank
+    steps: int  # the rank's judged steps
+    rate: float  # spikes / steps
+    others_rate: float  # the other ranks' pooled rate of the same cause
+    mean_excess_ns: float  # the average time one of these spikes lost
+    time_lost_ns: float  # all of them together
+    p_value: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def rank_excess(
+    ranks: Sequence[int],
+    nodes: Sequence[int],
+    steps: Sequence[float],
+    counts: Mapping[str, Sequence[float]],
+    lost: Mapping[str, Sequence[float]],
+    opts: DetectionOptions,
+) -> list[RankExcess]:
+    """Per rank and cause, the spikes that stand out from the other ranks' floor (module docstring).
+
+    ``steps[i]`` are rank ``ranks[i]``'s judged steps; ``counts[cause][i]`` its spikes of that cause and
+    ``lost[cause][i]`` the time they lost. Needs two ranks or more; sorted by time lost."""
+    if opts.top_alpha <= 0:
+        return []
+    n = np.asarray(steps, dtype=np.float64)
+    if n.size < 2:
+        return []
+    # Bonferroni over the (rank, cause) pairs that could be reported at all (at least
+    # excess_min_spikes spikes): a pair with fewer is never a finding, so it is no test.
+    tests = max(sum(int((np.nan_to_num(np.asarray(v, dtype=np.float64)) >= opts.excess_min_spikes).sum())
+                    for v in counts.values()), 1)  # fmt: skip
+    out: list[RankExcess] = []
+    for cause, raw in counts.items():
+        k = np.nan_to_num(np.asarray(raw, dtype=np.float64))
+        lost_c = np.nan_to_num(np.asarray(lost.get(cause, np.zeros(n.size)), dtype=np.float64))
+        k_all, n_all = k.sum(), n.sum()
+        idx = np.arange(n.size)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rates = np.where(n > 0, k / n, np.nan)
+        outlier, _, _, judged = cross_rank_outliers(rates, opts, 0.0)
+        if cause not in (MERGED, *UNSPECIFIC):
+            judged = np.zeros(n.size, dtype=bool)  # a specific signal: the binomial floor holds
+        for i in range(n.size):
+            if n[i] <= 0 or k[i] < opts.excess_min_spikes or (judged[i] and not outlier[i]):
+                continue
+            others_k, others_n = k_all - k[i], n_all - n[i]
+            rest = idx != i
+            m = float(rest.sum())
+            q = (m * float(np.median(k[rest])) + 1.0) / (m * float(np.median(n[rest])) + 2.0)
+            rate = k[i] / n[i]
+            if rate < opts.excess_ratio * q:
+                continue
+            p = float(binom_sf(k[i], n[i], q))
+            if p >= opts.top_alpha / tests:
+                continue
+            out.append(
+                RankExcess(
+                    rank=int(ranks[i]), node=int(nodes[i]), cause=str(cause), spikes=int(k[i]), steps=int(n[i]),
+                    rate=float(rate), others_rate=float(others_k / others_n) if others_n > 0 else 0.0,
+                    mean_excess_ns=float(lost_c[i] / k[i]), time_lost_ns=float(lost_c[i]), p_value=p,
+                )  # fmt: skip
+            )
+    return sorted(out, key=lambda e: (-e.time_lost_ns, e.rank))
+
+
+def grouped(counts: Mapping[str, Sequence[float]], groups: Mapping[str, tuple[str, ...]]) -> dict[str, np.ndarray]:
+    """Per-rank counts (or times) of each cause group."""
+    out = {}
+    for name, members in groups.items():
+        parts = [np.nan_to_num(np.asarray(counts[c], dtype=np.float64)) for c in members if c in counts]
+        if parts:
+            out[name] = np.sum(parts, axis=0)
+    return out
+
+
+def excess_from_windows(
+    windows: Mapping[str, np.ndarray], causes: Sequence[str], opts: DetectionOptions
+) -> list[RankExcess]:
+    """``rank_excess`` over window summaries (``judged_steps``, ``spikes_<cause>``, ``lost_ns_<cause>``
+    summed per rank): the live detector's history and the offline summaries alike."""
+    if "judged_steps" not in windows or len(windows["rank"]) == 0:
+        return []
+    rank = np.asarray(windows["rank"], dtype=np.int64)
+    ranks, ri = np.unique(rank, return_inverse=True)
+    nodes = np.zeros(ranks.size, dtype=np.int64)
+    nodes[ri] = np.asarray(windows["node"], dtype=np.int64)
+
+    def per_rank(name: str) -> np.ndarray:
+        v = np.nan_to_num(np.asarray(windows[name], dtype=np.float64))
+        return np.bincount(ri, weights=v, minlength=ranks.size)
+
+    judged = np.asarray(windows["judged_steps"], dtype=np.float64)
+    if np.isnan(judged).all():
+        return []
+    counts = {c: per_rank(f"spikes_{c}") for c in causes if f"spikes_{c}" in windows}
+    lost = {c: per_rank(f"lost_ns_{c}") for c in causes if f"lost_ns_{c}" in windows}
+    cpu = windows.get("cpu_ns_median")
+    groups = cause_groups(list(counts), cpu is not None and bool(np.isfinite(np.asarray(cpu, dtype=float)).any()))
+    return rank_excess(ranks, nodes, per_rank("judged_steps"), grouped(counts, groups), grouped(lost, groups), opts)

@@ -1,0 +1,60 @@
+"""Detection on real multi-rank jobs: torchrun ranks on two simulated nodes, traced by ``hyperacc run``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hyperacc import harness
+from hyperacc.analysis import diagnose
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+
+
+def _run_two_nodes(run_dir: Path, chaos: dict, steps: int, timeout: float = 240) -> str:
+    """2 nodes x 2 ranks of the example job through ``hyperacc run`` (one agent per node, loopback)."""
+    port = harness.free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    procs, logs = [], []
+    for node in range(2):
+        log = run_dir.parent / f"node{node}.log"
+        logs.append(log)
+        cmd = [sys.executable, "-m", "hyperacc", "run", "--run-dir", str(run_dir), "--nproc-per-node", "2",
+               "--nnodes", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--max-restarts", "0", "--chaos", json.dumps(chaos),
+               "--", str(EXAMPLE), "--steps", str(steps), "--features", "128", "--hidden", "128"]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                      start_new_session=True))  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
+
+
+@pytest.mark.multirank
+def test_a_whole_slow_node_of_a_two_node_job_is_named(tmp_path):
+    # both ranks of node 1 compute 3x longer: half the ranks are slow, which no per-rank test can see;
+    # the node test (every rank of node 1 slower than every rank of node 0, window after window) does
+    run = tmp_path / "run"
+    output = _run_two_nodes(run, {"seed": 1, "faults": [{"kind": "slowdown", "ranks": [2, 3], "factor": 2.0}]}, 170)
+    assert (run / "steps").is_dir(), output
+    d = diagnose(run, window_steps=20, warmup_steps=5).to_dict()
+    assert sorted((s["rank"], s["node"], s["kind"]) for s in d["stragglers"]) == [(2, 1, "node"), (3, 1, "node")], (
+        d["verdict"], output[-1500:])
+    assert d["verdict"].startswith("Node 1 is slow (2 of its 2 ranks")

@@ -1,0 +1,186 @@
+"""Verdicts users can trust: the false-straggler shapes seen on real jobs, on small hand-made tables."""
+
+import numpy as np
+import pytest
+from analysis_runs import MS, host_noise_windows, noisy, windows
+
+from hyperacc.analysis import diagnose
+from hyperacc.analysis.excess import rank_excess
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.stragglers import detect_stragglers
+from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
+
+
+def _with(cols, name, matrix):
+    cols[name] = np.asarray(matrix, dtype=float)[cols["rank"], cols["window"]] * MS
+    return cols
+
+
+def test_a_busy_looping_rank_with_many_context_switches_is_compute():
+    # it spins on a contended host, so the scheduler preempts it often; but its CPU time grew with its
+    # wall time: it computes more
+    self_ms = noisy(4, 8, base=10.0, sd=0.2)
+    self_ms[1] += 6.0
+    cpu = self_ms * 0.9
+    switches = np.full((4, 8), 3.0)
+    switches[1] = 40.0
+    cols = _with(_with(windows(self_ms), "cpu_ns_median", cpu), "invol_ctx_switches_median", switches / MS)
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.kind, s.kind_basis) == (1, "compute", "cpu_time") and s.cpu_share > 0.8
+
+
+def test_a_preempted_rank_is_host():
+    # another process takes its core: wall time grew by 6 ms, CPU time did not
+    self_ms = noisy(4, 8, base=10.0, sd=0.2)
+    cpu = self_ms * 0.9
+    self_ms[2] += 6.0
+    cols = _with(windows(self_ms), "cpu_ns_median", cpu)
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.kind, s.kind_basis) == (2, "host", "cpu_time") and s.cpu_share < 0.2
+
+
+def test_a_rank_that_computes_more_is_found_by_its_cpu_time_when_host_noise_hides_it_in_wall_time():
+    # a loaded host: every rank's wall self-time wanders 5-30 ms window to window, while the CPU time
+    # of the training thread is steady; rank 2 spends 1.3 ms more CPU per step (a 30 % heavier step)
+    rng = np.random.default_rng(2)
+    cpu = 4.7 * (1 + 0.02 * rng.standard_normal((4, 10)))
+    cpu[2] += 1.3
+    wall = cpu * rng.uniform(1.0, 5.0, (4, 10))
+    cols = _with(windows(wall, wall.max(axis=0) - wall + 20.0), "cpu_ns_median", cpu)
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.kind, s.metric, s.kind_basis) == (2, "compute", "cpu_ns", "cpu_time")
+
+
+def test_without_cpu_time_the_kind_says_it_was_judged_on_wall_time_only(tmp_path):
+    self_ms = noisy(4, 8, base=10.0, sd=0.2)
+    self_ms[2] += 6.0
+    switches = np.full((4, 8), 3.0)
+    switches[2] = 40.0  # context switches no longer make a rank "host"
+    cols = _with(windows(self_ms), "invol_ctx_switches_median", switches / MS)
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.kind, s.kind_basis) == ("compute", "wall_time_only")
+
+
+def test_self_time_and_wait_use_the_device_clock_when_every_rank_has_it():
+    host_ms = noisy(4, 8, base=10.0, sd=0.1)
+    host_ms[3] += 5.0  # on the host clock rank 3 looks slow (a late host thread) ...
+    dev_ms = noisy(4, 8, seed=2, base=10.0, sd=0.1)
+    dev_ms[1] += 5.0  # ... the devices say rank 1 computes longer
+    cols = _with(windows(host_ms), "dev_self_ns_median", dev_ms)
+    cols["dev_comm_wait_ns_median"] = cols["comm_wait_ns_median"]
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.clock, s.kind_basis) == (1, "device", "device_clock")
+    # one rank without device times: the whole comparison falls back to the host clock
+    cols["dev_self_ns_median"] = np.where(cols["rank"] == 0, np.nan, cols["dev_self_ns_median"])
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.clock) == (3, "host")
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_a_whole_slow_node_is_found_from_two_nodes(nodes):
+    # 2 ranks per node, the last node's ranks at 1.5x: half (or a third) of the ranks are slow, so the
+    # median, the MAD and Tukey's fences of the ranks cannot see them; the node rule can
+    rng = np.random.default_rng(nodes)
+    ranks = 2 * nodes
+    self_ms = 10.0 * (1 + 0.08 * rng.standard_normal((ranks, 8)))
+    self_ms[-2:] *= 1.5
+    comm = self_ms.max(axis=0) - self_ms + 5.0
+    found = detect_stragglers(windows(self_ms, comm, nodes=np.arange(ranks) // 2), DetectionOptions())
+    assert [(s.rank, s.kind) for s in found] == [(ranks - 2, "node"), (ranks - 1, "node")]
+    assert all(s.rule == "node" or s.rank_kind in ("compute", "host") for s in found)
+
+
+def test_thirty_percent_of_the_ranks_slow_are_all_found():
+    rng = np.random.default_rng(4)
+    self_ms = 10.0 * (1 + 0.05 * rng.standard_normal((10, 8)))
+    slow = [1, 4, 7]
+    self_ms[slow] *= 1.5
+    comm = self_ms.max(axis=0) - self_ms + 5.0
+    found = detect_stragglers(windows(self_ms, comm), DetectionOptions())
+    assert [s.rank for s in found] == slow and {s.kind for s in found} == {"compute"}
+
+
+def test_a_rank_starved_for_a_few_windows_is_an_episode_not_a_straggler():
+    self_ms = noisy(4, 10, base=10.0, sd=0.2)
+    self_ms[0, 2:5] *= 3.0  # lost its cores for three windows, then fine
+    cpu = noisy(4, 10, seed=3, base=9.0, sd=0.2)
+    cols = _with(windows(self_ms), "cpu_ns_median", cpu)
+    assert [s for s in detect_stragglers(cols, DetectionOptions()) if s.active] == []
+    self_ms[0, 5:] *= 3.0  # ... and then for good: slow in most of its recent windows
+    (s,) = detect_stragglers(_with(windows(self_ms), "cpu_ns_median", cpu), DetectionOptions())
+    assert (s.rank, s.active, s.kind) == (0, True, "host")
+
+
+def test_a_rank_that_is_late_in_most_steps_of_a_short_run_is_confirmed_by_the_culprit_record():
+    # 4 windows: too few for 3-of-5 with a noisy MAD, but the per-step record says who arrived last
+    rng = np.random.default_rng(7)
+    self_ms = 12.0 * (1 + 0.15 * rng.standard_normal((4, 4)))
+    self_ms[2] = self_ms.max(axis=0) * 1.08
+    cols = windows(self_ms)
+    cols["culprit_steps"] = np.where(cols["rank"] == 2, 27.0, 8.0)
+    cols["culprit_known"] = np.full(cols["rank"].size, 50.0)
+    assert detect_stragglers({**cols, "culprit_steps": np.full(cols["rank"].size, 12.5)}, DetectionOptions()) == []
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.rule, s.culprit_steps, s.culprit_known) == (2, "culprit", 108, 200)
+
+
+@pytest.mark.parametrize("layout", [(4, 1), (2, 2), (3, 2), (8, 1), (12, 1), (4, 4)])
+def test_exchangeable_ranks_flag_nobody(layout):
+    # 100 runs per layout, 10 windows each: window medians with 10 % noise, and 3 % of windows in which
+    # a rank lost its cores (1.5-4x): the host-wide floor, not stragglers
+    per_node, n_nodes = layout
+    ranks = per_node * n_nodes
+    rng = np.random.default_rng(ranks * 100 + n_nodes)
+    flagged = []
+    for _ in range(100):
+        cols, _, _ = host_noise_windows(ranks, 10, rng, nodes=np.arange(ranks) // per_node)
+        flagged += [(s.rank, s.kind) for s in detect_stragglers(cols, DetectionOptions()) if s.active]
+    assert flagged == []
+
+
+def test_on_an_overloaded_host_a_flagged_rank_was_slow_in_most_of_its_windows():
+    # 12 % of windows starved, in episodes: now and then a rank is starved for most of a run. That rank
+    # is that run's (host) straggler; a rank starved now and then is not flagged.
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        cols, self_ms, _ = host_noise_windows(8, 10, rng, starve=0.12, episodes=True)
+        for s in detect_stragglers(cols, DetectionOptions()):
+            if not s.active:
+                continue
+            slower = self_ms[s.rank] >= 1.05 * np.median(self_ms, axis=0)
+            assert slower.sum() > 5, (s.rank, np.round(self_ms[s.rank], 1))
+            assert s.kind == "host"  # its CPU time did not grow
+
+
+def test_intermittent_data_stalls_on_one_rank_stand_out_from_host_noise(tmp_path):
+    # every rank loses its core on 15 % of steps (host-wide noise); rank 1 also stalls 40 ms in data
+    # loading on 2 % of its steps
+    spec = SyntheticRun(ranks=4, steps=1500, ranks_per_node=4, seed=6, faults=(
+        SyntheticFault("host", (0, 1, 2, 3), rate=0.15, ms=12),
+        SyntheticFault("data_stall", (1,), rate=0.02, ms=40),
+    ))  # fmt: skip
+    d = diagnose(write_run(tmp_path / "run", spec)).to_dict()
+    assert d["stragglers"] == []
+    (e,) = d["rank_causes"]
+    assert (e["rank"], e["cause"]) == (1, "data") and 0.01 < e["rate"] < 0.035
+    assert e["mean_excess_ns"] == pytest.approx(40e6, rel=0.15)
+    assert "Rank 1 (node 0) stalls in data loading on" in d["verdict"]
+    assert "ms each" in d["verdict"] and "lost" in d["verdict"]
+
+
+def test_the_rank_specific_test_needs_a_rate_above_the_typical_rank():
+    opts = DetectionOptions()
+    steps = [1000, 1000, 1000, 1000]
+    # host-wide: every rank ~15 % host spikes, one a little more by chance
+    quiet = rank_excess([0, 1, 2, 3], [0] * 4, steps, {"host": [150, 160, 140, 175]}, {"host": [1e9] * 4}, opts)
+    assert quiet == []
+    # two ranks with the same cause do not hide each other (the floor is the median rank)
+    two = rank_excess([0, 1, 2, 3], [0] * 4, steps, {"data": [0, 25, 0, 22]}, {"data": [0, 1e9, 0, 9e8]}, opts)
+    assert sorted(e.rank for e in two) == [1, 3]
+    # exchangeable counts over many seeds: nobody
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        p = rng.uniform(0.0, 0.2)
+        counts = rng.binomial(500, p, size=8)
+        assert rank_excess(list(range(8)), [0] * 8, [500] * 8, {"compute": counts}, {"compute": counts * 1e7},
+                           opts) == []  # fmt: skip
