@@ -13,19 +13,14 @@ from pathlib import Path
 
 import click
 
+from hyperacc.commands.params import FINITE, Number, OneLineCommand, OutputDir, OutputFile
 from hyperacc.pacing.controller import PacingConfig, PacingConfigError
 
 MAX_RANKS = 65536
 
 
-class _OneLineErrors(click.Command):
-    """Bad input ends in one line naming the option (no usage block, no traceback)."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            raise click.ClickException(f"{exc.format_message()} (see hyperacc simulate --help)") from None
+MAX_STEPS = 10_000_000  # per-step results are kept (~17 bytes a step): 10 M steps is ~170 MB
+MAX_NODE_COUNTS = 32
 
 
 def _as_option(message: str) -> str:
@@ -41,20 +36,20 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise click.ClickException(
-            f"--nodes {text!r}: give node counts as integers, e.g. --nodes 1,2,4,8"
-        ) from None
+        raise click.UsageError(f"--nodes {text!r}: give node counts as integers, e.g. --nodes 1,2,4,8") from None
     if not counts or any(c < 1 for c in counts):
-        raise click.ClickException(f"--nodes {text!r}: every node count must be >= 1, e.g. --nodes 1,2,4,8")
+        raise click.UsageError(f"--nodes {text!r}: every node count must be >= 1, e.g. --nodes 1,2,4,8")
     too_big = [c for c in counts if c * gpus_per_node > MAX_RANKS]
     if too_big:
-        raise click.ClickException(
+        raise click.UsageError(
             f"--nodes {too_big[0]} x --gpus-per-node {gpus_per_node} exceeds {MAX_RANKS} ranks; use fewer nodes"
         )
+    if len(set(counts)) > MAX_NODE_COUNTS:
+        raise click.UsageError(f"--nodes: at most {MAX_NODE_COUNTS} node counts (got {len(set(counts))})")
     return sorted(set(counts))
 
 
-@click.command(cls=_OneLineErrors)
+@click.command(cls=OneLineCommand)
 @click.option(
     "--nodes",
     "nodes_text",
@@ -62,52 +57,53 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     show_default=True,
     help="Node counts, comma-separated.",
 )
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
-@click.option("--steps", type=int, default=5000, show_default=True, help="Steps simulated per node count.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(max=MAX_RANKS), default=8, show_default=True)
+@click.option("--steps", type=click.IntRange(max=MAX_STEPS), default=5000, show_default=True,
+              help="Steps simulated per node count.")  # fmt: skip
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--samples-per-rank", type=int, default=32, show_default=True, help="Samples per rank per step."
 )
 @click.option(
     "--from-run",
     "from_run",
-    type=click.Path(path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     help="Resample compute from a traced run directory.",
 )
 # compute
-@click.option("--base-ms", type=float, default=100.0, show_default=True, help="Mean compute per step.")
+@click.option("--base-ms", type=FINITE, default=100.0, show_default=True, help="Mean compute per step.")
 @click.option(
-    "--noise-cv", type=float, default=0.02, show_default=True, help="Gaussian noise of compute (fraction)."
+    "--noise-cv", type=FINITE, default=0.02, show_default=True, help="Gaussian noise of compute (fraction)."
 )
 @click.option(
     "--locality-gpu",
-    type=float,
+    type=FINITE,
     default=0.0,
     show_default=True,
     help="Max fixed offset of a GPU slot (fraction).",
 )
 @click.option(
     "--locality-node",
-    type=float,
+    type=FINITE,
     default=0.0,
     show_default=True,
     help="Max fixed offset of a node (fraction).",
 )
 @click.option(
-    "--spike-rate", type=float, default=0.0, show_default=True, help="Per-rank spike probability per step."
+    "--spike-rate", type=FINITE, default=0.0, show_default=True, help="Per-rank spike probability per step."
 )
-@click.option("--spike-ms", type=float, default=50.0, show_default=True)
+@click.option("--spike-ms", type=FINITE, default=50.0, show_default=True)
 @click.option(
     "--spike-dist", type=click.Choice(["fixed", "exp", "lognormal"]), default="exp", show_default=True
 )
 @click.option(
     "--node-spike-rate",
-    type=float,
+    type=FINITE,
     default=0.0,
     show_default=True,
     help="Per-node spike probability per step.",
 )
-@click.option("--node-spike-ms", type=float, default=50.0, show_default=True)
+@click.option("--node-spike-ms", type=FINITE, default=50.0, show_default=True)
 @click.option(
     "--sync-every",
     type=int,
@@ -116,39 +112,39 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     help="Stabilizer: synchronous pause every N steps.",
 )
 @click.option(
-    "--sync-ms", type=float, default=0.0, show_default=True, help="Stabilizer: length of that pause."
+    "--sync-ms", type=FINITE, default=0.0, show_default=True, help="Stabilizer: length of that pause."
 )
 # fabric
 @click.option(
     "--exposed-mb",
-    type=float,
+    type=FINITE,
     default=100.0,
     show_default=True,
     help="Gradient MB whose all-reduce is exposed.",
 )
 @click.option(
-    "--intra-gbps", type=float, default=200.0, show_default=True, help="GB/s per GPU inside a node."
+    "--intra-gbps", type=FINITE, default=200.0, show_default=True, help="GB/s per GPU inside a node."
 )
 @click.option(
-    "--inter-gbps", type=float, default=50.0, show_default=True, help="GB/s per node into the fabric."
+    "--inter-gbps", type=FINITE, default=50.0, show_default=True, help="GB/s per node into the fabric."
 )
 @click.option("--nodes-per-leaf", type=int, default=16, show_default=True)
 @click.option(
-    "--oversubscription", type=float, default=1.0, show_default=True, help="Leaf uplink oversubscription."
+    "--oversubscription", type=FINITE, default=1.0, show_default=True, help="Leaf uplink oversubscription."
 )
 @click.option(
-    "--background-load", type=float, default=0.0, show_default=True, help="Mean uplink load of other jobs."
+    "--background-load", type=FINITE, default=0.0, show_default=True, help="Mean uplink load of other jobs."
 )
 # early-arrival cost
 @click.option(
-    "--spin-cost", type=float, default=0.0, show_default=True, help="Slowdown per spinning node peer (beta)."
+    "--spin-cost", type=FINITE, default=0.0, show_default=True, help="Slowdown per spinning node peer (beta)."
 )
 @click.option(
-    "--sleep-cost", type=float, default=0.0, show_default=True, help="Cost of a paced peer, fraction of spin."
+    "--sleep-cost", type=FINITE, default=0.0, show_default=True, help="Cost of a paced peer, fraction of spin."
 )
 @click.option(
     "--burst-cost",
-    type=float,
+    type=FINITE,
     default=0.0,
     show_default=True,
     help="All-reduce penalty of synchronous starts.",
@@ -157,9 +153,9 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
 @click.option(
     "--pacing/--no-pacing", default=True, show_default=True, help="Also simulate with pacing, side by side."
 )
-@click.option("--pace-gain", type=float, default=PacingConfig.gain, show_default=True)
-@click.option("--pace-max-delay-ms", type=float, default=PacingConfig.max_delay_ns / 1e6, show_default=True)
-@click.option("--pace-max-frac", type=float, default=PacingConfig.max_delay_frac, show_default=True)
+@click.option("--pace-gain", type=FINITE, default=PacingConfig.gain, show_default=True)
+@click.option("--pace-max-delay-ms", type=Number(max=1e9), default=PacingConfig.max_delay_ns / 1e6, show_default=True)
+@click.option("--pace-max-frac", type=FINITE, default=PacingConfig.max_delay_frac, show_default=True)
 @click.option(
     "--pace-every", type=int, default=1, show_default=True, help="Controller updates every N steps."
 )
@@ -167,13 +163,13 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
 @click.option(
     "--plot",
     "plot",
-    type=click.Path(path_type=Path),
+    type=OutputFile(make_parents=False),
     help="Write a plot: .png (matplotlib) or .html (plotly).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option(
     "--write-run",
-    type=click.Path(path_type=Path),
+    type=OutputDir(),
     help="Write the simulated steps as a run directory (one node count).",
 )
 def command(nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Path | None, as_json: bool,
@@ -190,11 +186,12 @@ def command(nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Pa
     from hyperacc.sim.simulate import simulate, sweep
     from hyperacc.store import RunDirError
 
-    if gpus_per_node < 1:
-        raise click.ClickException(f"--gpus-per-node {gpus_per_node}: must be >= 1")
     counts = _node_counts(nodes_text, gpus_per_node)
     if write_run is not None and len(counts) != 1:
-        raise click.ClickException("--write-run writes one simulated job: give a single --nodes value")
+        raise click.UsageError("--write-run writes one simulated job: give a single --nodes value")
+    plot = Path(plot) if plot is not None else None
+    if plot is not None and plot.suffix.lower() not in (".png", ".html"):
+        raise click.UsageError(f"--plot {plot}: the file must end in .png or .html")
     try:
         pace = (
             PacingConfig(
@@ -240,12 +237,9 @@ def command(nodes_text: str, gpus_per_node: int, from_run: Path | None, plot: Pa
         )
         measured = MeasuredRun.from_run_dir(from_run) if from_run is not None else None
     except (SimConfigError, PacingConfigError) as exc:
-        raise click.ClickException(_as_option(str(exc))) from None
+        raise click.UsageError(_as_option(str(exc))) from None
     except RunDirError as exc:
         raise click.ClickException(f"--from-run: {exc}") from None
-    if plot is not None and plot.suffix.lower() not in (".png", ".html"):
-        raise click.ClickException(f"--plot {plot}: the file must end in .png or .html")
-
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
