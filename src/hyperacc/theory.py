@@ -54,13 +54,23 @@ def _check_count(name: str, n: int) -> int:
     return int(n)
 
 
-def _check_finite(name: str, x: float, low: float | None = None, low_open: bool = False) -> float:
-    """A finite number, at least (or above, ``low_open``) ``low``."""
+# Step times and spike sizes beyond this (in the caller's unit: 1e12 ms is 31 years) would overflow
+# the second moment the order statistics integrate (x**2 over the grid).
+MAX_TIME = 1e12
+
+
+def _check_finite(
+    name: str, x: float, low: float | None = None, low_open: bool = False, high: float | None = None
+) -> float:
+    """A finite number, at least (or above, ``low_open``) ``low`` and at most ``high``."""
     ok = _is_number(x) and math.isfinite(x)
     if ok and low is not None:
         ok = x > low if low_open else x >= low
+    if ok and high is not None:
+        ok = x <= high
     if not ok:
         bound = "" if low is None else f" {'>' if low_open else '>='} {low:g}"
+        bound += "" if high is None else f"{' and' if bound else ''} <= {high:g}"
         raise TheoryError(f"{name} must be a finite number{bound} (got {x})")
     return float(x)
 
@@ -153,10 +163,10 @@ class ClusterStepModel:
         _check_prob("p_rank", self.p_rank)
         _check_prob("p_node", self.p_node)
         _check_count("ranks_per_node", self.ranks_per_node)
-        _check_finite("base", self.base)
-        _check_finite("noise", self.noise, 0.0)
-        _check_finite("spike_size", self.spike_size, 0.0)
-        _check_finite("spike_sigma", self.spike_sigma, 0.0)
+        _check_finite("base", self.base, -MAX_TIME, high=MAX_TIME)
+        _check_finite("noise", self.noise, 0.0, high=MAX_TIME)
+        _check_finite("spike_size", self.spike_size, 0.0, high=MAX_TIME)
+        _check_finite("spike_sigma", self.spike_sigma, 0.0, high=5.0)  # exp(7.5 sigma) bounds the grid
         if not (_is_number(self.grid_points) and 2 <= self.grid_points <= 10_000_000):
             raise TheoryError(f"grid_points must be a whole number in [2, 10,000,000] (got {self.grid_points})")
         if self.spike not in ("fixed", "exp", "lognormal"):

@@ -73,7 +73,7 @@ def _persist(ctx: click.Context, param: click.Parameter, text: str | None) -> tu
 @click.option(
     "--spike-mad", type=FINITE, default=None, help="Spike: robust deviations above the rolling median [5]."
 )
-@click.option("--spike-floor-ms", type=Number(max=1e12), default=None, help="Spike: absolute floor in ms [1].")
+@click.option("--spike-floor-ms", type=Number(min=0, max=1e12), default=None, help="Spike: absolute floor in ms [1].")
 @click.option(
     "--spike-floor-rel", type=FINITE, default=None, help="Spike: floor relative to the typical step [0.25]."
 )

@@ -103,6 +103,8 @@ class OutputFile(click.ParamType):
         path = Path(text).expanduser()
         if text.endswith(os.sep) or path.is_dir():
             self.fail(f"{text} is a directory; give a file name inside it", param, ctx)
+        if path.exists() and not path.is_file():  # a device or a pipe would be replaced, not written
+            self.fail(f"{text} exists and is not a regular file; give another file name", param, ctx)
         if not self.make_parents and not path.parent.is_dir():
             self.fail(f"the folder {path.parent} does not exist; create it first", param, ctx)
         problem = _creatable(path.parent)

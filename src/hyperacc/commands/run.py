@@ -45,25 +45,32 @@ def _json_option(name: str, value: str | None) -> str | None:
 MAX_LOCAL_RANKS = 4096  # ranks one torchrun agent starts (as hyperacc affinity)
 
 
+def _whole_number(text: str) -> int | None:
+    """``text`` as a whole number when it is one of at most 9 digits (larger ones are no count here)."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
+
+
 def _nproc(ctx: click.Context, param: click.Parameter, value: str) -> str:
     """torchrun's --nproc-per-node: a positive whole number, or gpu, cpu, auto."""
     text = value.strip()
     if text in ("gpu", "cpu", "auto"):
         return text
-    if not text.isdigit() or not 1 <= int(text) <= MAX_LOCAL_RANKS:
-        raise click.BadParameter(f"{value!r}: give a whole number from 1 to {MAX_LOCAL_RANKS}, or gpu, cpu, auto")
-    return str(int(text))
+    n = _whole_number(text)
+    if n is None or not 1 <= n <= MAX_LOCAL_RANKS:
+        raise click.BadParameter(f"{value[:40]!r}: give a whole number from 1 to {MAX_LOCAL_RANKS}, or gpu, cpu, auto")
+    return str(n)
 
 
 def _whole(low: int, high: int | None = None):
     def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
         if value is None:
             return None
-        text = value.strip()
-        if not text.isdigit() or int(text) < low or (high is not None and int(text) > high):
+        n = _whole_number(value)
+        if n is None or n < low or (high is not None and n > high):
             upper = f" to {high}" if high is not None else " or more"
-            raise click.BadParameter(f"{value!r}: give a whole number from {low}{upper}")
-        return str(int(text))
+            raise click.BadParameter(f"{value[:40]!r}: give a whole number from {low}{upper}")
+        return str(n)
 
     return check
 
@@ -72,10 +79,10 @@ def _nnodes(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     """torchrun's --nnodes: N or MIN:MAX, whole numbers >= 1."""
     if value is None:
         return None
-    parts = value.strip().split(":")
-    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
-        raise click.BadParameter(f"{value!r}: give a number of nodes N or a range MIN:MAX (1 <= MIN <= MAX)")
-    return ":".join(str(int(p)) for p in parts)
+    parts = [_whole_number(p) for p in value.split(":")]
+    if len(parts) > 2 or not all(p is not None and p >= 1 for p in parts) or parts[0] > parts[-1]:
+        raise click.BadParameter(f"{value[:40]!r}: give a number of nodes N or a range MIN:MAX (1 <= MIN <= MAX)")
+    return ":".join(str(p) for p in parts)
 
 
 def _interval(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -86,17 +93,17 @@ def _interval(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds < 1e9:  # NaN fails too
-        raise click.BadParameter(f"{value!r}: give a number of seconds > 0")
+        raise click.BadParameter(f"{value[:40]!r}: give a number of seconds > 0")
     return value.strip()
 
 
-_STD = re.compile(r"^\s*(?:[0-3]|\d+:[0-3](?:\s*,\s*\d+:[0-3])*)\s*$")
+_STD = re.compile(r"^\s*(?:[0-3]|[0-9]{1,6}:[0-3](?:\s*,\s*[0-9]{1,6}:[0-3])*)\s*$")
 
 
 def _std(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """torchrun's --redirects / --tee: 0-3, or per local rank as 0:1,1:2."""
     if value is not None and not _STD.match(value):
-        raise click.BadParameter(f"{value!r}: give 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per rank as 0:3,1:1")
+        raise click.BadParameter(f"{value[:40]!r}: give 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per rank as 0:3,1:1")
     return value
 
 

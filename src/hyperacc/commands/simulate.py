@@ -13,12 +13,17 @@ from pathlib import Path
 
 import click
 
-from hyperacc.commands.params import FINITE, Number, OneLineCommand, OutputDir, OutputFile
+from hyperacc.commands.params import Number, OneLineCommand, OutputDir, OutputFile
 from hyperacc.pacing.controller import PacingConfig, PacingConfigError
 
 MAX_RANKS = 65536
 
 
+# Physical ranges of the simulator's quantities: beyond them its float32 nanoseconds overflow.
+TIME_MS = Number(max=1e9)  # ~11.6 days
+SIZE_MB = Number(max=1e9)
+GBPS = Number(min=1e-3, max=1e6)
+FACTOR = Number(min=-1e6, max=1e6)  # fractions, probabilities, costs, gains (their rules: hyperacc.sim)
 MAX_STEPS = 10_000_000  # per-step results are kept (~17 bytes a step): 10 M steps is ~170 MB
 MAX_NODE_COUNTS = 32
 
@@ -71,39 +76,39 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     help="Resample compute from a traced run directory.",
 )
 # compute
-@click.option("--base-ms", type=FINITE, default=100.0, show_default=True, help="Mean compute per step.")
+@click.option("--base-ms", type=TIME_MS, default=100.0, show_default=True, help="Mean compute per step.")
 @click.option(
-    "--noise-cv", type=FINITE, default=0.02, show_default=True, help="Gaussian noise of compute (fraction)."
+    "--noise-cv", type=FACTOR, default=0.02, show_default=True, help="Gaussian noise of compute (fraction)."
 )
 @click.option(
     "--locality-gpu",
-    type=FINITE,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="Max fixed offset of a GPU slot (fraction).",
 )
 @click.option(
     "--locality-node",
-    type=FINITE,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="Max fixed offset of a node (fraction).",
 )
 @click.option(
-    "--spike-rate", type=FINITE, default=0.0, show_default=True, help="Per-rank spike probability per step."
+    "--spike-rate", type=FACTOR, default=0.0, show_default=True, help="Per-rank spike probability per step."
 )
-@click.option("--spike-ms", type=FINITE, default=50.0, show_default=True)
+@click.option("--spike-ms", type=TIME_MS, default=50.0, show_default=True)
 @click.option(
     "--spike-dist", type=click.Choice(["fixed", "exp", "lognormal"]), default="exp", show_default=True
 )
 @click.option(
     "--node-spike-rate",
-    type=FINITE,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="Per-node spike probability per step.",
 )
-@click.option("--node-spike-ms", type=FINITE, default=50.0, show_default=True)
+@click.option("--node-spike-ms", type=TIME_MS, default=50.0, show_default=True)
 @click.option(
     "--sync-every",
     type=int,
@@ -112,39 +117,39 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     help="Stabilizer: synchronous pause every N steps.",
 )
 @click.option(
-    "--sync-ms", type=FINITE, default=0.0, show_default=True, help="Stabilizer: length of that pause."
+    "--sync-ms", type=TIME_MS, default=0.0, show_default=True, help="Stabilizer: length of that pause."
 )
 # fabric
 @click.option(
     "--exposed-mb",
-    type=FINITE,
+    type=SIZE_MB,
     default=100.0,
     show_default=True,
     help="Gradient MB whose all-reduce is exposed.",
 )
 @click.option(
-    "--intra-gbps", type=FINITE, default=200.0, show_default=True, help="GB/s per GPU inside a node."
+    "--intra-gbps", type=GBPS, default=200.0, show_default=True, help="GB/s per GPU inside a node."
 )
 @click.option(
-    "--inter-gbps", type=FINITE, default=50.0, show_default=True, help="GB/s per node into the fabric."
+    "--inter-gbps", type=GBPS, default=50.0, show_default=True, help="GB/s per node into the fabric."
 )
 @click.option("--nodes-per-leaf", type=int, default=16, show_default=True)
 @click.option(
-    "--oversubscription", type=FINITE, default=1.0, show_default=True, help="Leaf uplink oversubscription."
+    "--oversubscription", type=FACTOR, default=1.0, show_default=True, help="Leaf uplink oversubscription."
 )
 @click.option(
-    "--background-load", type=FINITE, default=0.0, show_default=True, help="Mean uplink load of other jobs."
+    "--background-load", type=FACTOR, default=0.0, show_default=True, help="Mean uplink load of other jobs."
 )
 # early-arrival cost
 @click.option(
-    "--spin-cost", type=FINITE, default=0.0, show_default=True, help="Slowdown per spinning node peer (beta)."
+    "--spin-cost", type=FACTOR, default=0.0, show_default=True, help="Slowdown per spinning node peer (beta)."
 )
 @click.option(
-    "--sleep-cost", type=FINITE, default=0.0, show_default=True, help="Cost of a paced peer, fraction of spin."
+    "--sleep-cost", type=FACTOR, default=0.0, show_default=True, help="Cost of a paced peer, fraction of spin."
 )
 @click.option(
     "--burst-cost",
-    type=FINITE,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="All-reduce penalty of synchronous starts.",
@@ -153,9 +158,9 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
 @click.option(
     "--pacing/--no-pacing", default=True, show_default=True, help="Also simulate with pacing, side by side."
 )
-@click.option("--pace-gain", type=FINITE, default=PacingConfig.gain, show_default=True)
+@click.option("--pace-gain", type=FACTOR, default=PacingConfig.gain, show_default=True)
 @click.option("--pace-max-delay-ms", type=Number(max=1e9), default=PacingConfig.max_delay_ns / 1e6, show_default=True)
-@click.option("--pace-max-frac", type=FINITE, default=PacingConfig.max_delay_frac, show_default=True)
+@click.option("--pace-max-frac", type=FACTOR, default=PacingConfig.max_delay_frac, show_default=True)
 @click.option(
     "--pace-every", type=int, default=1, show_default=True, help="Controller updates every N steps."
 )
