@@ -124,10 +124,15 @@ def export_chrome(
     # t0: earliest start over the window, from Parquet data of each rank (one rank in memory at a time)
     ranks = sorted(layout.sources)
     t0 = math.inf
+    records = 0
     for r in ranks:
-        cols = _window(_read_rank(layout.sources[r].segments, ("step", "t_start_ns")), lo, hi)
+        cols = _read_rank(layout.sources[r].segments, ("step", "t_start_ns"))
+        records += cols["step"].size
+        cols = _window(cols, lo, hi)
         if cols["t_start_ns"].size and np.isfinite(cols["t_start_ns"]).any():
             t0 = min(t0, float(np.nanmin(cols["t_start_ns"])))
+    if not records:  # as analyze and report: a run without one readable record is an error, not a trace
+        raise store.RunDirError(f"no segment under {Path(run_dir) / 'steps'} could be read; see the warnings above")
     for table in events.values():  # an event may precede the first exported step
         t = table.column("t_ns").drop_null()
         if len(t):

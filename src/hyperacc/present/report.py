@@ -14,6 +14,7 @@ ranks x steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import html
@@ -177,8 +178,13 @@ def build_report(
     path = Path(out) if out else Path(run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk leaves no half-written page behind
+            tmp.unlink(missing_ok=True)
+        raise
     say("done", 1.0)
     return ReportResult(path, path.stat().st_size, len(ranks), recorded, len(chosen), width)
 
