@@ -185,5 +185,6 @@ def side_by_side(traced: Callable[[], JobOutcome], plain: Callable[[], JobOutcom
 
 
 def seeded(name: str) -> random.Random:
-    """A generator seeded from the test's name: random moments, the same on every run."""
-    return random.Random(f"hyperacc-reliability-{name}")
+    """A generator seeded from the test's name: random moments, the same on every run
+    (``HYPERACC_FAULT_SEED`` picks other moments; bench/soak.py runs several)."""
+    return random.Random(f"hyperacc-reliability-{name}-{os.environ.get('HYPERACC_FAULT_SEED', '0')}")

@@ -339,6 +339,7 @@ class InBand:
         return delay
 
     def _done_last(self, fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # a failed all-reduce (a peer died) raises here, as it would without us
         self._done_at[self._last_k] = perf_counter_ns()
         dev = self.tracer._dev
         if dev is not None:
