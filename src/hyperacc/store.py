@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -230,7 +231,7 @@ def conform(table: pa.Table, schema: pa.Schema, path: str | os.PathLike = "") ->
     each cast to its type; a column the segment lacks is null, except ``rank``, taken from the
     segment's folder (``rank-00003``).
 
-    A float in an integer column that no integer holds (NaN, infinite, beyond int64) becomes null.
+    A value an integer column cannot hold (NaN, an infinity, a number beyond its type) becomes null.
     Rows whose identity is null (``rank``, ``node``, ``step`` of a step record, ``kind`` of an event)
     or whose step lies beyond +-2**53 are dropped, with one warning.
     """
@@ -245,9 +246,10 @@ def conform(table: pa.Table, schema: pa.Schema, path: str | os.PathLike = "") ->
         if pa.types.is_dictionary(col.type):
             col = col.cast(col.type.value_type)
         if col.type != field.type:
-            if pa.types.is_floating(col.type) and pa.types.is_integer(field.type):
-                whole = pc.and_(pc.is_finite(col), pc.less(pc.abs(col), 9.0e18))
-                col = pc.if_else(whole, col, pa.scalar(None, col.type))
+            if pa.types.is_integer(field.type):
+                fits = _holds(col, field.type)
+                if fits is not None:  # a value the column cannot hold is null, never wrapped around
+                    col = pc.if_else(pc.fill_null(fits, False), col, pa.scalar(None, col.type))
             col = col.cast(field.type, safe=False)
         arrays.append(col)
     out = pa.Table.from_arrays(arrays, schema=schema)
@@ -267,6 +269,24 @@ def conform(table: pa.Table, schema: pa.Schema, path: str | os.PathLike = "") ->
                             "beyond +-2**53, were left out")  # fmt: skip
             out = out.filter(mask)
     return out
+
+
+def _holds(col: pa.ChunkedArray, target: pa.DataType) -> pa.ChunkedArray | None:
+    """Where the integer type ``target`` holds ``col``'s values (None: everywhere)."""
+    dst = np.iinfo(target.to_pandas_dtype())
+    if pa.types.is_floating(col.type):
+        top = float(dst.max)
+        below = pc.less(col, top) if top > dst.max else pc.less_equal(col, top)  # 2**63-1 rounds up
+        return pc.and_(pc.and_(pc.is_finite(col), pc.greater_equal(col, float(dst.min))), below)
+    if not pa.types.is_integer(col.type):
+        return None
+    src = np.iinfo(col.type.to_pandas_dtype())
+    conds = []
+    if src.min < dst.min:
+        conds.append(pc.greater_equal(col, pa.scalar(dst.min, col.type)))
+    if src.max > dst.max:
+        conds.append(pc.less_equal(col, pa.scalar(dst.max, col.type)))
+    return functools.reduce(pc.and_, conds) if conds else None
 
 
 def _folder_rank(path: str | os.PathLike) -> int | None:

@@ -39,6 +39,10 @@ CASES = {
     "step 2**62": (pa.table({**_ids([2**62]), "step_ns": pa.array([10**6], pa.int64())}), STEPS, "left out"),
     "null step": (pa.table({"rank": pa.array([1, 1], I32), "node": pa.array([0, 0], I32),
                             "step": pa.array([None, STEPS], pa.int64())}), STEPS + 1, "left out"),
+    "step 2**64-1 unsigned": (pa.table({"rank": pa.array([1], I32), "node": pa.array([0], I32),
+                                        "step": pa.array([2**64 - 1], pa.uint64())}), STEPS, "left out"),
+    "rank beyond int32": (pa.table({"rank": pa.array([2**40], pa.int64()), "node": pa.array([0], I32),
+                                    "step": pa.array([STEPS], pa.int64())}), STEPS, "left out"),
     "measurements as floats": (pa.table({**_ids([STEPS]), "step_ns": [float("nan")], "self_ns": [1e6]}), STEPS + 1,
                                None),
     "older schema (few columns)": (pa.table({**_ids([STEPS + 1]), "step_ns": pa.array([2 * 10**6], pa.int64())}),
@@ -159,3 +163,18 @@ def test_corrupt_metadata_and_impossible_rank_folders_are_left_out(base_run, tmp
     assert doc["world_size"] == RANKS and doc["ranks_analyzed"] == RANKS and doc["missing_ranks"] == []
     skipped = [r.getMessage() for r in caplog.records if "rank metadata" in r.getMessage()]
     assert len(skipped) == 4, skipped
+
+
+def test_the_live_metrics_follower_skips_what_does_not_fit(base_run, tmp_path, caplog):
+    from hyperacc.present.metrics import MetricsSink, RunDirFollower
+
+    run = _copy(base_run, tmp_path / "run")
+    table, _, why = CASES["step_ns as text"]
+    pq.write_table(table, run / "steps" / "rank-00001" / "seg-000099.parquet")
+    pq.write_table(pa.table({"x": [1]}), run / "steps" / "rank-00002" / "seg-000099.parquet")
+    sink = MetricsSink(world_size=RANKS)
+    with caplog.at_level(logging.WARNING):
+        fed = RunDirFollower(run, sink).poll()
+    assert fed == RANKS * (STEPS // SMALL.segment_steps) and sink.enabled  # the sink never saw them
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert why in text and "foreign column(s) 'x'" in text
