@@ -50,11 +50,13 @@ VALUES = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.text(max_size=12),
 )
-# Paths stay inside the scratch directory, except the few that name a special place on purpose.
+# Paths stay inside the scratch directory (a command may write wherever it is allowed to): w/file is
+# a regular file, w/fifo a named pipe (a device stand-in). The one place outside is /proc, where
+# nothing can be created.
 PATHS = st.one_of(
     st.sampled_from(["", " ", ".", "out", "out/", "a/b/c/out.html", "out.png", "out.html", "out.json", "run",
-                     "nope/x.png", "/proc/x", "/proc/x/y.html", "/nonexistent_dir/x.png", "/sys", "/etc/passwd",
-                     "/etc/passwd/x", "/dev/null"]),  # fmt: skip
+                     "nope/x.png", "w/file", "w/file/x", "w/file/x.html", "w/fifo", "w/fifo/x", "/proc/x",
+                     "/proc/x/y.html"]),  # fmt: skip
     st.text(alphabet="abc._-/ ", min_size=1, max_size=10).map(lambda t: "w/" + t),
 )
 JSONISH = st.one_of(
@@ -118,12 +120,22 @@ def _args(name: str) -> st.SearchStrategy[list[str]]:
     return picked.map(lambda groups: [a for g in groups for a in g])
 
 
+def _scratch(root: str) -> None:
+    work = Path(root) / "w"
+    work.mkdir()
+    (work / "file").write_text("a regular file\n")
+    os.mkfifo(work / "fifo")
+
+
 def _invoke(args: list[str]) -> None:
+    for flag, value in zip(args, args[1:], strict=False):  # never a path outside the scratch (and /proc)
+        if flag in PATH_OPTIONS | {"-o"}:
+            assert not value.startswith("/") or value.startswith(("/proc/", tempfile.gettempdir())), args
     with tempfile.TemporaryDirectory(prefix="hyperacc-fuzz-") as scratch:
         cwd = os.getcwd()
         os.chdir(scratch)
         try:
-            (Path(scratch) / "w").mkdir()
+            _scratch(scratch)
             result = CliRunner().invoke(cli, args)
         finally:
             os.chdir(cwd)
@@ -208,7 +220,7 @@ KNOWN = [
     ["analyze", "RUN", "--spike-floor-ms", "inf"], ["analyze", "RUN", "--spike-floor-rel", "nan"],
     ["analyze", "RUN", "--z-threshold", "nan"], ["analyze", "RUN", "--iqr-k", "nan"], ["analyze", "RUN", "--ranks-per-node", "0"],
     ["export", "RUN", "--chrome", ""], ["simulate", "--steps", "1e12"], ["simulate", "--steps", "1000000000000"],
-    ["simulate", "--plot", "/nonexistent_dir/x.png"], ["simulate", "--write-run", "/proc/x"], ["simulate", "--seed", "-1"],
+    ["simulate", "--plot", "w/nonexistent_dir/x.png"], ["simulate", "--write-run", "/proc/x"], ["simulate", "--seed", "-1"],
     ["affinity", "--nproc-per-node", "1000000"], ["theory", "--base-ms", "nan"], ["theory", "--spike-ms", "inf"],
     ["theory", "--node-mtbf-hours", "0"],
 ]  # fmt: skip
@@ -226,6 +238,7 @@ def test_the_inputs_of_issue_14(run_dir, script, args):
         cwd = os.getcwd()
         os.chdir(scratch)
         try:
+            _scratch(scratch)
             result = CliRunner().invoke(cli, args)
         finally:
             os.chdir(cwd)
@@ -242,7 +255,7 @@ def test_the_inputs_of_issue_14(run_dir, script, args):
 
 SAMPLE = [
     ["analyze", "RUN", "--spike-floor-rel", "nan"], ["analyze", "RUN", "--window-steps", "99999999999"],
-    ["report", "RUN", "--step-bins", "99999999999", "-o", "w/r.html"], ["export", "RUN", "--chrome", "/dev/null"],
+    ["report", "RUN", "--step-bins", "99999999999", "-o", "w/r.html"], ["export", "RUN", "--chrome", "w/fifo"],
     ["simulate", "--steps", "1000000000000"], ["affinity", "--nproc-per-node", "1000000"],
     ["theory", "--sweep", ",".join(str(i) for i in range(1, 100))], ["run", "--run-dir", "", "--", "x.py"],
     ["analyze", "RUN", "--json"], ["theory", "--nodes", "64", "--json"],
@@ -259,7 +272,7 @@ def test_sample_as_subprocesses(run_dir, tmp_path, args):
     """Real processes under a 3 GiB address-space limit and a generous time limit (a hang shows as
     a timeout, not as a slow run): the exit status and the one line are the process's own."""
     args = [run_dir if a == "RUN" else a for a in args]
-    (tmp_path / "w").mkdir()
+    _scratch(str(tmp_path))
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "hyperacc", *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=240, preexec_fn=_limit_memory)  # fmt: skip

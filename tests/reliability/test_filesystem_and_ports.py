@@ -41,14 +41,15 @@ def small_fs(tmp_path) -> Iterator[Path]:
 
 
 def _fill(directory: Path) -> None:
-    """Write until the file system is full."""
-    chunk = b"\0" * 65536
+    """Write until the file system is full, to the last byte."""
     with (directory / "filler").open("wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(chunk)
-        except OSError:
-            pass
+        for size in (65536, 4096, 256, 1):
+            chunk = b"\0" * size
+            try:
+                while True:
+                    f.write(chunk)
+            except OSError:
+                pass
 
 
 def _steps(run_dir: Path) -> np.ndarray:
