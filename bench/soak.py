@@ -1,8 +1,8 @@
 """Reliability soak: a long traced job beside the same job untraced (memory, time, rows kept), then the
 reliability suite's fuzzing with many more inputs and its fault matrix with other seeds.
 
-    .venv/bin/python bench/soak.py           # 20,000 steps; 1,000 fuzz inputs per command; 3 fault seeds
-    .venv/bin/python bench/soak.py --quick   # 2,000 steps; 200 fuzz inputs per command; 1 fault seed
+    .venv/bin/python bench/soak.py           # 20,000 steps; 300 fuzz inputs per command; 3 fault seeds
+    .venv/bin/python bench/soak.py --quick   # 2,000 steps; 60 fuzz inputs per command; 1 fault seed
 
 The job is examples/train_ddp.py with 2 gloo ranks, through ``hyperacc run`` (traced) and through
 torchrun alone (untraced), one after the other. Each rank's resident memory is sampled every second;
@@ -106,7 +106,7 @@ def main() -> int:
     if "memory" not in skip:
         memory(args.steps or (2_000 if args.quick else 20_000))
     if "fuzz" not in skip:
-        examples = "200" if args.quick else "1000"
+        examples = "60" if args.quick else "300"
         for what in ("tests/reliability/test_cli_fuzz.py", "tests/reliability/test_rundir_fuzz.py"):
             failed |= suite(what, {"HYPERACC_FUZZ_EXAMPLES": examples, "HYPERACC_FUZZ_RANDOM": "1"})
     if "faults" not in skip:
