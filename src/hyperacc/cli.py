@@ -1,12 +1,18 @@
 """The ``hyperacc`` command line. Each subcommand lives in ``hyperacc.commands.<name>`` and is imported
-only when it runs, so ``hyperacc theory`` does not pay for importing torch."""
+only when it runs, so ``hyperacc theory`` does not pay for importing torch.
+
+Exit status: 0 done, 1 the command could not do its work (the message says why), 2 bad input (one
+line naming the option and what is allowed), 130 interrupted (docs/reliability.md)."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import click
+
+from hyperacc.commands.params import one_line
 
 # name -> (module:attribute, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,6 +30,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class LazyGroup(click.Group):
+    """Subcommands imported when they run; every usage error of any of them is one line, exit 2."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:  # fmt: skip
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as exc:
+            raise one_line(exc) from None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            raise one_line(exc) from None
+
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 

@@ -38,16 +38,41 @@ class TheoryError(ValueError):
     """Impossible input; the message names the parameter and the valid range."""
 
 
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 def _check_prob(name: str, p: float) -> float:
-    if not (isinstance(p, (int, float)) and 0.0 <= p <= 1.0) or math.isnan(p):
+    if not (_is_number(p) and 0.0 <= p <= 1.0):  # NaN fails the comparison
         raise TheoryError(f"{name} must be a probability in [0, 1] (got {p})")
     return float(p)
 
 
 def _check_count(name: str, n: int) -> int:
-    if int(n) != n or n < 1:
+    if not _is_number(n) or not math.isfinite(n) or int(n) != n or n < 1:
         raise TheoryError(f"{name} must be a whole number >= 1 (got {n})")
     return int(n)
+
+
+# Step times and spike sizes beyond this (in the caller's unit: 1e12 ms is 31 years) would overflow
+# the second moment the order statistics integrate (x**2 over the grid).
+MAX_TIME = 1e12
+
+
+def _check_finite(
+    name: str, x: float, low: float | None = None, low_open: bool = False, high: float | None = None
+) -> float:
+    """A finite number, at least (or above, ``low_open``) ``low`` and at most ``high``."""
+    ok = _is_number(x) and math.isfinite(x)
+    if ok and low is not None:
+        ok = x > low if low_open else x >= low
+    if ok and high is not None:
+        ok = x <= high
+    if not ok:
+        bound = "" if low is None else f" {'>' if low_open else '>='} {low:g}"
+        bound += "" if high is None else f"{' and' if bound else ''} <= {high:g}"
+        raise TheoryError(f"{name} must be a finite number{bound} (got {x})")
+    return float(x)
 
 
 def cluster_spike_probability(
@@ -138,8 +163,12 @@ class ClusterStepModel:
         _check_prob("p_rank", self.p_rank)
         _check_prob("p_node", self.p_node)
         _check_count("ranks_per_node", self.ranks_per_node)
-        if self.noise < 0 or self.spike_size < 0:
-            raise TheoryError("noise and spike_size must be >= 0")
+        _check_finite("base", self.base, -MAX_TIME, high=MAX_TIME)
+        _check_finite("noise", self.noise, 0.0, high=MAX_TIME)
+        _check_finite("spike_size", self.spike_size, 0.0, high=MAX_TIME)
+        _check_finite("spike_sigma", self.spike_sigma, 0.0, high=5.0)  # exp(7.5 sigma) bounds the grid
+        if not (_is_number(self.grid_points) and 2 <= self.grid_points <= 10_000_000):
+            raise TheoryError(f"grid_points must be a whole number in [2, 10,000,000] (got {self.grid_points})")
         if self.spike not in ("fixed", "exp", "lognormal"):
             raise TheoryError(f"spike must be fixed, exp or lognormal (got {self.spike!r})")
 
@@ -229,28 +258,25 @@ class ClusterStepModel:
 
 def cluster_mtbf(node_mtbf: float | Sequence[float], nodes: int | None = None) -> float:
     """MTBF of a serial system: one value and ``nodes`` (identical nodes), or one MTBF per node."""
-    if isinstance(node_mtbf, (int, float)):
+    if _is_number(node_mtbf):
         if nodes is None:
             raise TheoryError("give nodes with a single node MTBF")
-        values = [float(node_mtbf)] * _check_count("nodes", nodes)
-    else:
-        values = [float(v) for v in node_mtbf]
-    if not values or any(v <= 0 or math.isnan(v) for v in values):
-        raise TheoryError("every node MTBF must be > 0")
+        return _check_finite("node_mtbf", node_mtbf, 0.0, low_open=True) / _check_count("nodes", nodes)
+    values = [_check_finite("node_mtbf", v, 0.0, low_open=True) for v in node_mtbf]
+    if not values:
+        raise TheoryError("node_mtbf: give at least one node MTBF")
     return 1.0 / sum(1.0 / v for v in values)
 
 
 def survival_probability(job_length: float, mtbf: float) -> float:
     """Probability that a job of ``job_length`` runs without interruption (exponential failures)."""
-    if job_length < 0 or mtbf <= 0:
-        raise TheoryError("job length must be >= 0 and MTBF > 0")
+    job_length = _check_finite("job_length", job_length, 0.0)
+    mtbf = _check_finite("mtbf", mtbf, 0.0, low_open=True)
     return math.exp(-job_length / mtbf)
 
 
 def interruptions_per_day(mtbf_hours: float) -> float:
-    if mtbf_hours <= 0:
-        raise TheoryError("MTBF must be > 0")
-    return 24.0 / mtbf_hours
+    return 24.0 / _check_finite("mtbf", mtbf_hours, 0.0, low_open=True)
 
 
 # ---------------------------------------------------------------- the sweep the CLI prints
@@ -284,7 +310,7 @@ def sweep(
         n = _check_count("nodes", n)
         req = required_rate(target, n, ranks_per_node, p_node) if target is not None else None
         step = model.stats(n) if model is not None else None
-        mtbf = cluster_mtbf(node_mtbf_hours, n) if node_mtbf_hours else None
+        mtbf = cluster_mtbf(node_mtbf_hours, n) if node_mtbf_hours is not None else None
         surv = survival_probability(job_hours, mtbf) if (mtbf and job_hours is not None) else None
         rows.append(
             SweepRow(
@@ -295,7 +321,7 @@ def sweep(
                 step=step,
                 mtbf_hours=mtbf,
                 p_survive_job=surv,
-                interruptions_per_day=interruptions_per_day(mtbf) if mtbf else None,
+                interruptions_per_day=interruptions_per_day(mtbf) if mtbf is not None else None,
             )
         )
     return rows

@@ -113,7 +113,7 @@ def test_from_run_prints_every_assumption(measured) -> None:
         (["--locality-gpu", "0.1"], "--locality-gpu has no effect with --from-run"),
         (["--background-load", "0.3"], "--background-load has no effect with --from-run"),
         (["--comm-scale", "none", "--exposed-mb", "10"], "--exposed-mb only scales the measured transfer"),
-        (["--replay-block", "0"], "--replay-block 0"),
+        (["--replay-block", "0"], "'--replay-block': 0 is not in the range"),
     ],
 )
 def test_from_run_refuses_options_it_would_ignore(measured, args, needle) -> None:

@@ -4,8 +4,10 @@ The analysis never holds the whole run: ``diagnose`` reads one rank's segments (
 columns it needs), reduces them to window summaries and spike tallies, and drops them before the next
 rank. Memory is bounded by the longest rank (about 8 bytes x steps x columns), not by ranks x steps.
 
-A segment that cannot be read (truncated by a SIGKILL) is skipped with one warning naming the file,
-as ``hyperacc.store`` does. Nulls become NaN: a value that was not measured is never read as zero.
+Every segment is checked against ``STEP_SCHEMA`` first (``hyperacc.store``): one that cannot be read
+(truncated by a SIGKILL) or whose columns do not fit (foreign columns, text in a number column) is
+skipped with one warning naming the file. Nulls become NaN: a value that was not measured is never
+read as zero. ``analyze``, ``report`` and ``export`` all read through here, so they skip the same.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hyperacc import store
-from hyperacc.schema import RankMeta
+from hyperacc.schema import STEP_SCHEMA, RankMeta
 
 log = logging.getLogger(__name__)
 
-_RANK_DIR = re.compile(r"^rank-(\d+)$")
+_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
+_IDENTITY = ("rank", "node", "step")
 
 # Columns the analysis reads (a subset of STEP_SCHEMA).
 ANALYSIS_COLUMNS: tuple[str, ...] = (
@@ -62,31 +65,57 @@ class RunLayout:
 
 
 def discover(run_dir: str | os.PathLike) -> RunLayout:
-    """The ranks of a run directory and their segments. Raises ``store.RunDirError`` for a bad path."""
+    """The ranks of a run directory and their segments. Raises ``store.RunDirError`` for a bad path.
+
+    A folder whose name is not ``rank-<number below store.MAX_RANKS>`` is not a rank's; metadata
+    that does not describe a rank is skipped with a warning (``store.read_meta``).
+    """
     root = store.check_run_dir(run_dir)
     metas = store.read_meta(root)
     sources: dict[int, RankSource] = {}
     steps_root = root / "steps"
-    if steps_root.is_dir():
-        for sub in sorted(steps_root.iterdir()):
-            m = _RANK_DIR.match(sub.name)
-            if not m or not sub.is_dir():
-                continue
-            segments = sorted(sub.glob("seg-*.parquet"))
-            if segments:
-                rank = int(m.group(1))
-                meta = metas.get(rank)
-                sources[rank] = RankSource(rank, meta.node if meta else None, segments)
+    try:
+        subs = sorted(steps_root.iterdir()) if steps_root.is_dir() else []
+    except OSError as exc:
+        raise store.RunDirError(f"cannot list {steps_root}: {exc.strerror or exc}") from None
+    for sub in subs:
+        m = _RANK_DIR.match(sub.name)
+        if not m or int(m.group(1)) >= store.MAX_RANKS or not sub.is_dir():
+            continue
+        try:
+            segments = sorted(p for p in sub.glob("seg-*.parquet") if p.is_file())
+        except OSError as exc:
+            log.warning("cannot list %s (%s); rank %s is left out", sub, exc, m.group(1))
+            continue
+        if segments:
+            rank = int(m.group(1))
+            meta = metas.get(rank)
+            sources[rank] = RankSource(rank, meta.node if meta else None, segments)
     world = max([m.world_size for m in metas.values()] + [r + 1 for r in sources] + [0])
     return RunLayout(root, metas, sources, world)
 
 
 def _readable(paths: Iterable[Path]) -> Iterable[tuple[Path, pq.ParquetFile]]:
+    """The segments whose columns fit ``STEP_SCHEMA``, opened (``store.open_segment``: the others are
+    skipped with one warning naming the file and what did not fit)."""
     for path in paths:
-        try:
-            yield path, pq.ParquetFile(path, pre_buffer=False)
-        except (OSError, pa.ArrowException) as exc:
-            log.warning("skipping unreadable segment %s (%s); the rest of the run is analysed", path, exc)
+        pf = store.open_segment(path, STEP_SCHEMA)
+        if pf is not None:
+            yield path, pf
+
+
+def _read(path: Path, pf: pq.ParquetFile, columns: Iterable[str]) -> pa.Table | None:
+    """The segment's ``columns`` (and its identity columns, which decide which rows are kept),
+    conformed to ``STEP_SCHEMA``."""
+    names = set(pf.schema_arrow.names)
+    want = list(dict.fromkeys([*_IDENTITY, *columns]))
+    try:
+        # One rank's segments are small: threads cost more than they save (and ranks already stream).
+        table = pf.read(columns=[c for c in want if c in names], use_threads=False)
+    except (OSError, pa.ArrowException, ValueError) as exc:
+        store.warn_once(path, f"skipping unreadable segment {path} ({exc}); the rest of the run is analysed")
+        return None
+    return store.conform(table, pa.schema([STEP_SCHEMA.field(c) for c in want]), path)
 
 
 def step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
@@ -94,25 +123,22 @@ def step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
     lo: int | None = None
     hi: int | None = None
     for path, pf in _readable(paths):
+        seg_lo = seg_hi = None
         try:
             idx = pf.schema_arrow.get_field_index("step")
-            if idx < 0:
-                continue
-            seg_lo = seg_hi = None
             md = pf.metadata
             stats = [md.row_group(i).column(idx).statistics for i in range(md.num_row_groups)]
-            if stats and all(s is not None and s.has_min_max for s in stats):
+            if stats and all(s is not None and s.has_min_max and s.null_count == 0 for s in stats):
                 seg_lo, seg_hi = min(s.min for s in stats), max(s.max for s in stats)
-            else:
-                col = pf.read(columns=["step"]).column("step")
-                if len(col):
-                    mm = pc.min_max(col)
-                    seg_lo, seg_hi = mm["min"].as_py(), mm["max"].as_py()
-        except (OSError, pa.ArrowException) as exc:
-            log.warning("skipping unreadable segment %s (%s); the rest of the run is analysed", path, exc)
-            continue
-        if seg_lo is None:
-            continue
+        except (OSError, pa.ArrowException, ValueError, TypeError):
+            seg_lo = seg_hi = None
+        if seg_lo is None or not (-store.MAX_STEP <= seg_lo and seg_hi <= store.MAX_STEP):
+            # no statistics, or rows the readers leave out: the rows that are kept decide
+            table = _read(path, pf, ("step",))
+            if table is None or not table.num_rows:
+                continue
+            mm = pc.min_max(table.column("step"))
+            seg_lo, seg_hi = mm["min"].as_py(), mm["max"].as_py()
         lo = seg_lo if lo is None else min(lo, seg_lo)
         hi = seg_hi if hi is None else max(hi, seg_hi)
     return None if lo is None else (int(lo), int(hi))
@@ -121,24 +147,18 @@ def step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
 def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) -> dict[str, np.ndarray]:
     """One rank's step records as numpy columns, sorted by step, one row per step (the last wins).
 
-    ``step``, ``rank`` and ``node`` are int64; every other column is float64 with NaN where the value
-    was not measured (null, or a column the segment does not have).
+    ``step``, ``rank`` and ``node`` are int64 (-1 where a segment did not record the node); every
+    other column is float64 with NaN where the value was not measured (null, or a column the segment
+    does not have). Segments that do not fit ``STEP_SCHEMA`` are skipped (``store.open_segment``),
+    as are rows without a step or with a step beyond +-2**53 (``store.conform``).
     """
-    tables = []
-    for path, pf in _readable(paths):
-        names = set(pf.schema_arrow.names)
-        have = [c for c in columns if c in names]
-        try:
-            # One rank's segments are small: threads cost more than they save (and ranks already stream).
-            tables.append(pf.read(columns=have, use_threads=False))
-        except (OSError, pa.ArrowException) as exc:
-            log.warning("skipping unreadable segment %s (%s); the rest of the run is analysed", path, exc)
-    tables = [t for t in tables if t.num_rows]
+    unknown = [c for c in columns if STEP_SCHEMA.get_field_index(c) < 0]
+    if unknown:
+        raise ValueError(f"unknown step column(s) {unknown}; see hyperacc.schema.STEP_SCHEMA")
+    tables = [t for path, pf in _readable(paths) if (t := _read(path, pf, columns)) is not None and t.num_rows]
     if not tables:
-        return {
-            c: np.empty(0, dtype=np.int64 if c in ("rank", "node", "step") else np.float64) for c in columns
-        }
-    table = pa.concat_tables(tables, promote_options="permissive")
+        return {c: np.empty(0, dtype=np.int64 if c in _IDENTITY else np.float64) for c in columns}
+    table = pa.concat_tables(tables)
     steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     order: np.ndarray | None = None
     if steps.size > 1 and not bool(np.all(steps[1:] > steps[:-1])):
@@ -148,15 +168,11 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
         keep = np.ones(ordered.size, dtype=bool)
         keep[:-1] = ordered[1:] != ordered[:-1]
         order = order[keep]
-    n = steps.size if order is None else order.size
     out: dict[str, np.ndarray] = {}
     for name in columns:
-        if name not in table.column_names:
-            out[name] = np.full(n, np.nan)
-            continue
         col = table.column(name)
-        if name in ("rank", "node", "step"):
-            arr = col.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+        if name in _IDENTITY:
+            arr = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         elif col.null_count == len(col):
             arr = np.full(len(col), np.nan)
         else:

@@ -101,39 +101,44 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
 class _Cluster:
     """Per-step facts merged over ranks: who reported, who spiked, who waited least.
 
-    Arrays cover steps ``[first, first + size)`` and grow when a rank brings steps outside them.
+    Indexed sparsely: the arrays hold one entry per step some rank recorded (``steps``, sorted), so
+    memory follows the records, not the step numbers (a step numbered 10**12 costs one entry).
     """
 
     _FILL = {"present": False, "judged": False, "self_spike": False, "comm_min": np.inf, "comm_rank": -1}
 
     def __init__(self) -> None:
-        self.first = 0
+        self.steps = np.zeros(0, dtype=np.int64)  # every step any rank recorded, sorted
         self.present = np.zeros(0, dtype=bool)  # any record (warm-up included)
         self.judged = np.zeros(0, dtype=bool)  # any judged record
         self.self_spike = np.zeros(0, dtype=bool)
         self.comm_min = np.zeros(0)
         self.comm_rank = np.zeros(0, dtype=np.int64)
 
-    def cover(self, lo: int, hi: int) -> None:
-        size = self.present.size
-        if size and self.first <= lo and hi < self.first + size:
+    def cover(self, steps: np.ndarray) -> None:
+        """Make room for ``steps`` (sorted); existing facts keep their steps."""
+        pos = np.searchsorted(self.steps, steps)
+        inside = pos < self.steps.size
+        if inside.all() and np.array_equal(self.steps[pos], steps):
             return
-        first = min(lo, self.first) if size else lo
-        last = max(hi, self.first + size - 1) if size else hi
-        shift = self.first - first
+        merged = np.union1d(self.steps, steps)
+        where = np.searchsorted(merged, self.steps)
         for name, fill in self._FILL.items():
             old = getattr(self, name)
-            new = np.full(last - first + 1, fill, dtype=old.dtype)
-            new[shift : shift + old.size] = old
+            new = np.full(merged.size, fill, dtype=old.dtype)
+            new[where] = old
             setattr(self, name, new)
-        self.first = first
+        self.steps = merged
+
+    def index(self, steps: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.steps, steps)
 
     def add(self, f: RankFindings) -> None:
-        self.cover(int(f.steps[0]), int(f.steps[-1]))
-        self.present[f.steps - self.first] = True
-        self.judged[f.judged - self.first] = True
-        self.self_spike[f.spikes - self.first] = True
-        pos = f.comm_steps - self.first
+        self.cover(f.steps)
+        self.present[self.index(f.steps)] = True
+        self.judged[self.index(f.judged)] = True
+        self.self_spike[self.index(f.spikes)] = True
+        pos = self.index(f.comm_steps)
         better = f.comm_wait < self.comm_min[pos]
         self.comm_min[pos[better]] = f.comm_wait[better]
         self.comm_rank[pos[better]] = f.rank
@@ -142,7 +147,7 @@ class _Cluster:
         """The per-step culprit record by window: ({(rank, window): steps it waited least}, {window:
         steps with a known culprit})."""
         valid = self.comm_rank >= 0
-        steps = self.first + np.flatnonzero(valid)
+        steps = self.steps[valid]
         win = steps // window_steps
         rank = self.comm_rank[valid]
         pairs, counts = np.unique(np.stack([rank, win]), axis=1, return_counts=True) if rank.size else (
@@ -358,7 +363,7 @@ def _communication(
             float(sp.excess[i]),
             rank,
             node_of.get(rank, -1),
-            int(cluster.first + i),
+            int(cluster.steps[i]),
             "comm_wait_ns",
             "communication",
         )
@@ -408,16 +413,13 @@ class _Nodes:
 
 
 def _node_steps(judged: list[np.ndarray], spikes: list[np.ndarray]) -> tuple[int, np.ndarray]:
-    """(steps judged on any rank of a node, ranks spiking in each step of the node's range)."""
+    """(steps judged on any rank of a node, ranks spiking in each of those steps), indexed sparsely."""
     judged = [j for j in judged if j.size]
     if not judged:
         return 0, np.zeros(0, dtype=np.int64)
-    lo = min(int(j[0]) for j in judged)
-    hi = max(int(j[-1]) for j in judged)
-    seen = np.zeros(hi - lo + 1, dtype=bool)
-    for j in judged:
-        seen[j - lo] = True
-    return int(seen.sum()), np.bincount(np.concatenate(spikes) - lo, minlength=seen.size)
+    seen = np.unique(np.concatenate(judged))
+    hits = np.bincount(np.searchsorted(seen, np.concatenate(spikes)), minlength=seen.size)
+    return int(seen.size), hits
 
 
 def _causes(findings: list[RankFindings], comm_n: int, comm_lost: float) -> list[dict[str, Any]]:

@@ -7,22 +7,31 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import click
 
+from hyperacc.commands.params import OneLineCommand, option_error
 
-@click.command("affinity")
+# A plan lists every rank and worker of one node: more than this on one node is a typing error, and
+# a million ranks took minutes and gigabytes to plan.
+MAX_LOCAL_RANKS = 4096
+MAX_WORKERS = 1024
+_OPTION_OF = {"nproc": "--nproc-per-node", "workers_per_rank": "--workers-per-rank", "main_cores": "--main-cores"}
+
+
+@click.command("affinity", cls=OneLineCommand)
 @click.option("--show", is_flag=True, default=True, help="Print the plan (the default and only action).")
 @click.option(
     "--nproc-per-node",
-    type=int,
+    type=click.IntRange(max=MAX_LOCAL_RANKS),
     default=None,
     help="Ranks on this node (default: LOCAL_WORLD_SIZE, else the number of visible GPUs, else 1).",
 )
 @click.option(
-    "--workers-per-rank", type=int, default=0, show_default=True, help="DataLoader workers per rank."
+    "--workers-per-rank", type=click.IntRange(max=MAX_WORKERS), default=0, show_default=True, help="DataLoader workers per rank."
 )
-@click.option("--main-cores", type=int, default=None, help="Cores kept for each rank's main process.")
+@click.option("--main-cores", type=click.IntRange(min=1), default=None, help="Cores kept for each rank's main process.")
 @click.option(
     "--sysfs-root",
     type=click.Path(file_okay=False),
@@ -39,9 +48,7 @@ def command(
     from hyperacc.stabilize.affinity import format_plan, plan_affinity, read_topology
 
     if not os.path.isdir(sysfs_root):
-        raise click.ClickException(
-            f"--sysfs-root {sysfs_root} is not a directory; pass a sysfs tree (default /sys)"
-        )
+        raise click.UsageError(f"--sysfs-root {sysfs_root} is not a directory; pass a sysfs tree (default /sys)")
     try:
         real = os.path.realpath(sysfs_root) == os.path.realpath("/sys")
         topo = read_topology(
@@ -55,6 +62,8 @@ def command(
             nproc, workers_per_rank, sysfs_root=sysfs_root, topology=topo, main_cores=main_cores
         )
     except ValueError as exc:
+        if re.search(r"\b(nproc|workers_per_rank|main_cores)\b", str(exc)):  # the planner's rule on an option
+            raise option_error(exc, _OPTION_OF) from None
         raise click.ClickException(str(exc)) from None
 
     if as_json:

@@ -14,7 +14,8 @@ from typing import Any
 
 import click
 
-from hyperacc.store import RunDirError
+from hyperacc.commands.params import FINITE, Number, OneLineCommand, option_error, typed_options
+from hyperacc.store import MAX_RANKS, RunDirError
 
 
 def _pct(p: float | None) -> str:
@@ -30,72 +31,87 @@ def _ms(ns: float | None) -> str:
     return f"{ns / 1e6:.3g} ms" if ns < 1e9 else f"{ns / 1e9:.3g} s"
 
 
-def _persist(text: str | None) -> tuple[int, int] | None:
+# Each detection setting and the option that sets it, so a rule broken in DetectionOptions names the option.
+OPTION_OF = {
+    "window_steps": "--window-steps", "persist_k": "--persist", "persist_n": "--persist",
+    "z_threshold": "--z-threshold", "iqr_k": "--iqr-k", "outlier_rule": "--rule", "min_slowdown": "--min-slowdown",
+    "spike_mad": "--spike-mad", "spike_floor_ns": "--spike-floor-ms", "spike_floor_rel": "--spike-floor-rel",
+    "spike_window": "--spike-window", "spike_metric": "--spike-metric", "warmup_steps": "--warmup-steps",
+    "target": "--target", "ranks_per_node": "--ranks-per-node", "top_events": "--top",
+}  # fmt: skip
+_COUNT_MAX = 1 << 53  # step counts beyond float64's exact integers are no step counts
+
+
+def _persist(ctx: click.Context, param: click.Parameter, text: str | None) -> tuple[int, int] | None:
     if text is None:
         return None
     try:
         k, n = (int(v) for v in text.split("/"))
     except ValueError:
         raise click.BadParameter(f"expected K/N such as 3/5, got {text!r}") from None
+    if not (0 <= k <= 10**6 and 0 <= n <= 10**6):
+        raise click.BadParameter(f"K and N are numbers of windows (0 to 1,000,000), got {text!r}")
     return k, n
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis document as JSON.")
-@click.option("--window-steps", type=int, default=None, help="Steps per straggler window [50].")
+@click.option("--window-steps", type=click.IntRange(1, 1_000_000), default=None,
+              help="Steps per straggler window [50].")  # fmt: skip
 @click.option(
-    "--persist", default=None, metavar="K/N", help="Straggler: outlier in K of the last N windows [3/5]."
-)
-@click.option(
-    "--z-threshold", type=float, default=None, help="Modified z-score (median/MAD) threshold [3.5]."
-)
-@click.option("--iqr-k", type=float, default=None, help="Tukey fence multiplier [1.5].")
+    "--persist", default=None, metavar="K/N", callback=_persist,
+    help="Straggler: outlier in K of the last N windows [3/5].",
+)  # fmt: skip
+@click.option("--z-threshold", type=FINITE, default=None, help="Modified z-score (median/MAD) threshold [3.5].")
+@click.option("--iqr-k", type=FINITE, default=None, help="Tukey fence multiplier [1.5].")
 @click.option("--rule", "outlier_rule", type=click.Choice(["and", "or"]), default=None,
               help="Outlier when MAD z AND IQR agree, or when either does [and].")  # fmt: skip
 @click.option(
-    "--min-slowdown", type=float, default=None, help="Straggler must be this much above the median [0.05]."
+    "--min-slowdown", type=FINITE, default=None, help="Straggler must be this much above the median [0.05]."
 )
 @click.option(
-    "--spike-mad", type=float, default=None, help="Spike: robust deviations above the rolling median [5]."
+    "--spike-mad", type=FINITE, default=None, help="Spike: robust deviations above the rolling median [5]."
 )
-@click.option("--spike-floor-ms", type=float, default=None, help="Spike: absolute floor in ms [1].")
+@click.option("--spike-floor-ms", type=Number(min=0, max=1e12), default=None, help="Spike: absolute floor in ms [1].")
 @click.option(
-    "--spike-floor-rel", type=float, default=None, help="Spike: floor relative to the typical step [0.25]."
+    "--spike-floor-rel", type=FINITE, default=None, help="Spike: floor relative to the typical step [0.25]."
 )
-@click.option("--spike-window", type=int, default=None, help="Spike: rolling-median window in steps [101].")
+@click.option("--spike-window", type=click.IntRange(max=_COUNT_MAX), default=None,
+              help="Spike: rolling-median window in steps [101].")  # fmt: skip
 @click.option("--spike-metric", type=click.Choice(["self_ns", "busy_ns"]), default=None,
               help="Series spikes are judged on [busy_ns].")  # fmt: skip
-@click.option("--warmup-steps", type=int, default=None, help="Leading steps of each rank left out [10].")
+@click.option("--warmup-steps", type=click.IntRange(0, _COUNT_MAX), default=None,
+              help="Leading steps of each rank left out [10].")  # fmt: skip
 @click.option(
-    "--target", type=float, default=None, help="Tolerated share of cluster steps that spike [0.25]."
+    "--target", type=FINITE, default=None, help="Tolerated share of cluster steps that spike [0.25]."
 )
-@click.option(
-    "--ranks-per-node", type=int, default=None, help="Ranks per node for the projection [measured]."
-)
-@click.option("--top", "top_events", type=int, default=None, help="Spike events to list [50].")
-@click.option("--workers", type=int, default=None, help="Threads reading ranks [2, at most the CPUs].")
+@click.option("--ranks-per-node", type=click.IntRange(1, MAX_RANKS), default=None,
+              help="Ranks per node for the projection [measured].")  # fmt: skip
+@click.option("--top", "top_events", type=click.IntRange(0, 1_000_000), default=None,
+              help="Spike events to list [50].")  # fmt: skip
+@click.option("--workers", type=click.IntRange(1, 64), default=None,
+              help="Threads reading ranks [2, at most the CPUs].")  # fmt: skip
 def command(
-    as_json: bool, run_dir: str, persist: str | None, spike_floor_ms: float | None, **opts: Any
-) -> None:
+    as_json: bool, run_dir: str, persist: tuple[int, int] | None, spike_floor_ms: float | None,
+    workers: int | None, **opts: Any,
+) -> None:  # fmt: skip
     """Diagnose RUN_DIR: stragglers, spike rates, causes and what it means at scale."""
     from hyperacc.analysis import diagnose
+    from hyperacc.analysis.options import DetectionOptions
 
     options = {k: v for k, v in opts.items() if v is not None}
-    kn = _persist(persist)
-    if kn is not None:
-        options["persist_k"], options["persist_n"] = kn
+    if persist is not None:
+        options["persist_k"], options["persist_n"] = persist
     if spike_floor_ms is not None:
         options["spike_floor_ns"] = int(spike_floor_ms * 1e6)
-    if options.get("workers") is not None and options["workers"] < 1:
-        click.echo("hyperacc analyze: --workers must be >= 1", err=True)
-        sys.exit(2)
+    try:  # every threshold is checked before any record is read
+        DetectionOptions.from_mapping(options)
+    except (ValueError, TypeError) as exc:
+        raise option_error(exc, OPTION_OF, typed=typed_options()) from None
     try:
-        diagnosis = diagnose(run_dir, **options)
+        diagnosis = diagnose(run_dir, workers=workers, **options)
     except RunDirError as exc:
-        click.echo(f"hyperacc analyze: {exc}", err=True)
-        sys.exit(2)
-    except ValueError as exc:  # an impossible threshold
         click.echo(f"hyperacc analyze: {exc}", err=True)
         sys.exit(2)
     doc = diagnosis.to_dict()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,10 +26,11 @@ from typing import Any
 import click
 
 from hyperacc.commands import run as _run
+from hyperacc.commands.params import OneLineCommand
 
 # The launch options of `hyperacc run`, reused as they are (torchrun's own options).
 _LAUNCH = {"nproc_per_node", "standalone", "extra", "chaos_json",
-           *(name.replace("-", "_") for name in _run._TORCHRUN_VALUE_OPTIONS)}  # fmt: skip
+           *(name.replace("-", "_") for name in _run.TORCHRUN_VALUE_OPTIONS)}  # fmt: skip
 
 
 def _fail(message: str) -> None:
@@ -36,24 +38,25 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
-@click.command(context_settings={"ignore_unknown_options": False})
+@click.command(cls=OneLineCommand, context_settings={"ignore_unknown_options": False})
 @click.option("--data", type=click.Path(path_type=Path), default=None,
               help="A file or directory whose read latency (p50/p99) is measured on every rank.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the doctor's document as JSON.")
 @click.option("--exclude-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Add the hosts to leave out to this file (one name per line; created if missing).")  # fmt: skip
-@click.option("--seconds", type=float, default=45.0, show_default=True,
+@click.option("--seconds", type=click.FloatRange(min=1.0, max=86_400.0), default=45.0, show_default=True,
               help="Measurement time (start-up of the ranks comes on top).")  # fmt: skip
-@click.option("--rounds", type=int, default=None, help="Rounds over which persistence is judged [5].")
-@click.option("--min-slowdown", type=float, default=None,
+@click.option("--rounds", type=click.IntRange(min=1, max=1000), default=None, help="Rounds over which persistence is judged [5].")
+@click.option("--min-slowdown", type=click.FloatRange(min=0.0, max=100.0), default=None,
               help="A figure must be this much worse than the median to count [0.25].")  # fmt: skip
-@click.option("--persist", type=int, default=None, help="... in at least this many rounds [3].")
-@click.option("--timeout", type=float, default=None,
+@click.option("--persist", type=click.IntRange(min=1, max=1000), default=None, help="... in at least this many rounds [3].")
+@click.option("--timeout", type=click.FloatRange(min=1.0, max=10 * 86_400.0), default=None,
               help="Give up after this many seconds [10 x --seconds + 300].")  # fmt: skip
 @click.option("--save", "save_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the raw measurements of every rank here (JSON), to judge them again later.")  # fmt: skip
 @click.option("--load", "load_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Judge measurements saved with --save (start no ranks); the rule options still apply.")  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="Print the torchrun command and the check's settings; start nothing.")
 def command(
     data: Path | None,
     as_json: bool,
@@ -65,6 +68,7 @@ def command(
     timeout: float | None,
     save_path: Path | None,
     load_path: Path | None,
+    dry_run: bool,
     nproc_per_node: str,
     standalone: bool | None,
     extra: tuple[str, ...],
@@ -102,7 +106,7 @@ def command(
         _fail(str(exc))
     if load_path is not None:
         _finish(judge(raw, opts), as_json, exclude_file)
-    chaos_json = _run._json_option("--chaos", chaos_json)
+    chaos_json = _run.json_option("--chaos", chaos_json)
     if chaos_json is not None:
         from hyperacc.chaos import ChaosConfigError, parse_config
 
@@ -113,7 +117,7 @@ def command(
 
     options = {
         name: value
-        for name in _run._TORCHRUN_VALUE_OPTIONS
+        for name in _run.TORCHRUN_VALUE_OPTIONS
         if (value := torchrun.get(name.replace("-", "_"))) is not None
     }
     if standalone is None:
@@ -125,6 +129,10 @@ def command(
         torchrun_options=options,
         extra=extra,
     )
+    if dry_run:
+        click.echo(f"{ENV}={shlex.quote(opts.to_json())}")
+        click.echo(shlex.join(cmd))
+        return
     with tempfile.TemporaryDirectory(prefix="hyperacc-doctor-") as tmp:
         out = Path(tmp) / "measurements.json"
         env = dict(os.environ)

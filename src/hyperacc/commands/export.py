@@ -6,29 +6,39 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from hyperacc.commands.params import OneLineCommand, OutputFile
 from hyperacc.store import RunDirError
 
 
-@click.command()
+def _steps(ctx: click.Context, param: click.Parameter, text: str | None) -> tuple[int | None, int | None]:
+    from hyperacc.present.chrome import ExportError, parse_steps
+
+    try:
+        return parse_steps(text)
+    except ExportError as exc:
+        raise click.UsageError(str(exc)) from None  # the message names --steps
+
+
+@click.command(cls=OneLineCommand)
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--chrome", "chrome_out", required=True, type=click.Path(dir_okay=False),
+@click.option("--chrome", "chrome_out", required=True, type=OutputFile(),
               help="Write a Chrome / Perfetto trace (JSON) to this file.")  # fmt: skip
-@click.option("--steps", default=None, metavar="A:B",
+@click.option("--steps", default=None, metavar="A:B", callback=_steps,
               help="Export steps A (inclusive) to B (exclusive) only; either side may be empty.")  # fmt: skip
 @click.option("--no-diagnosis", is_flag=True, help="Do not run the analysis to mark spikes and their causes.")
-def command(run_dir: str, chrome_out: str, steps: str | None, no_diagnosis: bool) -> None:
+def command(run_dir: str, chrome_out: str, steps: tuple[int | None, int | None], no_diagnosis: bool) -> None:
     """Export RUN_DIR as a trace: one process per rank, phases as slices, spikes and GC pauses as
     instant events, collective waits in their own track. Open it in https://ui.perfetto.dev.
 
     Example: hyperacc export runs/job1 --chrome job1.json --steps 100:200
     """
     from hyperacc.analysis.columns import discover
-    from hyperacc.present.chrome import ExportError, export_chrome, parse_steps
+    from hyperacc.present.chrome import ExportError, export_chrome
     from hyperacc.present.diagnosis import diagnosis_of
 
     console = Console(stderr=True)
+    window = steps
     try:
-        window = parse_steps(steps)
         ranks = len(discover(run_dir).sources)
         diagnosis = None if no_diagnosis else diagnosis_of(run_dir)
         with Progress(
@@ -39,8 +49,12 @@ def command(run_dir: str, chrome_out: str, steps: str | None, no_diagnosis: bool
             result = export_chrome(
                 run_dir, chrome_out, steps=window, diagnosis=diagnosis, progress=lambda _r: bar.advance(task)
             )
-    except (ExportError, RunDirError, OSError) as exc:
+    except (ExportError, RunDirError) as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # a full disk, a file system gone read-only while writing
+        raise click.ClickException(
+            f"cannot write the trace ({exc.filename or chrome_out}): {exc.strerror or exc}"
+        ) from None
     click.echo(
         f"{result.path}  ({result.ranks} ranks, {result.steps} step records, {result.trace_events} trace events, "
         f"{result.bytes / 1e6:.1f} MB); open it in https://ui.perfetto.dev"

@@ -6,16 +6,17 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from hyperacc.store import RunDirError
+from hyperacc.commands.params import OneLineCommand, OutputFile
+from hyperacc.store import MAX_RANKS, RunDirError
 
 
-@click.command()
+@click.command(cls=OneLineCommand)
 @click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+@click.option("-o", "--output", default=None, type=OutputFile(),
               help="Where to write the HTML (default: RUN_DIR/report.html).")  # fmt: skip
-@click.option("--max-ranks", default=64, show_default=True, type=click.IntRange(1),
+@click.option("--max-ranks", default=64, show_default=True, type=click.IntRange(1, MAX_RANKS),
               help="Most ranks drawn one by one (flagged first, then the spikiest, then the slowest).")  # fmt: skip
-@click.option("--step-bins", default=600, show_default=True, type=click.IntRange(10),
+@click.option("--step-bins", default=600, show_default=True, type=click.IntRange(10, 10_000),
               help="Most step columns in the heatmap and timeline (longer runs are binned).")  # fmt: skip
 def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int) -> None:
     """Write a self-contained HTML report of RUN_DIR and print its path: verdict, heatmap of self-time,
@@ -39,6 +40,9 @@ def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int) ->
                 run_dir, output, diagnosis=diagnosis, step_bins=step_bins, max_ranks=max_ranks,
                 progress=lambda stage, done: bar.update(task, description=stage, completed=done),
             )  # fmt: skip
-    except (ReportError, RunDirError, OSError) as exc:
+    except (ReportError, RunDirError) as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # a full disk, a file system gone read-only while writing
+        where = exc.filename or output or run_dir
+        raise click.ClickException(f"cannot write the report ({where}): {exc.strerror or exc}") from None
     click.echo(f"{result.path}  ({result.bytes / 1e6:.1f} MB, {result.ranks} ranks, {result.steps} steps)")

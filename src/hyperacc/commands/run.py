@@ -12,20 +12,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
 
 import click
 
+from hyperacc.commands.params import OneLineCommand, OutputDir
+
 # torchrun options offered directly (name, takes a value); anything else: --torchrun-arg.
-_TORCHRUN_VALUE_OPTIONS = (
+TORCHRUN_VALUE_OPTIONS = (
     "nnodes", "node-rank", "master-addr", "master-port", "rdzv-backend", "rdzv-endpoint", "rdzv-id",
     "rdzv-conf", "max-restarts", "monitor-interval", "log-dir", "redirects", "tee", "local-addr",
 )  # fmt: skip
 
 
-def _json_option(name: str, value: str | None) -> str | None:
+def json_option(name: str, value: str | None) -> str | None:
     if value is None:
         return None
     text = value.strip()
@@ -33,10 +36,113 @@ def _json_option(name: str, value: str | None) -> str | None:
         try:
             parsed = json.loads(text)
         except ValueError as exc:
-            raise click.BadParameter(f"not valid JSON ({exc})", param_hint=name) from None
+            raise click.BadParameter(f"not valid JSON ({exc})", param_hint=f"'{name}'") from None
         if not isinstance(parsed, dict):
-            raise click.BadParameter("must be a JSON object", param_hint=name)
+            raise click.BadParameter("must be a JSON object", param_hint=f"'{name}'")
     return text
+
+
+MAX_LOCAL_RANKS = 4096  # ranks one torchrun agent starts (as hyperacc affinity)
+
+
+def _whole_number(text: str) -> int | None:
+    """``text`` as a whole number when it is one of at most 9 digits (larger ones are no count here)."""
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 9 else None
+
+
+def _nproc(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """torchrun's --nproc-per-node: a positive whole number, or gpu, cpu, auto."""
+    text = value.strip()
+    if text in ("gpu", "cpu", "auto"):
+        return text
+    n = _whole_number(text)
+    if n is None or not 1 <= n <= MAX_LOCAL_RANKS:
+        raise click.BadParameter(f"{value[:40]!r}: give a whole number from 1 to {MAX_LOCAL_RANKS}, or gpu, cpu, auto")
+    return str(n)
+
+
+def _whole(low: int, high: int | None = None):
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None:
+            return None
+        n = _whole_number(value)
+        if n is None or n < low or (high is not None and n > high):
+            upper = f" to {high}" if high is not None else " or more"
+            raise click.BadParameter(f"{value[:40]!r}: give a whole number from {low}{upper}")
+        return str(n)
+
+    return check
+
+
+def _nnodes(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """torchrun's --nnodes: N or MIN:MAX, whole numbers >= 1."""
+    if value is None:
+        return None
+    parts = [_whole_number(p) for p in value.split(":")]
+    if len(parts) > 2 or not all(p is not None and p >= 1 for p in parts) or parts[0] > parts[-1]:
+        raise click.BadParameter(f"{value[:40]!r}: give a number of nodes N or a range MIN:MAX (1 <= MIN <= MAX)")
+    return ":".join(str(p) for p in parts)
+
+
+def _interval(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < 1e9:  # NaN fails too
+        raise click.BadParameter(f"{value[:40]!r}: give a number of seconds > 0")
+    return value.strip()
+
+
+_STD = re.compile(r"^\s*(?:[0-3]|[0-9]{1,6}:[0-3](?:\s*,\s*[0-9]{1,6}:[0-3])*)\s*$")
+
+
+def _std(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """torchrun's --redirects / --tee: 0-3, or per local rank as 0:1,1:2."""
+    if value is not None and not _STD.match(value):
+        raise click.BadParameter(f"{value[:40]!r}: give 0 (none), 1 (stdout), 2 (stderr), 3 (both), or per rank as 0:3,1:1")
+    return value
+
+
+def _torchrun_args(ctx: click.Context, param: click.Parameter, values: tuple[str, ...]) -> tuple[str, ...]:
+    for item in values:
+        try:
+            shlex.split(item)
+        except ValueError as exc:
+            raise click.BadParameter(f"{item!r}: {exc}; quote it as a shell would") from None
+    return values
+
+
+def _config_error(exc: Exception, option: str, page: str) -> click.BadParameter:
+    """A configuration's error as one line naming ``option``; a wrong type says so."""
+    text = str(exc) if isinstance(exc, ValueError) else f"a setting has the wrong type ({exc})"
+    return click.BadParameter(f"{text}; see {page}", param_hint=f"'{option}'")
+
+
+def _stabilize_env(text: str) -> dict[str, str] | None:
+    """Parse ``--stabilize`` as every rank will (``hyperacc.stabilize.from_env``) and return the
+    environment it adds; None when it switches the stabilizers off."""
+    from hyperacc import stabilize
+
+    raw = text.strip()
+    word = raw.lower()
+    if word in ("", "0", "false", "off", "no"):
+        return None
+    try:
+        if word in ("1", "true", "on", "yes"):
+            return stabilize.launch_env()
+        if raw.startswith("{"):
+            return stabilize.launch_env(stabilize.config_from_dict(json.loads(raw), "--stabilize"))
+        if Path(raw).is_file():
+            return stabilize.launch_env(raw)
+    except (ValueError, TypeError, OSError, AttributeError) as exc:
+        raise _config_error(exc, "--stabilize", "docs/stabilizers.md") from None
+    raise click.BadParameter(
+        f"{raw!r} is neither JSON, 1/0, nor an existing config file", param_hint="'--stabilize'"
+    )
 
 
 def build_command(
@@ -58,17 +164,20 @@ def build_command(
     return cmd
 
 
-@click.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False})
+@click.command(
+    cls=OneLineCommand, context_settings={"allow_interspersed_args": False, "ignore_unknown_options": False}
+)
 @click.option(
     "--run-dir",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=OutputDir(),
     help="Directory for the step records (created if missing).",
 )
 @click.option(
     "--nproc-per-node",
     default="1",
     show_default=True,
+    callback=_nproc,
     help="Ranks per node (a number, or torchrun's gpu/cpu/auto).",
 )
 @click.option(
@@ -76,24 +185,25 @@ def build_command(
     default=None,
     help="Single-node rendezvous (default when --nnodes and --rdzv-endpoint are not given).",
 )
-@click.option("--nnodes", default=None, help="Number of nodes, or MIN:MAX (torchrun).")
-@click.option("--node-rank", default=None, help="This node's rank (torchrun, static rendezvous).")
+@click.option("--nnodes", default=None, callback=_nnodes, help="Number of nodes, or MIN:MAX (torchrun).")
+@click.option("--node-rank", default=None, callback=_whole(0), help="This node's rank (torchrun, static rendezvous).")
 @click.option("--master-addr", default=None, help="torchrun --master-addr.")
-@click.option("--master-port", default=None, help="torchrun --master-port.")
+@click.option("--master-port", default=None, callback=_whole(1, 65535), help="torchrun --master-port (1-65535).")
 @click.option("--rdzv-backend", default=None, help="torchrun --rdzv-backend.")
 @click.option("--rdzv-endpoint", default=None, help="torchrun --rdzv-endpoint.")
 @click.option("--rdzv-id", default=None, help="torchrun --rdzv-id.")
 @click.option("--rdzv-conf", default=None, help="torchrun --rdzv-conf.")
-@click.option("--max-restarts", default=None, help="torchrun --max-restarts.")
-@click.option("--monitor-interval", default=None, help="torchrun --monitor-interval.")
+@click.option("--max-restarts", default=None, callback=_whole(0), help="torchrun --max-restarts.")
+@click.option("--monitor-interval", default=None, callback=_interval, help="torchrun --monitor-interval.")
 @click.option("--log-dir", default=None, help="torchrun --log-dir.")
-@click.option("--redirects", default=None, help="torchrun --redirects.")
-@click.option("--tee", default=None, help="torchrun --tee.")
+@click.option("--redirects", default=None, callback=_std, help="torchrun --redirects.")
+@click.option("--tee", default=None, callback=_std, help="torchrun --tee.")
 @click.option("--local-addr", default=None, help="torchrun --local-addr.")
 @click.option(
     "--torchrun-arg",
     "extra",
     multiple=True,
+    callback=_torchrun_args,
     help="Any other torchrun option, passed as written (repeatable), e.g. '--numa-binding node'.",
 )
 @click.option(
@@ -134,24 +244,33 @@ def command(
 
     Put the script after `--`: hyperacc run --run-dir runs/x --nproc-per-node 4 -- train.py --lr 0.1
     """
-    trace_json = _json_option("--trace", trace_json)
-    chaos_json = _json_option("--chaos", chaos_json)
-    stabilize_json = _json_option("--stabilize", stabilize_json)
-    if pace_json is not None:
-        from hyperacc.pacing.controller import PacingConfigError
+    trace_json = json_option("--trace", trace_json)
+    chaos_json = json_option("--chaos", chaos_json)
+    stabilize_json = json_option("--stabilize", stabilize_json)
+    # Every configuration is parsed here exactly as the ranks will parse it, so a mistake ends the
+    # launcher with one line before torchrun starts, not every rank with a traceback.
+    if pace_json is not None and pace_json.strip() != "0":
         from hyperacc.pacing.runtime import config_from_json
 
         try:
             config_from_json(pace_json)
-        except PacingConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--pace") from None
+        except (ValueError, TypeError) as exc:
+            raise _config_error(exc, "--pace", "docs/pacing.md") from None
     if trace_json is not None:
-        from hyperacc.trace.options import TraceConfigError, TraceOptions
+        from hyperacc.trace.options import TraceOptions
 
         try:
             TraceOptions.from_json(trace_json)
-        except TraceConfigError as exc:
-            raise click.BadParameter(str(exc), param_hint="--trace") from None
+        except (ValueError, TypeError) as exc:
+            raise _config_error(exc, "--trace", "docs/tracing.md") from None
+    if chaos_json is not None:
+        from hyperacc.chaos import parse_config
+
+        try:
+            parse_config(chaos_json)
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise _config_error(exc, "--chaos", "the hyperacc.chaos module") from None
+    stabilize_env = _stabilize_env(stabilize_json) if stabilize_json is not None else None
     script = script_and_args[0]
     if script == "-m":
         if len(script_and_args) < 2:
@@ -161,7 +280,7 @@ def command(
 
     options = {
         name: value
-        for name in _TORCHRUN_VALUE_OPTIONS
+        for name in TORCHRUN_VALUE_OPTIONS
         if (value := torchrun.get(name.replace("-", "_"))) is not None
     }
     if standalone is None:
@@ -186,18 +305,10 @@ def command(
     ):
         if value is not None:
             env[key] = value
-    if stabilize_json is not None:
+    if stabilize_env is not None:
         # allocator settings before CUDA initialises and tcmalloc's background release off
-        from hyperacc import stabilize
-
-        try:
-            cfg = stabilize.load_config(stabilize_json) if Path(stabilize_json).is_file() else (
-                None if stabilize_json.strip() in ("1", "true") else json.loads(stabilize_json))
-            extra_env = stabilize.launch_env(cfg)
-        except (ValueError, OSError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--stabilize") from None
-        extra_env.pop(stabilize.ENV_VAR, None)  # the ranks parse the user's own text
-        env.update(extra_env)
+        stabilize_env.pop("HYPERACC_STABILIZE", None)  # the ranks parse the user's own text
+        env.update(stabilize_env)
     if dry_run:
         ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE"]
         added = sorted(k for k in env if env.get(k) != os.environ.get(k) and k not in ours)
@@ -209,7 +320,7 @@ def command(
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise click.BadParameter(f"cannot create {run_dir}: {exc.strerror}", param_hint="--run-dir") from None
+        raise click.BadParameter(f"cannot create {run_dir}: {exc.strerror}", param_hint="'--run-dir'") from None
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(cmd[0], cmd, env)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import click
 
+from hyperacc.commands.params import Number, OneLineCommand, OutputDir, OutputFile
 from hyperacc.pacing.controller import PacingConfig, PacingConfigError
 
 MAX_RANKS = 65536
@@ -26,14 +27,13 @@ REPLAY_IGNORES = ("background_load",)
 FABRIC_SCALING = ("exposed_mb", "intra_gbps", "inter_gbps", "nodes_per_leaf", "oversubscription")
 
 
-class _OneLineErrors(click.Command):
-    """Bad input ends in one line naming the option (no usage block, no traceback)."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.UsageError as exc:
-            raise click.ClickException(f"{exc.format_message()} (see hyperacc simulate --help)") from None
+# Physical ranges of the simulator's quantities: beyond them its float32 nanoseconds overflow.
+TIME_MS = Number(max=1e9)  # ~11.6 days
+SIZE_MB = Number(max=1e9)
+GBPS = Number(min=1e-3, max=1e6)
+FACTOR = Number(min=-1e6, max=1e6)  # fractions, probabilities, costs, gains (their rules: hyperacc.sim)
+MAX_STEPS = 10_000_000  # per-step results are kept (~17 bytes a step): 10 M steps is ~170 MB
+MAX_NODE_COUNTS = 32
 
 
 def _as_option(message: str) -> str:
@@ -49,20 +49,20 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     try:
         counts = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise click.ClickException(
-            f"--nodes {text!r}: give node counts as integers, e.g. --nodes 1,2,4,8"
-        ) from None
+        raise click.UsageError(f"--nodes {text!r}: give node counts as integers, e.g. --nodes 1,2,4,8") from None
     if not counts or any(c < 1 for c in counts):
-        raise click.ClickException(f"--nodes {text!r}: every node count must be >= 1, e.g. --nodes 1,2,4,8")
+        raise click.UsageError(f"--nodes {text!r}: every node count must be >= 1, e.g. --nodes 1,2,4,8")
     too_big = [c for c in counts if c * gpus_per_node > MAX_RANKS]
     if too_big:
-        raise click.ClickException(
+        raise click.UsageError(
             f"--nodes {too_big[0]} x --gpus-per-node {gpus_per_node} exceeds {MAX_RANKS} ranks; use fewer nodes"
         )
+    if len(set(counts)) > MAX_NODE_COUNTS:
+        raise click.UsageError(f"--nodes: at most {MAX_NODE_COUNTS} node counts (got {len(set(counts))})")
     return sorted(set(counts))
 
 
-@click.command(cls=_OneLineErrors)
+@click.command(cls=OneLineCommand)
 @click.option(
     "--nodes",
     "nodes_text",
@@ -70,52 +70,53 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     show_default=True,
     help="Node counts, comma-separated.",
 )
-@click.option("--gpus-per-node", type=int, default=8, show_default=True)
-@click.option("--steps", type=int, default=5000, show_default=True, help="Steps simulated per node count.")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--gpus-per-node", type=click.IntRange(min=1, max=MAX_RANKS), default=8, show_default=True)
+@click.option("--steps", type=click.IntRange(max=MAX_STEPS), default=5000, show_default=True,
+              help="Steps simulated per node count.")  # fmt: skip
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option(
     "--samples-per-rank", type=int, default=32, show_default=True, help="Samples per rank per step."
 )
 @click.option(
     "--from-run",
     "from_run",
-    type=click.Path(path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path),
     help="Resample compute from a traced run directory.",
 )
 # compute
-@click.option("--base-ms", type=float, default=100.0, show_default=True, help="Mean compute per step.")
+@click.option("--base-ms", type=TIME_MS, default=100.0, show_default=True, help="Mean compute per step.")
 @click.option(
-    "--noise-cv", type=float, default=0.02, show_default=True, help="Gaussian noise of compute (fraction)."
+    "--noise-cv", type=FACTOR, default=0.02, show_default=True, help="Gaussian noise of compute (fraction)."
 )
 @click.option(
     "--locality-gpu",
-    type=float,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="Max fixed offset of a GPU slot (fraction).",
 )
 @click.option(
     "--locality-node",
-    type=float,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="Max fixed offset of a node (fraction).",
 )
 @click.option(
-    "--spike-rate", type=float, default=0.0, show_default=True, help="Per-rank spike probability per step."
+    "--spike-rate", type=FACTOR, default=0.0, show_default=True, help="Per-rank spike probability per step."
 )
-@click.option("--spike-ms", type=float, default=50.0, show_default=True)
+@click.option("--spike-ms", type=TIME_MS, default=50.0, show_default=True)
 @click.option(
     "--spike-dist", type=click.Choice(["fixed", "exp", "lognormal"]), default="exp", show_default=True
 )
 @click.option(
     "--node-spike-rate",
-    type=float,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="Per-node spike probability per step.",
 )
-@click.option("--node-spike-ms", type=float, default=50.0, show_default=True)
+@click.option("--node-spike-ms", type=TIME_MS, default=50.0, show_default=True)
 @click.option(
     "--sync-every",
     type=int,
@@ -124,39 +125,39 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
     help="Stabilizer: synchronous pause every N steps.",
 )
 @click.option(
-    "--sync-ms", type=float, default=0.0, show_default=True, help="Stabilizer: length of that pause."
+    "--sync-ms", type=TIME_MS, default=0.0, show_default=True, help="Stabilizer: length of that pause."
 )
 # fabric
 @click.option(
     "--exposed-mb",
-    type=float,
+    type=SIZE_MB,
     default=100.0,
     show_default=True,
     help="Gradient MB whose all-reduce is exposed.",
 )
 @click.option(
-    "--intra-gbps", type=float, default=200.0, show_default=True, help="GB/s per GPU inside a node."
+    "--intra-gbps", type=GBPS, default=200.0, show_default=True, help="GB/s per GPU inside a node."
 )
 @click.option(
-    "--inter-gbps", type=float, default=50.0, show_default=True, help="GB/s per node into the fabric."
+    "--inter-gbps", type=GBPS, default=50.0, show_default=True, help="GB/s per node into the fabric."
 )
 @click.option("--nodes-per-leaf", type=int, default=16, show_default=True)
 @click.option(
-    "--oversubscription", type=float, default=1.0, show_default=True, help="Leaf uplink oversubscription."
+    "--oversubscription", type=FACTOR, default=1.0, show_default=True, help="Leaf uplink oversubscription."
 )
 @click.option(
-    "--background-load", type=float, default=0.0, show_default=True, help="Mean uplink load of other jobs."
+    "--background-load", type=FACTOR, default=0.0, show_default=True, help="Mean uplink load of other jobs."
 )
 # early-arrival cost
 @click.option(
-    "--spin-cost", type=float, default=0.0, show_default=True, help="Slowdown per spinning node peer (beta)."
+    "--spin-cost", type=FACTOR, default=0.0, show_default=True, help="Slowdown per spinning node peer (beta)."
 )
 @click.option(
-    "--sleep-cost", type=float, default=0.0, show_default=True, help="Cost of a paced peer, fraction of spin."
+    "--sleep-cost", type=FACTOR, default=0.0, show_default=True, help="Cost of a paced peer, fraction of spin."
 )
 @click.option(
     "--burst-cost",
-    type=float,
+    type=FACTOR,
     default=0.0,
     show_default=True,
     help="All-reduce penalty of synchronous starts.",
@@ -165,9 +166,9 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
 @click.option(
     "--pacing/--no-pacing", default=True, show_default=True, help="Also simulate with pacing, side by side."
 )
-@click.option("--pace-gain", type=float, default=PacingConfig.gain, show_default=True)
-@click.option("--pace-max-delay-ms", type=float, default=PacingConfig.max_delay_ns / 1e6, show_default=True)
-@click.option("--pace-max-frac", type=float, default=PacingConfig.max_delay_frac, show_default=True)
+@click.option("--pace-gain", type=FACTOR, default=PacingConfig.gain, show_default=True)
+@click.option("--pace-max-delay-ms", type=Number(max=1e9), default=PacingConfig.max_delay_ns / 1e6, show_default=True)
+@click.option("--pace-max-frac", type=FACTOR, default=PacingConfig.max_delay_frac, show_default=True)
 @click.option(
     "--pace-every", type=int, default=1, show_default=True, help="Controller updates every N steps."
 )
@@ -175,16 +176,16 @@ def _node_counts(text: str, gpus_per_node: int) -> list[int]:
 @click.option(
     "--plot",
     "plot",
-    type=click.Path(path_type=Path),
+    type=OutputFile(make_parents=False),
     help="Write a plot: .png (matplotlib) or .html (plotly).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 @click.option(
     "--write-run",
-    type=click.Path(path_type=Path),
+    type=OutputDir(),
     help="Write the simulated steps as a run directory (one node count).",
 )
-@click.option("--replay-block", type=int, default=50, show_default=True,
+@click.option("--replay-block", type=click.IntRange(min=1, max=MAX_STEPS), default=50, show_default=True,
               help="--from-run: consecutive measured steps replayed together.")
 @click.option("--comm-scale", type=click.Choice(["fabric", "none"]), default="fabric", show_default=True,
               help="--from-run: scale the measured transfer to the target shape with the fabric model, or not.")
@@ -204,12 +205,13 @@ def command(ctx: click.Context, nodes_text: str, gpus_per_node: int, from_run: P
     from hyperacc.sim.simulate import simulate, sweep
     from hyperacc.store import RunDirError
 
-    if gpus_per_node < 1:
-        raise click.ClickException(f"--gpus-per-node {gpus_per_node}: must be >= 1")
     _check_replay_options(ctx, from_run, comm_scale)
     counts = _node_counts(nodes_text, gpus_per_node)
     if write_run is not None and len(counts) != 1:
-        raise click.ClickException("--write-run writes one simulated job: give a single --nodes value")
+        raise click.UsageError("--write-run writes one simulated job: give a single --nodes value")
+    plot = Path(plot) if plot is not None else None
+    if plot is not None and plot.suffix.lower() not in (".png", ".html"):
+        raise click.UsageError(f"--plot {plot}: the file must end in .png or .html")
     try:
         pace = (
             PacingConfig(
@@ -257,12 +259,9 @@ def command(ctx: click.Context, nodes_text: str, gpus_per_node: int, from_run: P
         )
         measured = MeasuredRun.from_run_dir(from_run) if from_run is not None else None
     except (SimConfigError, PacingConfigError) as exc:
-        raise click.ClickException(_as_option(str(exc))) from None
+        raise click.UsageError(_as_option(str(exc))) from None
     except RunDirError as exc:
         raise click.ClickException(f"--from-run: {exc}") from None
-    if plot is not None and plot.suffix.lower() not in (".png", ".html"):
-        raise click.ClickException(f"--plot {plot}: the file must end in .png or .html")
-
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

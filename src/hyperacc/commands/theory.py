@@ -8,15 +8,31 @@ import json
 import click
 
 from hyperacc import theory
+from hyperacc.commands.params import FINITE, OneLineCommand, option_error, typed_options
+
+MAX_SWEEP = 32  # node counts in one sweep: each costs up to ~1 s of numerical integration here
+MAX_NODES = 10**9
+
+# Each parameter of hyperacc.theory and the option that sets it, so its error names the option.
+OPTION_OF = {
+    "p_rank": "--p-rank", "p_node": "--p-node", "ranks_per_node": "--ranks-per-node", "target": "--target",
+    "base": "--base-ms", "noise": "--noise-ms", "spike_size": "--spike-ms", "node_mtbf": "--node-mtbf-hours",
+    "mtbf": "--node-mtbf-hours", "job_length": "--job-hours", "nodes": "--nodes",
+}  # fmt: skip
 
 
-def _counts(text: str) -> list[int]:
+def _counts(ctx: click.Context, param: click.Parameter, text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated whole numbers, got {text!r}") from None
     if not values:
         raise click.BadParameter("give at least one node count")
+    if any(not 1 <= v <= MAX_NODES for v in values):
+        raise click.BadParameter(f"node counts must be in [1, {MAX_NODES:,}], got {text!r}")
+    values = sorted(set(values), key=values.index)
+    if len(values) > MAX_SWEEP:
+        raise click.BadParameter(f"at most {MAX_SWEEP} node counts per sweep (got {len(values)})")
     return values
 
 
@@ -28,26 +44,29 @@ def _pct(p: float | None, digits: int = 2) -> str:
     return f"{100 * p:.{digits}f} %" if p >= 1e-4 else f"{100 * p:.2e} %"
 
 
-@click.command()
-@click.option("--nodes", default=None, type=int, help="Node count to report (default: the sweep).")
-@click.option("--sweep", "sweep_", default="1,8,64,256,1024", show_default=True, help="Node counts.")
-@click.option("--ranks-per-node", default=8, show_default=True, type=int, help="Ranks (GPUs) per node.")
-@click.option("--p-rank", default=0.005, show_default=True, type=float, help="Per-rank spike rate per step.")
-@click.option("--p-node", default=0.0, show_default=True, type=float, help="Per-node (host-wide) rate.")
+@click.command(cls=OneLineCommand)
+@click.option("--nodes", default=None, type=click.IntRange(1, MAX_NODES),
+              help="Node count to report (default: the sweep).")  # fmt: skip
+@click.option("--sweep", "sweep_", default="1,8,64,256,1024", show_default=True, callback=_counts,
+              help=f"Node counts, comma-separated (at most {MAX_SWEEP}).")  # fmt: skip
+@click.option("--ranks-per-node", default=8, show_default=True, type=click.IntRange(1, MAX_NODES),
+              help="Ranks (GPUs) per node.")  # fmt: skip
+@click.option("--p-rank", default=0.005, show_default=True, type=FINITE, help="Per-rank spike rate per step.")
+@click.option("--p-node", default=0.0, show_default=True, type=FINITE, help="Per-node (host-wide) rate.")
 @click.option(
-    "--target", default=theory.DEFAULT_TARGET, show_default=True, type=float,
+    "--target", default=theory.DEFAULT_TARGET, show_default=True, type=FINITE,
     help="Cluster spike probability to stay under; the table shows the per-rank rate it requires.",
 )  # fmt: skip
-@click.option("--base-ms", default=100.0, show_default=True, type=float, help="Clean step time.")
-@click.option("--noise-ms", default=5.0, show_default=True, type=float, help="Std-dev of step noise.")
-@click.option("--spike-ms", default=200.0, show_default=True, type=float, help="Spike magnitude (mean/median).")
+@click.option("--base-ms", default=100.0, show_default=True, type=FINITE, help="Clean step time.")
+@click.option("--noise-ms", default=5.0, show_default=True, type=FINITE, help="Std-dev of step noise.")
+@click.option("--spike-ms", default=200.0, show_default=True, type=FINITE, help="Spike magnitude (mean/median).")
 @click.option("--spike-dist", default="fixed", show_default=True, type=click.Choice(["fixed", "exp", "lognormal"]))
-@click.option("--node-mtbf-hours", default=None, type=float, help="Per-node MTBF, for the serial-system model.")
-@click.option("--job-hours", default=None, type=float, help="Job length for the survival probability.")
+@click.option("--node-mtbf-hours", default=None, type=FINITE, help="Per-node MTBF, for the serial-system model.")
+@click.option("--job-hours", default=None, type=FINITE, help="Job length for the survival probability.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def command(
     nodes: int | None,
-    sweep_: str,
+    sweep_: list[int],
     ranks_per_node: int,
     p_rank: float,
     p_node: float,
@@ -64,7 +83,12 @@ def command(
 
     Example: hyperacc theory --nodes 64 --ranks-per-node 8 --p-rank 0.005
     """
-    counts = [nodes] if nodes is not None else _counts(sweep_)
+    counts = [nodes] if nodes is not None else sweep_
+    if job_hours is not None:
+        try:  # checked on its own: the sweep reads it only with --node-mtbf-hours
+            theory.survival_probability(job_hours, 1.0)
+        except theory.TheoryError as exc:
+            raise option_error(exc, OPTION_OF, "--job-hours") from None
     try:
         model = theory.ClusterStepModel(
             base=base_ms, noise=noise_ms, p_rank=p_rank, spike_size=spike_ms, spike=spike_dist,
@@ -75,7 +99,8 @@ def command(
             model=model, node_mtbf_hours=node_mtbf_hours, job_hours=job_hours,
         )  # fmt: skip
     except theory.TheoryError as exc:
-        raise click.ClickException(str(exc)) from None
+        typed = typed_options() | ({"--nodes"} if "--sweep" in typed_options() else set())
+        raise option_error(exc, OPTION_OF, "--target", typed) from None
 
     if as_json:
         doc = {

@@ -20,6 +20,7 @@ clock of zero. The file is written as it is built (one rank in memory at a time)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,10 +33,9 @@ from typing import IO, Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from hyperacc import store
-from hyperacc.analysis.columns import discover
+from hyperacc.analysis.columns import discover, read_rank
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,8 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None]:
         hi = int(parts[1]) if parts[1].strip() else None
     except ValueError:
         raise ExportError(f"--steps {text!r}: expected A:B (first step, end step exclusive), e.g. 100:200") from None
+    if any(v is not None and abs(v) > store.MAX_STEP for v in (lo, hi)):
+        raise ExportError(f"--steps {text!r}: step numbers lie within +-2**53")
     if lo is not None and hi is not None and hi <= lo:
         raise ExportError(f"--steps {text!r}: the end ({hi}) must be after the start ({lo})")
     return lo, hi
@@ -122,10 +124,15 @@ def export_chrome(
     # t0: earliest start over the window, from Parquet data of each rank (one rank in memory at a time)
     ranks = sorted(layout.sources)
     t0 = math.inf
+    records = 0
     for r in ranks:
-        cols = _window(_read_rank(layout.sources[r].segments, ("step", "t_start_ns")), lo, hi)
+        cols = _read_rank(layout.sources[r].segments, ("step", "t_start_ns"))
+        records += cols["step"].size
+        cols = _window(cols, lo, hi)
         if cols["t_start_ns"].size and np.isfinite(cols["t_start_ns"]).any():
             t0 = min(t0, float(np.nanmin(cols["t_start_ns"])))
+    if not records:  # as analyze and report: a run without one readable record is an error, not a trace
+        raise store.RunDirError(f"no segment under {Path(run_dir) / 'steps'} could be read; see the warnings above")
     for table in events.values():  # an event may precede the first exported step
         t = table.column("t_ns").drop_null()
         if len(t):
@@ -138,24 +145,29 @@ def export_chrome(
     tmp = path.with_name(path.name + ".tmp")
     n_events = 0
     n_steps = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write('{"displayTimeUnit":"ms","otherData":')
-        f.write(json.dumps({"producer": "hyperacc export", "run_dir": str(run_dir), "t0_unix_ns": int(t0),
-                            "steps": [lo, hi]}))  # fmt: skip
-        f.write(',"traceEvents":[\n')
-        writer = _Writer(f)
-        for r in ranks:
-            cols = _window(_read_rank(layout.sources[r].segments, _COLUMNS), lo, hi)
-            meta = layout.metas.get(r)
-            node = meta.node if meta else (int(cols["node"][0]) if cols["node"].size else 0)
-            _rank_process(writer, r, node, meta.hostname if meta else None)
-            n_steps += _rank_steps(writer, r, cols, t0, spikes.get(r, {}))
-            _rank_events(writer, r, events.get(r), t0)
-            if progress is not None:
-                progress(r)
-        n_events = writer.count
-        f.write("\n]}\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write('{"displayTimeUnit":"ms","otherData":')
+            f.write(json.dumps({"producer": "hyperacc export", "run_dir": str(run_dir), "t0_unix_ns": int(t0),
+                                "steps": [lo, hi]}))  # fmt: skip
+            f.write(',"traceEvents":[\n')
+            writer = _Writer(f)
+            for r in ranks:
+                cols = _window(_read_rank(layout.sources[r].segments, _COLUMNS), lo, hi)
+                meta = layout.metas.get(r)
+                node = meta.node if meta else (int(cols["node"][0]) if cols["node"].size else 0)
+                _rank_process(writer, r, node, meta.hostname if meta else None)
+                n_steps += _rank_steps(writer, r, cols, t0, spikes.get(r, {}))
+                _rank_events(writer, r, events.get(r), t0)
+                if progress is not None:
+                    progress(r)
+            n_events = writer.count
+            f.write("\n]}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk or an interrupt leaves no half-written trace
+            tmp.unlink(missing_ok=True)
+        raise
     return ChromeExport(path, len(ranks), n_steps, n_events, path.stat().st_size)
 
 
@@ -172,35 +184,13 @@ class _Writer:
 
 
 def _read_rank(paths, columns) -> dict[str, np.ndarray]:
-    """One rank's columns as float64 (NaN where null), sorted by step, the last record of a step kept.
+    """One rank's columns, sorted by step, the last record of a step kept: ``analysis.columns.read_rank``,
+    the reader ``analyze`` and ``report`` use, so all three skip the same segments and rows.
 
     Wall-clock nanoseconds (~1.7e18) do not fit float64 exactly; microsecond timestamps do not need
-    them to. Unreadable segments are skipped with a warning, as everywhere else.
+    them to.
     """
-    tables = []
-    for path in paths:
-        try:
-            pf = pq.ParquetFile(path)
-            tables.append(pf.read(columns=[c for c in columns if c in pf.schema_arrow.names]))
-        except (OSError, pa.ArrowException) as exc:
-            log.warning("skipping unreadable segment %s (%s); the rest of the run is exported", path, exc)
-    tables = [t for t in tables if t.num_rows]
-    if not tables:
-        return {c: np.empty(0) for c in columns}
-    table = pa.concat_tables(tables, promote_options="permissive")
-    step = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64)
-    order = np.argsort(step, kind="stable")
-    keep = np.ones(order.size, dtype=bool)
-    keep[:-1] = step[order][1:] != step[order][:-1]
-    order = order[keep]
-    out = {}
-    for c in columns:
-        if c not in table.column_names:
-            out[c] = np.full(order.size, np.nan)
-            continue
-        col = pc.cast(table.column(c), pa.float64(), safe=False)
-        out[c] = col.to_numpy(zero_copy_only=False)[order]
-    return out
+    return read_rank(paths, columns)
 
 
 def _window(cols: dict[str, np.ndarray], lo: int | None, hi: int | None) -> dict[str, np.ndarray]:

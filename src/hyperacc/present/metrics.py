@@ -28,11 +28,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from hyperacc import store
 from hyperacc.analysis.attribution import attribute_spikes
 from hyperacc.analysis.live import LiveDetector
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.spikes import detect_spikes, spike_metric, spike_parts
 from hyperacc.analysis.windows import concat_windows, summarize_windows, window_table
+from hyperacc.schema import EVENT_SCHEMA, STEP_SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -300,10 +302,16 @@ class MetricsSink:
 def serve(sink: MetricsSink, port: int, addr: str = "127.0.0.1"):
     """Serves ``sink``'s metrics over HTTP at ``addr:port`` (``/metrics``) from a daemon thread.
 
-    Returns the server (``.shutdown()`` stops it). Binds to loopback by default; pass ``0.0.0.0`` for a
-    scraper on another host.
+    Returns the server (``.shutdown()`` stops it), or None when it cannot listen there (the port is
+    taken, the address is not this host's): one warning, and training goes on without the endpoint.
+    Binds to loopback by default; pass ``0.0.0.0`` for a scraper on another host.
     """
-    server, _thread = start_http_server(port, addr=addr, registry=sink.registry)
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=sink.registry)
+    except (OSError, OverflowError, ValueError) as exc:
+        log.warning("hyperacc metrics: cannot serve on %s:%s (%s); training goes on without this endpoint",
+                    addr, port, getattr(exc, "strerror", None) or exc)  # fmt: skip
+        return None
     return server
 
 
@@ -311,8 +319,9 @@ class RunDirFollower:
     """Feeds a sink with every rank's new segments from a run directory (aggregation on rank 0).
 
     A background thread lists ``steps/rank-*/seg-*.parquet`` and ``events/...`` every ``interval``
-    seconds and hands each new segment to the sink once. Unreadable segments are retried on the next
-    round and skipped after that.
+    seconds and hands each new segment to the sink once. Segments are checked as every reader checks
+    them (``store.read_segment``): one that does not fit its schema is skipped with one warning;
+    an unreadable one is retried on the next round and skipped after that.
     """
 
     def __init__(self, run_dir: str | Path, sink: MetricsSink, interval: float = 2.0) -> None:
@@ -348,15 +357,19 @@ class RunDirFollower:
             for path in sorted(self.run_dir.glob(f"{kind}/rank-*/seg-*.parquet")):
                 if path in self._seen:
                     continue
+                schema = STEP_SCHEMA if kind == "steps" else EVENT_SCHEMA
                 try:
-                    table = pq.read_table(path)
-                except (OSError, pa.ArrowException) as exc:
+                    pq.ParquetFile(path).close()
+                except (OSError, pa.ArrowException, ValueError) as exc:
                     self._failed[path] = self._failed.get(path, 0) + 1
                     if self._failed[path] >= 2:
                         log.warning("metrics: skipping unreadable segment %s (%s)", path, exc)
                         self._seen.add(path)
                     continue
                 self._seen.add(path)
+                table = store.read_segment(path, schema)  # None, with one warning, when it does not fit
+                if table is None or table.num_rows == 0:
+                    continue
                 if kind == "steps":
                     self.sink(table)
                 else:

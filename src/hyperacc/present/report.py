@@ -14,6 +14,7 @@ ranks x steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import html
@@ -105,7 +106,7 @@ def build_report(
     # ---- one pass over the ranks, reducing as we go
     bin_mean = np.full((len(ranks), n_bins), np.nan, dtype=np.float32)
     bin_max = np.full((len(ranks), n_bins), np.nan, dtype=np.float32)
-    step_max = np.full(n_steps, np.nan)  # cluster step time (slowest rank's step) per step
+    step_max = _StepMax()  # cluster step time (slowest rank's step) per recorded step
     pace_bins = np.zeros((3, n_bins))  # rows pacing, rows with a pacing value, delay sum
     node_hist: dict[int, np.ndarray] = {}
     summaries: list[_RankSummary] = []
@@ -131,9 +132,7 @@ def build_report(
             summaries.append(_summarise(r, node, values[ok]))
             hist = node_hist.setdefault(node, np.zeros(len(_HIST_EDGES) - 1, dtype=np.int64))
             hist += np.histogram(values[ok], _HIST_EDGES)[0]
-        st = cols["step_ns"]
-        sok = np.isfinite(st)
-        np.fmax.at(step_max, pos[sok], st[sok])
+        step_max.add(cols["step"], cols["step_ns"])
         pace = cols["pace_on"]
         pok = np.isfinite(pace)
         if pok.any():
@@ -175,17 +174,48 @@ def build_report(
         figs.append(("events", "Stabilizer and pacing events", _event_timeline(events, first, width), ""))
 
     say("writing", 0.95)
-    page = _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runtime, summaries, metric_word)
+    recorded = int(step_max.steps.size)
+    page = _page(run_dir, layout, ranks, recorded, first, last, diag, figs, events, runtime, summaries, metric_word)
     path = Path(out) if out else Path(run_dir) / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk leaves no half-written page behind
+            tmp.unlink(missing_ok=True)
+        raise
     say("done", 1.0)
-    return ReportResult(path, path.stat().st_size, len(ranks), n_steps, len(chosen), width)
+    return ReportResult(path, path.stat().st_size, len(ranks), recorded, len(chosen), width)
 
 
 # ------------------------------------------------------------------------------------ reductions
+
+
+class _StepMax:
+    """The cluster's step time (the slowest rank's ``step_ns``) per recorded step, indexed sparsely:
+    memory follows the records, not the step numbers (a step numbered 10**12 costs one entry)."""
+
+    def __init__(self) -> None:
+        self.steps = np.zeros(0, dtype=np.int64)  # sorted
+        self.values = np.zeros(0)  # NaN where no rank measured the step
+
+    def add(self, steps: np.ndarray, values: np.ndarray) -> None:
+        pos = np.searchsorted(self.steps, steps)
+        if not (pos < self.steps.size).all() or not np.array_equal(self.steps[pos], steps):
+            merged = np.union1d(self.steps, steps)
+            grown = np.full(merged.size, np.nan)
+            grown[np.searchsorted(merged, self.steps)] = self.values
+            self.steps, self.values = merged, grown
+            pos = np.searchsorted(self.steps, steps)
+        np.fmax.at(self.values, pos, values)
+
+    def at(self, step: int) -> float | None:
+        i = int(np.searchsorted(self.steps, step))
+        if i < self.steps.size and self.steps[i] == step and np.isfinite(self.values[i]):
+            return float(self.values[i])
+        return None
 
 
 def _summarise(rank: int, node: int, v: np.ndarray) -> _RankSummary:
@@ -321,21 +351,24 @@ def _subset_note(n_ranks: int, drawn: int) -> str:
     return f"{drawn} of {n_ranks} ranks drawn" if drawn < n_ranks else ""
 
 
-def _step_time(step_max, first, width, spikes) -> dict:
-    n = step_max.size
+def _step_time(step_max: _StepMax, first, width, spikes) -> dict:
+    steps, values = step_max.steps, step_max.values
+    n = steps.size
     data: list[dict] = []
     if width == 1:
-        x = (first + np.arange(n)).tolist()
         data.append({"type": "scattergl" if n > 2000 else "scatter", "mode": "lines", "name": "step time (slowest rank)",
-                     "x": x, "y": _ms(step_max).tolist(), "line": {"width": 1, "color": "#444"}})  # fmt: skip
+                     "x": steps.tolist(), "y": _ms(values).tolist(), "line": {"width": 1, "color": "#444"}})  # fmt: skip
     else:
-        pad = (-n) % width
-        grid = np.concatenate([step_max, np.full(pad, np.nan)]).reshape(-1, width)
-        with np.errstate(invalid="ignore"), warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN bins stay NaN
-            mean = np.nanmean(grid, axis=1)
-            top = np.nanmax(grid, axis=1)
-        x = (first + np.arange(grid.shape[0]) * width).tolist()
+        ok = np.isfinite(values)
+        b = (steps - first) // width
+        n_bins = int(b.max()) + 1 if n else 0
+        cnt = np.bincount(b[ok], minlength=n_bins)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(cnt > 0, np.bincount(b[ok], weights=values[ok], minlength=n_bins) / cnt, np.nan)
+        top = np.full(n_bins, -np.inf)
+        np.maximum.at(top, b[ok], values[ok])
+        top = np.where(cnt > 0, top, np.nan)  # bins without a measured step stay gaps
+        x = (first + np.arange(n_bins) * width).tolist()
         data.append({"type": "scatter", "mode": "lines", "name": f"max over {width} steps", "x": x, "y": _ms(top).tolist(),
                      "line": {"width": 1, "color": "#bbb"}})  # fmt: skip
         data.append({"type": "scatter", "mode": "lines", "name": f"mean over {width} steps", "x": x,
@@ -345,7 +378,7 @@ def _step_time(step_max, first, width, spikes) -> dict:
         by_step.setdefault(int(e["step"]), []).append(e)
     for cause in sorted({e.get("cause") or "unknown" for e in spikes}):
         steps = sorted(s for s, es in by_step.items() if (max(es, key=lambda e: e.get("excess_ns") or 0).get("cause") or "unknown") == cause)
-        ys = [float(step_max[s - first]) / 1e6 if 0 <= s - first < n and np.isfinite(step_max[s - first]) else None for s in steps]
+        ys = [None if (v := step_max.at(s)) is None else v / 1e6 for s in steps]
         text = [", ".join(f"rank {e['rank']} +{(e.get('excess_ns') or 0) / 1e6:.1f} ms" for e in by_step[s][:3]) for s in steps]
         data.append({"type": "scatter", "mode": "markers", "name": f"spike: {cause}", "x": steps, "y": ys, "text": text,
                      "hovertemplate": "step %{x}: %{y:.1f} ms<br>%{text}<extra>" + cause + "</extra>",
@@ -416,7 +449,7 @@ def _projection(diag, summaries, step_max) -> tuple[dict, str] | None:
     note = (f"per-rank spike rate {100 * p_rank:.3g} %, {rpn} ranks per node"
             + (f", per-node rate {100 * p_node:.3g} %" if p_node else ""))  # fmt: skip
     # Expected cluster step time: the theory's order-statistics model, anchored at the measured median.
-    finite = step_max[np.isfinite(step_max)]
+    finite = step_max.values[np.isfinite(step_max.values)]
     spikes = (diag.get("spikes") or {}).get("events") or []
     if summaries and finite.size:
         noise_ns = MAD_TO_SIGMA * float(np.median([s.mad for s in summaries]))
