@@ -13,8 +13,10 @@ import pyarrow as pa
 import pytest
 import torch.distributed as dist
 
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.windows import summarize_windows, window_rows
 from hyperacc.schema import STEP_SCHEMA, WINDOW_SCHEMA
-from hyperacc.trace.aggregate import WindowAggregator
+from hyperacc.trace.aggregate import WindowAggregator, step_columns
 
 
 def steps_table(rank: int, steps: range, self_ms: float) -> pa.Table:
@@ -60,7 +62,7 @@ def test_every_ranks_windows_reach_rank_0(server: Any) -> None:
         0,
         0,
         2,
-        window=5,
+        window=10,
         grace_s=30,
         store=client(server.port),
         detector=detector,
@@ -68,21 +70,28 @@ def test_every_ranks_windows_reach_rank_0(server: Any) -> None:
         on_window=lambda w, got, missing: windows.append((w, got, missing)),
         poll_s=0.05,
     )
-    rank1 = WindowAggregator(1, 1, 2, window=5, grace_s=30, store=client(server.port), poll_s=0.05)
+    rank1 = WindowAggregator(1, 1, 2, window=10, grace_s=30, store=client(server.port), poll_s=0.05)
     for agg, self_ms in ((rank0, 10.0), (rank1, 30.0)):
         agg.on_steps(steps_table(agg.rank, range(0, 7), self_ms))
-        agg.on_steps(steps_table(agg.rank, range(7, 16), self_ms))  # windows 0-2 complete, 3 open
+        agg.on_steps(steps_table(agg.rank, range(7, 46), self_ms))
     rank1.close()
     rank0.close()
-    assert [w for w, _, _ in windows] == [0, 1, 2]
+    # warm-up (10 steps) left out as offline; the last, partial window is sent at close
+    assert [w for w, _, _ in windows] == [1, 2, 3, 4]
     assert all(got == [0, 1] and missing == [] for _, got, missing in windows)
-    assert [t.schema for t in detector.tables] == [WINDOW_SCHEMA] * 3
+    assert all(t.schema.names[: len(WINDOW_SCHEMA)] == WINDOW_SCHEMA.names for t in detector.tables)
+    opts = DetectionOptions(window_steps=10)
+    for rank, self_ms in ((0, 10.0), (1, 30.0)):
+        offline = window_rows(summarize_windows(step_columns(steps_table(rank, range(46), self_ms), rank, rank), opts))
+        live = [r for t in detector.tables for r in t.to_pylist() if r["rank"] == rank]
+        assert len(live) == len(offline) == 4
+        for a, b in zip(live, offline, strict=True):
+            assert {k: a[k] for k in b} == pytest.approx(b, nan_ok=True)
     first = detector.tables[0].to_pylist()
     assert [r["rank"] for r in first] == [0, 1] and [r["node"] for r in first] == [0, 1]
-    assert first[1]["self_ns_median"] == 30_000_002.0  # median of 30 ms + step, steps 0-4
-    assert first[0]["steps"] == 5 and first[0]["first_step"] == 0 and first[0]["last_step"] == 4
-    assert first[0]["launch_ns_median"] == 2_000.0 and first[0]["gc_ns_sum"] == 500.0
-    assert findings == [(0, "window 0 seen"), (5, "window 1 seen"), (10, "window 2 seen")]
+    assert first[1]["self_ns_median"] == 30_000_014.5  # median of 30 ms + step, steps 10-19
+    assert first[0]["steps"] == 10 and first[0]["first_step"] == 10 and first[0]["last_step"] == 19
+    assert findings == [(10, "window 1 seen"), (20, "window 2 seen"), (30, "window 3 seen"), (40, "window 4 seen")]
 
 
 def test_a_silent_rank_is_reported_missing_and_never_blocks(
@@ -104,16 +113,18 @@ def test_a_silent_rank_is_reported_missing_and_never_blocks(
     rank1 = WindowAggregator(1, 0, 3, window=5, grace_s=0.3, store=client(server.port), poll_s=0.05)
     with caplog.at_level(logging.WARNING, logger="hyperacc.live"):
         for agg in (rank0, rank1):
-            agg.on_steps(steps_table(agg.rank, range(0, 11), 10.0))
+            # windows 2 and 3 are final: the spike baseline (101 steps) has seen 100 steps after them
+            agg.on_steps(steps_table(agg.rank, range(0, 121), 10.0))
         deadline = time.monotonic() + 20
         while len(windows) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         rank1.close()
         rank0.close()
-    assert [(w, got, missing) for w, got, missing in windows] == [(0, [0, 1], [2]), (1, [0, 1], [2])]
+    # windows 2 and 3 while running, the partial window 4 at close
+    assert [(w, got, missing) for w, got, missing in windows] == [(w, [0, 1], [2]) for w in (2, 3, 4)]
     lines = [r.message for r in caplog.records if "no summary from rank(s) 2" in r.message]
     assert len(lines) == 1  # said once, not every window
-    assert [t.num_rows for t in detector.tables] == [2, 2]
+    assert [t.num_rows for t in detector.tables] == [2, 2, 2]
 
 
 def test_a_killed_store_switches_aggregation_off_once(caplog: pytest.LogCaptureFixture) -> None:
@@ -127,7 +138,7 @@ def test_a_killed_store_switches_aggregation_off_once(caplog: pytest.LogCaptureF
     try:
         port = int(proc.stdout.readline())
         agg = WindowAggregator(1, 0, 2, window=5, grace_s=1, store=client(port, timeout_s=1.0), poll_s=0.05)
-        agg.on_steps(steps_table(1, range(0, 6), 10.0))
+        agg.on_steps(steps_table(1, range(0, 121), 10.0))  # windows 2 and 3 final
         deadline = time.monotonic() + 10
         while agg._outbox and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -135,7 +146,7 @@ def test_a_killed_store_switches_aggregation_off_once(caplog: pytest.LogCaptureF
         proc.kill()
         proc.wait()
         with caplog.at_level(logging.WARNING, logger="hyperacc.trace"):
-            for start in range(6, 60, 6):  # training goes on: the sink never raises
+            for start in range(121, 181, 6):  # training goes on: the sink never raises
                 agg.on_steps(steps_table(1, range(start, start + 6), 10.0))
                 time.sleep(0.05)
             deadline = time.monotonic() + 15

@@ -1,7 +1,8 @@
 """Per-window summaries of every rank, gathered by rank 0 while training runs, off the critical path.
 
-Each rank turns its step records into one WINDOW_SCHEMA row per window of ``window`` steps (medians of
-self-time, data wait, collective wait, launch latency and step time, the sum of GC pauses). The rows
+Each rank turns its step records into one row per window of ``window`` steps, the summary ``hyperacc
+analyze`` makes of the same steps (``analysis.windows.WindowStream``: WINDOW_SCHEMA plus the phase and
+CPU-time medians and the spike tallies by cause). The rows
 travel through the job's c10d store (a separate TCPStore client to torchrun's store, so the training
 thread's own store connection is never shared), from a background thread: each rank appends its row
 to one key per window and bumps a counter. Rank 0's background thread polls the counter; a window is
@@ -28,12 +29,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from hyperacc.schema import WINDOW_SCHEMA
+from hyperacc.analysis.columns import ANALYSIS_COLUMNS
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.windows import WindowStream, rows_table
 from hyperacc.trace.failsafe import switch_off
 
 log = logging.getLogger("hyperacc.live")
-
-_SUMMARY_COLUMNS = ("self_ns", "data_ns", "comm_wait_ns", "launch_ns", "gc_ns", "step_ns")
 
 
 def connect_store(timeout_s: float = 10.0) -> Any:
@@ -59,44 +60,32 @@ def _prefix() -> str:
     return f"hyperacc/windows/{run}/{restart}/"
 
 
-def summarize(
-    window: int, rank: int, node: int, cols: dict[str, np.ndarray], steps: np.ndarray
-) -> dict[str, Any]:
-    """One WINDOW_SCHEMA row from the window's step columns (floats, NaN where not measured)."""
-
-    def median(name: str) -> float | None:
-        v = cols[name]
-        v = v[~np.isnan(v)]
-        return float(np.median(v)) if v.size else None
-
-    gc = cols["gc_ns"]
-    gc = gc[~np.isnan(gc)]
-    return {
-        "rank": rank,
-        "node": node,
-        "window": window,
-        "first_step": int(steps.min()),
-        "last_step": int(steps.max()),
-        "steps": int(steps.size),
-        "self_ns_median": median("self_ns"),
-        "data_ns_median": median("data_ns"),
-        "comm_wait_ns_median": median("comm_wait_ns"),
-        "launch_ns_median": median("launch_ns"),
-        "gc_ns_sum": float(gc.sum()) if gc.size else None,
-        "step_ns_median": median("step_ns"),
+def step_columns(table: pa.Table, rank: int, node: int) -> dict[str, np.ndarray]:
+    """New step records as the columns ``WindowStream`` takes (float64, NaN where not measured)."""
+    n = table.num_rows
+    names = set(table.column_names)
+    cols: dict[str, np.ndarray] = {
+        "rank": np.full(n, rank, dtype=np.int64),
+        "node": np.full(n, node, dtype=np.int64),
+        "step": table.column("step").to_numpy(zero_copy_only=False).astype(np.int64),
     }
+    for name in ANALYSIS_COLUMNS:
+        if name in cols:
+            continue
+        if name in names:
+            cols[name] = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+        else:
+            cols[name] = np.full(n, np.nan)
+    return cols
 
 
-def rows_to_table(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(sorted(rows, key=lambda r: r["rank"]), schema=WINDOW_SCHEMA)
-
-
-def _default_detector(world_size: int, nodes: int) -> Any:
+def _default_detector(world_size: int, nodes: int, window: int) -> Any:
     try:
         from hyperacc.analysis.live import LiveDetector
     except ImportError:
         return None
-    return LiveDetector(world_size, nodes)
+    return LiveDetector(world_size, nodes, window_steps=window)
+
 
 
 class WindowAggregator:
@@ -131,8 +120,8 @@ class WindowAggregator:
         self._store_given = store is not None
         self._detector = detector
         self._detector_made = detector is not None
-        self._acc: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}
-        self._latest_window = -1
+        # the rank's own rows: the summary ``hyperacc analyze`` makes of the same steps (analysis.windows)
+        self._stream = WindowStream(DetectionOptions(window_steps=window))
         self._outbox: deque[dict[str, Any]] = deque()
         self._on = True
         self._first_seen: dict[int, float] = {}
@@ -157,25 +146,9 @@ class WindowAggregator:
         """Sink for new step records: completed windows go to the outbox."""
         if not self._on or table.num_rows == 0:
             return
-        steps = table.column("step").to_numpy()
-        cols = {
-            name: table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
-            for name in _SUMMARY_COLUMNS
-        }
-        windows = steps // self.window
-        for w in np.unique(windows):
-            mask = windows == w
-            self._acc.setdefault(int(w), []).append((steps[mask], {k: v[mask] for k, v in cols.items()}))
-        self._latest_window = max(self._latest_window, int(windows.max()))
-        self._complete(self._latest_window)
-
-    def _complete(self, before: int) -> None:
-        for w in sorted(k for k in self._acc if k < before):
-            parts = self._acc.pop(w)
-            steps = np.concatenate([p[0] for p in parts])
-            cols = {name: np.concatenate([p[1][name] for p in parts]) for name in _SUMMARY_COLUMNS}
-            self._outbox.append(summarize(w, self.rank, self.node, cols, steps))
-        if self._outbox:
+        rows = self._stream.add(step_columns(table, self.rank, self.node))
+        if rows:
+            self._outbox.extend(rows)
             self._wake.set()
 
     # ------------------------------------------------------------------ background thread
@@ -267,11 +240,11 @@ class WindowAggregator:
         self._keep(rows)
         if not self._detector_made:
             self._detector_made = True
-            self._detector = _default_detector(self.world_size, self.nodes)
+            self._detector = _default_detector(self.world_size, self.nodes, self.window)
         if self._detector is None:
             return
         first_step = min(r["first_step"] for r in rows)
-        for message in self._detector.update(rows_to_table(rows)) or []:
+        for message in self._detector.update(rows_table(rows)) or []:
             log.warning("hyperacc live: %s", message)
             if self.on_finding is not None:
                 self.on_finding(first_step, str(message))
@@ -279,7 +252,7 @@ class WindowAggregator:
     def _keep(self, rows: list[dict[str, Any]]) -> None:
         if self.run_dir is None:
             return
-        self._gathered.append(pa.Table.from_pylist(sorted(rows, key=lambda r: r["rank"])))
+        self._gathered.append(rows_table(rows))
         if time.monotonic() - self._gathered_at >= 5.0:
             self._write_gathered()
 
@@ -308,7 +281,7 @@ class WindowAggregator:
         self._thread.join(timeout=5)
         if not self._on:
             return
-        self._complete(self._latest_window + (1 if self._partial_is_full() else 0))
+        self._outbox.extend(self._stream.close())
         deadline = time.monotonic() + (min(self.grace_s, 2.0) if self.rank == 0 and wait else 0.0)
         while True:
             self._tick(final=True)
@@ -319,10 +292,6 @@ class WindowAggregator:
         self._write_gathered()
         if not self._store_given and self._store is not None:
             self._store = None
-
-    def _partial_is_full(self) -> bool:
-        parts = self._acc.get(self._latest_window)
-        return bool(parts) and sum(len(p[0]) for p in parts) >= self.window
 
 
 def _node_count(world_size: int) -> int:
