@@ -21,11 +21,10 @@ from hyperacc.analysis import diagnose
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PHASES = ("data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns")
-STEPS, ACCUM, RANKS = 40, 2, 4
+STEPS, ACCUM, RANKS = 60, 2, 4
 
 
 @pytest.mark.multirank
-@pytest.mark.xfail(strict=False, reason="kind from thread CPU time: detection rules being reworked")
 @pytest.mark.parametrize(
     ("script", "package"), [("train_hf.py", "transformers"), ("train_lightning.py", "lightning")]
 )
