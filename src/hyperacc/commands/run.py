@@ -145,6 +145,19 @@ def _stabilize_env(text: str) -> dict[str, str] | None:
     )
 
 
+def _remediate(text: str, torchrun: dict[str, str | None]):  # -> remediation.config.LaunchSettings
+    """``--remediate`` checked as the ranks will read it; raises torchrun's --max-restarts for drains."""
+    from hyperacc.remediation.config import RemediationConfigError, launch_settings
+
+    try:
+        settings = launch_settings(text, nnodes=torchrun.get("nnodes"), max_restarts=torchrun.get("max_restarts"))
+    except RemediationConfigError as exc:
+        raise _config_error(exc, "--remediate", "docs/remediation.md") from None
+    if settings.max_restarts is not None:
+        torchrun["max_restarts"] = settings.max_restarts
+    return settings
+
+
 def build_command(
     script_and_args: tuple[str, ...],
     *,
@@ -225,6 +238,12 @@ def build_command(
     default=None,
     help="Pacing at the gradient collective: 1 for the defaults or JSON settings (docs/pacing.md).",
 )
+@click.option(
+    "--remediate",
+    "remediate_text",
+    default=None,
+    help="Act on confirmed verdicts: off, dry-run, auto, or a JSON policy / JSON file (docs/remediation.md).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and environment; start nothing.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, required=True)
 def command(
@@ -236,6 +255,7 @@ def command(
     chaos_json: str | None,
     stabilize_json: str | None,
     pace_json: str | None,
+    remediate_text: str | None,
     dry_run: bool,
     script_and_args: tuple[str, ...],
     **torchrun: str | None,
@@ -278,6 +298,7 @@ def command(
     elif not Path(script).is_file():
         raise click.BadParameter(f"training script {script!r} not found", param_hint="SCRIPT")
 
+    remediate = _remediate(remediate_text, torchrun) if remediate_text is not None else None
     options = {
         name: value
         for name in TORCHRUN_VALUE_OPTIONS
@@ -309,7 +330,11 @@ def command(
         # allocator settings before CUDA initialises and tcmalloc's background release off
         stabilize_env.pop("HYPERACC_STABILIZE", None)  # the ranks parse the user's own text
         env.update(stabilize_env)
+    if remediate is not None:
+        env.update(remediate.env)
     if dry_run:
+        for note in remediate.notes if remediate is not None else ():
+            click.echo(f"# --remediate: {note}")
         ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE"]
         added = sorted(k for k in env if env.get(k) != os.environ.get(k) and k not in ours)
         for key in [k for k in ours if k in env] + added:
