@@ -40,7 +40,7 @@ class RemediationConfig:
     gc_min_share: float = 0.10  # GC explains at least 10 % of the time lost to spikes ...
     gc_min_spikes: int = 3  # ... over at least this many spikes, or a confirmed GC straggler
     gc_lead_steps: int = 20  # the agreed step is this far ahead, so every rank reaches it in time ...
-    switch_lead_s: float = 5.0  # ... and at least this much training time ahead at the measured step rate
+    switch_lead_s: float = 2.0  # ... and at least this much training time ahead at the measured step rate
     memory_min_share: float = 0.10  # the same for allocator (memory-release) spikes
     memory_min_spikes: int = 3
 
