@@ -18,7 +18,7 @@ from hyperacc.remediation.events import read_events
 
 pytestmark = pytest.mark.multirank
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
-STEPS = 240
+STEPS = 360
 ARGS = ["--steps", str(STEPS), "--features", "64", "--hidden", "64", "--batch-size", "16"]
 CHAOS = {"seed": 1, "faults": [{"kind": "gc_pressure", "ranks": [3], "live": 100000, "garbage": 20000}]}
 
