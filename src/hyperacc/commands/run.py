@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from hyperacc.commands.params import OneLineCommand, OutputDir
+from hyperacc.supervisor import METRICS_ENV, Supervisor, choose_view
 
 # torchrun options offered directly (name, takes a value); anything else: --torchrun-arg.
 TORCHRUN_VALUE_OPTIONS = (
@@ -244,6 +245,11 @@ def build_command(
     default=None,
     help="Act on confirmed verdicts: off, dry-run, auto, or a JSON policy / JSON file (docs/remediation.md).",
 )
+@click.option("--quiet", is_flag=True, help="No live view: torchrun runs in this process, its output untouched.")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve Prometheus metrics of every rank from rank 0 on this port (docs/presentation.md).")  # fmt: skip
+@click.option("--metrics-host", default="127.0.0.1", show_default=True,
+              help="Address the metrics endpoint listens on (0.0.0.0: every interface).")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and environment; start nothing.")
 @click.argument("script_and_args", nargs=-1, type=click.UNPROCESSED, required=True)
 def command(
@@ -256,6 +262,9 @@ def command(
     stabilize_json: str | None,
     pace_json: str | None,
     remediate_text: str | None,
+    quiet: bool,
+    metrics_port: int | None,
+    metrics_host: str,
     dry_run: bool,
     script_and_args: tuple[str, ...],
     **torchrun: str | None,
@@ -332,10 +341,13 @@ def command(
         env.update(stabilize_env)
     if remediate is not None:
         env.update(remediate.env)
+    if metrics_port is not None:
+        env[METRICS_ENV] = f"{metrics_host}:{metrics_port}"
     if dry_run:
         for note in remediate.notes if remediate is not None else ():
             click.echo(f"# --remediate: {note}")
-        ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE"]
+        ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE",
+                METRICS_ENV]  # fmt: skip
         added = sorted(k for k in env if env.get(k) != os.environ.get(k) and k not in ours)
         for key in [k for k in ours if k in env] + added:
             if key in env:
@@ -348,4 +360,18 @@ def command(
         raise click.BadParameter(f"cannot create {run_dir}: {exc.strerror}", param_hint="'--run-dir'") from None
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(cmd[0], cmd, env)
+    view = choose_view(quiet)
+    if view == "off":
+        os.execvpe(cmd[0], cmd, env)  # the job alone, exactly as torchrun started by hand
+    if view == "panel":
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks' output reaches the terminal as it is written
+    window = _live_window(trace_json)
+    sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window).run())
+
+
+def _live_window(trace_json: str | None) -> int:
+    """The steps one line of the view covers: the tracer's window (50 by default)."""
+    from hyperacc.trace.options import TraceOptions
+
+    window = TraceOptions.from_json(trace_json).window if trace_json is not None else TraceOptions().window
+    return window if window >= 2 else 50

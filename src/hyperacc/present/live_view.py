@@ -122,7 +122,7 @@ class RunFollower:
         cols = {}
         for name in _COLUMNS:
             if name in table.column_names:
-                cols[name] = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+                cols[name] = table.column(name).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
             else:
                 cols[name] = np.full(table.num_rows, np.nan)
         have = self._rows.get(rank)

@@ -376,3 +376,28 @@ class RunDirFollower:
                     self.sink.observe_events(table)
                 fed += 1
         return fed
+
+
+class RunDirEndpoint:
+    """The endpoint of ``hyperacc run --metrics-port``: on rank 0, every rank's metrics from the run
+    directory (a ``RunDirFollower`` feeding one ``MetricsSink``), served on ``HOST:PORT``.
+
+    Off the training thread entirely (the follower's thread and the HTTP server's); a port already
+    taken is one warning and training goes on (``serve``).
+    """
+
+    def __init__(self, run_dir: str | Path, address: str, *, world_size: int | None = None,
+                 interval: float = 2.0) -> None:  # fmt: skip
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"metrics address must be HOST:PORT with a port 1-65535 (got {address!r})")
+        self.sink = MetricsSink(world_size=world_size)
+        self.server = serve(self.sink, int(port), host.strip("[]"))
+        self.follower = RunDirFollower(run_dir, self.sink, interval=interval).start() if self.server else None
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.stop()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server = None

@@ -1,0 +1,197 @@
+"""What ``hyperacc run`` does while torchrun runs: it starts torchrun as its child, shows the live view of
+the run directory, and ends with torchrun's own exit status.
+
+- In a terminal (stdout is a tty, no ``--quiet``): a rich live panel refreshed every ``interval``
+  seconds (``present.live_view.render``), with the job's own output printed above it line by line.
+- Not a terminal (a log, a pipe, a batch system): the job's output goes straight to the same file
+  descriptors, untouched, and one line per completed window of steps (``present.live_view.line``).
+- ``--quiet``: the job's output untouched, no view.
+
+Signals: Ctrl-C in the terminal reaches torchrun and the ranks directly (one process group, as when
+torchrun is started by hand); this process waits for them. SIGTERM and SIGHUP sent to this process
+are passed to torchrun, which stops its workers. The exit status is torchrun's (128 + N when it died of
+signal N). The view reads only what the ranks already write; it never touches the job, and a failure in
+it switches the view off with one line while the job goes on. docs/presentation.md, "Live view".
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+log = logging.getLogger("hyperacc.run")
+
+VIEWS = ("panel", "lines", "off")
+# ``HOST:PORT`` of the Prometheus endpoint rank 0 serves (``hyperacc run --metrics-port``).
+METRICS_ENV = "HYPERACC_METRICS"
+
+
+def choose_view(quiet: bool, stream: TextIO | None = None) -> str:
+    """``off`` with --quiet, ``panel`` on a terminal, else ``lines``."""
+    if quiet:
+        return "off"
+    stream = stream if stream is not None else sys.stdout
+    try:
+        return "panel" if stream.isatty() and os.environ.get("TERM", "") != "dumb" else "lines"
+    except (AttributeError, ValueError):
+        return "lines"
+
+
+def exit_status(returncode: int) -> int:
+    """A child's return code as a shell reports it (128 + N for signal N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class Supervisor:
+    """Runs ``cmd`` (torchrun) with ``env`` and shows the live view of ``run_dir`` until it exits."""
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        env: dict[str, str],
+        run_dir: Path,
+        *,
+        view: str = "lines",
+        interval: float = 2.0,
+        window: int = 50,
+        out: TextIO | None = None,
+    ) -> None:
+        if view not in VIEWS:
+            raise ValueError(f"view must be one of {VIEWS} (got {view!r})")
+        self.cmd = list(cmd)
+        self.env = env
+        self.run_dir = Path(run_dir)
+        self.view = view
+        self.interval = interval
+        self.window = window
+        self.out = out if out is not None else sys.stdout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._previous: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ process
+
+    def run(self) -> int:
+        """Start torchrun, follow it, return its exit status."""
+        piped = self.view == "panel"
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=subprocess.PIPE if piped else None,
+            stderr=subprocess.STDOUT if piped else None,
+        )
+        self._forward_signals()
+        try:
+            if self.view == "panel":
+                self._panel()
+            elif self.view == "lines":
+                self._lines()
+            return exit_status(self._wait())
+        finally:
+            self._restore_signals()
+
+    def _wait(self) -> int:
+        assert self.proc is not None
+        while True:
+            try:
+                return self.proc.wait()
+            except KeyboardInterrupt:
+                continue  # torchrun got the same Ctrl-C from the terminal; it stops the ranks
+
+    def _forward_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def forward(signum: int, _frame: Any) -> None:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.send_signal(signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._previous[sig] = signal.signal(sig, forward)
+        # Ctrl-C reaches torchrun through the terminal's process group: this process only waits.
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _sleep(self, seconds: float) -> None:
+        """Sleep until the next refresh or until torchrun exits, whichever comes first."""
+        end = time.monotonic() + seconds
+        while self._running() and time.monotonic() < end:
+            time.sleep(min(0.1, max(end - time.monotonic(), 0.0)))
+
+    # ------------------------------------------------------------------ views
+
+    def _follower(self) -> Any:
+        from hyperacc.present.live_view import RunFollower
+
+        return RunFollower([self.run_dir], keep=max(4 * self.window, 200))
+
+    def _lines(self) -> None:
+        from hyperacc.present.live_view import line
+
+        follower = self._follower()
+        printed = -1
+        while True:
+            running = self._running()
+            try:
+                follower.poll()
+                snap = follower.snapshot(self.window)
+                if snap is not None and (snap.step >= printed + self.window or (not running and snap.step > printed)):
+                    printed = snap.step
+                    print(line(snap), file=self.out, flush=True)
+            except Exception as exc:  # noqa: BLE001 - the view is a convenience; the job goes on
+                log.warning("hyperacc run: live view switched off: %r", exc)
+                return
+            if not running:
+                return
+            self._sleep(self.interval)
+
+    def _panel(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        from hyperacc.present.live_view import render
+
+        assert self.proc is not None and self.proc.stdout is not None
+        console = Console(file=self.out)
+        follower = self._follower()
+        on = True
+        with Live(console=console, refresh_per_second=4, transient=False, redirect_stdout=False) as live:
+            pump = threading.Thread(target=self._pump, args=(self.proc.stdout, live), daemon=True)
+            pump.start()
+            while True:
+                running = self._running()
+                if on:
+                    try:
+                        follower.poll()
+                        snap = follower.snapshot(self.window)
+                        if snap is not None:
+                            live.update(render(snap))
+                    except Exception as exc:  # noqa: BLE001
+                        on = False
+                        live.console.print(f"hyperacc run: live view switched off: {exc!r}", markup=False)
+                if not running:
+                    break
+                self._sleep(self.interval)
+            pump.join(timeout=5)
+
+    @staticmethod
+    def _pump(stream: Any, live: Any) -> None:
+        """The job's output, line by line, above the panel."""
+        for raw in iter(stream.readline, b""):
+            text = raw.decode(errors="replace").rstrip("\n")
+            live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        stream.close()

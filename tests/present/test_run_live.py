@@ -1,0 +1,164 @@
+"""`hyperacc run` while the job trains: the live panel in a terminal (driven through tmux), one line per
+window in a pipe, torchrun's own exit status, signals passed on, and the Prometheus endpoint of rank 0
+scraped with a real HTTP client."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+HYPERACC = [sys.executable, "-m", "hyperacc"]
+SMALL = ["--features", "64", "--hidden", "64", "--batch-size", "16"]
+# segments every half second, so the view has something to show before a short job ends
+TRACE = '{"flush_every_s": 0.5}'
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("HYPERACC_RUN_DIR", None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failing_script(tmp_path: Path) -> Path:
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "import torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "dist.barrier()\n"
+        "if dist.get_rank() == 1:\n"
+        "    sys.exit(3)\n"
+        "time.sleep(1)\n"
+    )
+    return script
+
+
+def test_lines_in_a_pipe_and_the_exit_status_of_torchrun(tmp_path):
+    run = subprocess.run(
+        [*HYPERACC, "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2", "--trace", TRACE, "--",
+         str(EXAMPLE), "--steps", "300", *SMALL],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    lines = [x for x in run.stdout.splitlines() if x.startswith("hyperacc live: step ")]
+    assert lines, run.stdout[-3000:]
+    assert "2/2 ranks" in lines[-1] and "steps/s" in lines[-1] and "p99" in lines[-1]
+    assert lines[-1].startswith("hyperacc live: step 299,")  # the last line covers the end of the run
+
+    # a rank that fails: the same exit status as torchrun started by hand
+    script = _failing_script(tmp_path)
+    ours = subprocess.run(
+        [*HYPERACC, "run", "--run-dir", str(tmp_path / "failed"), "--nproc-per-node", "2", "--", str(script)],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    plain = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert plain.returncode != 0
+    assert ours.returncode == plain.returncode, ours.stdout[-2000:] + ours.stderr[-2000:]
+
+
+def test_sigterm_is_passed_to_torchrun_and_the_ranks_stop(tmp_path):
+    proc = subprocess.Popen(
+        [*HYPERACC, "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2", "--trace", TRACE, "--",
+         str(EXAMPLE), "--steps", "1000000", *SMALL],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "run").glob("steps/rank-*/seg-*.parquet")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the job never wrote a step"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0, out[-2000:]
+    # torchrun stopped its workers: no rank of this job is left
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+def test_metrics_of_every_rank_from_rank_0(tmp_path):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [*HYPERACC, "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2", "--quiet",
+         "--metrics-port", str(port), "--trace", TRACE, "--", str(EXAMPLE), "--steps", "1000000", *SMALL],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    body = ""
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                body = ""
+            if 'hyperacc_last_step{rank="0"}' in body and 'hyperacc_last_step{rank="1"}' in body:
+                break
+            time.sleep(1.0)
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert 'hyperacc_last_step{rank="0"}' in body and 'hyperacc_last_step{rank="1"}' in body, body[-2000:]
+    assert 'hyperacc_step_seconds_count{rank="1"}' in body
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (make system installs it)")
+def test_the_live_panel_in_a_terminal(tmp_path):
+    session = f"hyperacc-test-{os.getpid()}"
+    rc_file = tmp_path / "rc"
+    command = " ".join([
+        *HYPERACC, "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2", "--trace", f"'{TRACE}'",
+        "--", str(EXAMPLE), "--steps", "800", *SMALL, "--log-every", "400",
+    ])  # fmt: skip
+    env = _env()
+    env["TERM"] = "xterm-256color"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "50",
+                    f"{command}; echo $? > {rc_file}; sleep 600"], env=env, check=True)  # fmt: skip
+    screen = ""
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout  # fmt: skip
+            if "hyperacc live:" in screen and "steps/s" in screen and "ranks 2/2" in screen:
+                break
+            time.sleep(1.0)
+        panel = screen
+        while time.monotonic() < deadline and not rc_file.exists():
+            time.sleep(1.0)
+        screen = subprocess.run(["tmux", "capture-pane", "-p", "-S", "-200", "-t", session], capture_output=True,
+                                text=True).stdout  # fmt: skip
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    assert "hyperacc live:" in panel and "ranks 2/2" in panel, panel
+    for header in ("rank", "self ms", "wait ms", "culprit"):
+        assert header in panel, panel
+    assert rc_file.read_text().strip() == "0", screen
+    assert "loss" in screen  # the job's own output is shown above the panel
