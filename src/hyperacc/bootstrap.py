@@ -10,8 +10,11 @@ installs, in this order:
    then called at every step boundary the tracer sees (an unmodified script does not call it); the
    variable is then removed from the environment so that a script which starts stabilizers itself
    does not start a second set;
+4. live remediation, ``hyperacc.remediation.live.install`` (``HYPERACC_REMEDIATE`` other than ``off``):
+   rank 0 decides after each live window, every rank applies live switches at the agreed step
+   (docs/remediation.md);
 
-4. on rank 0, the Prometheus endpoint of ``hyperacc run --metrics-port`` (``HYPERACC_METRICS``);
+5. on rank 0, the Prometheus endpoint of ``hyperacc run --metrics-port`` (``HYPERACC_METRICS``);
 
 then runs the script as ``__main__`` with ``sys.argv`` set as if it had been started directly
 (``-m module`` runs a module instead), and finally closes the stabilizers and flushes the tracer and
@@ -89,6 +92,16 @@ def install() -> list[Any]:
             auto = closers[-1] if closers and hasattr(closers[-1], "add_step_callback") else None
             if auto is not None and hasattr(stabilizer, "step"):
                 auto.add_step_callback(stabilizer.step)  # the script does not call step(): the tracer does
+    remediate = os.environ.get("HYPERACC_REMEDIATE", "").strip()
+    if remediate and remediate != "off":  # off: nothing is installed, nothing runs in the step
+        from hyperacc.remediation.live import install as install_remediation
+
+        auto = next((c for c in closers if hasattr(c, "add_step_callback")), None)
+        live = install_remediation(auto) if auto is not None else None
+        if auto is None:
+            log.warning("hyperacc: remediation needs the tracer (set %s); remediation is off", ENV_RUN_DIR)
+        if live is not None:
+            closers.insert(0, live)  # closed first: its stabilizers end before the tracer flushes
     metrics = _metrics_endpoint()
     if metrics is not None:
         closers.append(metrics)

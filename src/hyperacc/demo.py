@@ -6,8 +6,11 @@
    rate means at scale, and the injected ground truth is printed beside it.
 2. Fix: the same job with ``--stabilize`` (deterministic GC: frozen heap, collections at the same step
    on every rank); the GC spikes of step 1 vanish.
-3. Storage: cold LMDB reads with and without the sampler-aware prefetch (data-time p99).
-4. See it: ``hyperacc report`` writes the self-contained HTML report and prints its path.
+3. Close the loop: a job under GC pressure with ``--remediate auto``; rank 0's live verdicts decide the
+   GC schedule, every rank switches it on at one agreed step, and the GC spikes before and after it
+   are counted (diagnose, act, verify).
+4. Storage: cold LMDB reads with and without the sampler-aware prefetch (data-time p99).
+5. See it: ``hyperacc report`` writes the self-contained HTML report and prints its path.
 
 Set ``HYPERACC_DEMO_STEPS`` to change the run length (default 400).
 """
@@ -108,6 +111,47 @@ def gc_comparison(before: dict[str, Any], after: dict[str, Any]) -> Table:
     return table
 
 
+LOOP_FAULTS = {"seed": 1, "faults": [{"kind": "gc_pressure", "ranks": [3], "live": 100000, "garbage": 20000}]}
+LOOP_REMEDIATE = {"mode": "auto", "gc_lead_steps": 10, "switch_lead_s": 1.0}  # a short lead: a short demo
+LOOP_STEPS = 360
+
+
+def loop_stage(console: Console, run_dir: Path) -> None:
+    """Diagnose, act, verify: ``--remediate auto`` on a GC-pressured job (docs/remediation.md)."""
+    from hyperacc.analysis import diagnose
+    from hyperacc.present.diagnosis import remediation_of
+
+    t0 = time.monotonic()
+    proc = hyperacc(
+        console, "run", "--run-dir", str(run_dir), "--nproc-per-node", "4", "--trace", '{"window": 20}',
+        "--chaos", json.dumps(LOOP_FAULTS), "--remediate", json.dumps(LOOP_REMEDIATE), "--",
+        str(EXAMPLE.relative_to(ROOT)), "--steps", str(LOOP_STEPS), "--features", "64", "--hidden", "64",
+        "--batch-size", "16", quiet=True,
+    )  # fmt: skip
+    for line in (proc.stdout + proc.stderr).splitlines():
+        if "hyperacc remediation" in line and "advise" not in line:
+            console.print(f"  [yellow]{line.strip()}[/yellow]", highlight=False)
+    console.print(f"  {LOOP_STEPS} steps on 4 ranks in {time.monotonic() - t0:.0f} s")
+    events = remediation_of(run_dir)
+    decision = next((e for e in events if e.get("rule") == "gc-schedule"), None)
+    if decision is None or decision.get("step") is None:
+        console.print("  no GC schedule was decided in this run (the live verdicts did not confirm GC spikes)")
+        return
+    at = int(decision["step"])
+    switched = sorted({r for e in events if e.get("kind") == "switch" and e.get("step") == at for r in e["ranks"]})
+    doc = diagnose(run_dir, top_events=100_000).to_dict()
+    gc_steps = [e["step"] for e in doc["spikes"]["events"] if e.get("cause") == "gc"]
+    steps = doc["steps"]
+    table = Table(title=f"GC spikes before and after the agreed step {at} (switched on by ranks {switched})",
+                  title_justify="left")  # fmt: skip
+    for col in ("", "before the switch", "after the switch"):
+        table.add_column(col, justify="right")
+    before, after = sum(1 for s in gc_steps if s < at), sum(1 for s in gc_steps if s >= at)
+    table.add_row("steps", str(at), str(max(steps - at, 0)))
+    table.add_row("GC spikes", str(before), str(after))
+    console.print(table)
+
+
 def main() -> None:
     console = Console(width=None if sys.stdout.isatty() else 110)
     run_root = Path(os.environ.get("HYPERACC_DEMO_DIR", ROOT / "runs" / "demo")).resolve()
@@ -131,12 +175,15 @@ def main() -> None:
     before, after = diagnose(diag_dir).to_dict(), diagnose(fixed_dir).to_dict()
     console.print(gc_comparison(before, after))
 
-    console.rule("[bold]3. Storage: cold LMDB reads with and without sampler-aware prefetch")
+    console.rule("[bold]3. Close the loop: --remediate auto switches deterministic GC on, live")
+    loop_stage(console, run_root / "remediate")
+
+    console.rule("[bold]4. Storage: cold LMDB reads with and without sampler-aware prefetch")
     from hyperacc.data.pipeline import cold_read_comparison, cold_read_table
 
     console.print(cold_read_table(cold_read_comparison(run_root / "cold-read")), markup=False, highlight=False)
 
-    console.rule("[bold]4. See it")
+    console.rule("[bold]5. See it")
     hyperacc(console, "report", str(diag_dir), "-o", str(run_root / "report.html"))
     console.print(f"open {run_root / 'report.html'} in a browser (it works offline)")
     console.rule(f"[bold]demo finished in {time.monotonic() - t0:.0f} s; run directories under {run_root}")

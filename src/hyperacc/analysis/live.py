@@ -48,11 +48,22 @@ class LiveDetector:
         self._history: dict[str, np.ndarray] = {}
         self._reported: dict[int, str] = {}  # rank -> kind already announced
         self._excess_reported: set[tuple[int, str]] = set()  # (rank, cause) of rank-specific spikes
+        self._active: list[Straggler] = []
 
     @property
     def confirmed(self) -> dict[int, str]:
         """Ranks currently confirmed as stragglers, with their kind."""
         return dict(self._reported)
+
+    @property
+    def active_stragglers(self) -> list[Straggler]:
+        """The stragglers active in the newest judged window (what ``update`` last saw), rank order."""
+        return list(self._active)
+
+    @property
+    def history(self) -> dict[str, np.ndarray]:
+        """The recent windows judged (at most ``keep_windows``), as columns; a copy."""
+        return {k: v.copy() for k, v in self._history.items()}
 
     def update(self, window_table: pa.Table) -> list[str]:
         cols = _to_columns(window_table)
@@ -61,6 +72,7 @@ class LiveDetector:
         self._append(cols)
         messages: list[str] = []
         active = {s.rank: s for s in detect_stragglers(self._history, self.opts) if s.active}
+        self._active = [active[r] for r in sorted(active)]
         for rank in sorted(active):
             s = active[rank]
             before = self._reported.get(rank)

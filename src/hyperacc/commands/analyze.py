@@ -115,6 +115,9 @@ def command(
         click.echo(f"hyperacc analyze: {exc}", err=True)
         sys.exit(2)
     doc = diagnosis.to_dict()
+    from hyperacc.present.diagnosis import remediation_of
+
+    doc["remediation"] = remediation_of(run_dir)  # what --remediate decided and did (docs/remediation.md)
     if as_json:
         click.echo(json.dumps(doc, indent=2, allow_nan=False, default=_jsonable))
         return
@@ -223,5 +226,9 @@ def _render(doc: dict[str, Any]) -> None:
         t.caption = (f"none (node-wide): node-wide spikes alone ({_pct(p.get('p_node') or 0.0)} of each node's "
                      "steps) exceed the target there, so no per-rank rate can meet it")  # fmt: skip
     con.print(t)
+    if doc.get("remediation"):
+        con.print("[bold]Remediation[/bold] (RUN_DIR/remediation/events.jsonl and the ranks' switches)")
+        for event in doc["remediation"]:
+            con.print(f"  - {event['line']}", highlight=False, markup=False)
     if doc["missing_ranks"]:
         con.print(f"[yellow]Missing ranks (no step records): {doc['missing_ranks']}[/yellow]")

@@ -146,6 +146,19 @@ def _stabilize_env(text: str) -> dict[str, str] | None:
     )
 
 
+def _remediate(text: str, torchrun: dict[str, str | None]):  # -> remediation.config.LaunchSettings
+    """``--remediate`` checked as the ranks will read it; raises torchrun's --max-restarts for drains."""
+    from hyperacc.remediation.config import RemediationConfigError, launch_settings
+
+    try:
+        settings = launch_settings(text, nnodes=torchrun.get("nnodes"), max_restarts=torchrun.get("max_restarts"))
+    except RemediationConfigError as exc:
+        raise _config_error(exc, "--remediate", "docs/remediation.md") from None
+    if settings.max_restarts is not None:
+        torchrun["max_restarts"] = settings.max_restarts
+    return settings
+
+
 def build_command(
     script_and_args: tuple[str, ...],
     *,
@@ -226,6 +239,12 @@ def build_command(
     default=None,
     help="Pacing at the gradient collective: 1 for the defaults or JSON settings (docs/pacing.md).",
 )
+@click.option(
+    "--remediate",
+    "remediate_text",
+    default=None,
+    help="Act on confirmed verdicts: off, dry-run, auto, or a JSON policy / JSON file (docs/remediation.md).",
+)
 @click.option("--quiet", is_flag=True, help="No live view: torchrun runs in this process, its output untouched.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus metrics of every rank from rank 0 on this port (docs/presentation.md).")  # fmt: skip
@@ -242,6 +261,7 @@ def command(
     chaos_json: str | None,
     stabilize_json: str | None,
     pace_json: str | None,
+    remediate_text: str | None,
     quiet: bool,
     metrics_port: int | None,
     metrics_host: str,
@@ -287,6 +307,7 @@ def command(
     elif not Path(script).is_file():
         raise click.BadParameter(f"training script {script!r} not found", param_hint="SCRIPT")
 
+    remediate = _remediate(remediate_text, torchrun) if remediate_text is not None else None
     options = {
         name: value
         for name in TORCHRUN_VALUE_OPTIONS
@@ -318,9 +339,13 @@ def command(
         # allocator settings before CUDA initialises and tcmalloc's background release off
         stabilize_env.pop("HYPERACC_STABILIZE", None)  # the ranks parse the user's own text
         env.update(stabilize_env)
+    if remediate is not None:
+        env.update(remediate.env)
     if metrics_port is not None:
         env[METRICS_ENV] = f"{metrics_host}:{metrics_port}"
     if dry_run:
+        for note in remediate.notes if remediate is not None else ():
+            click.echo(f"# --remediate: {note}")
         ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE",
                 METRICS_ENV]  # fmt: skip
         added = sorted(k for k in env if env.get(k) != os.environ.get(k) and k not in ours)

@@ -145,15 +145,23 @@ class RunFollower:
                     text = str(row["detail"])
                     self._findings[_finding_key(text)] = text
                     new = True
-        remediation = run_dir / "remediation" / "events.jsonl"
-        if remediation.is_file():
-            try:
-                for line in remediation.read_text().splitlines()[-20:]:
-                    event = json.loads(line)
-                    text = event.get("message") or event.get("detail") or json.dumps(event)
-                    self._findings[f"act:{event.get('rule', '')}:{event.get('node', '')}"] = f"action: {text}"
-            except (OSError, ValueError):
-                pass
+                elif row.get("kind") == "remediation" and row.get("detail"):  # a rank started a live switch
+                    self._findings[f"switch:{row['detail']}"] = f"remediation: {row['detail']}"
+                    new = True
+        new = self._read_remediation(run_dir) or new
+        return new
+
+    def _read_remediation(self, run_dir: Path) -> bool:
+        """What ``--remediate`` decided and did (docs/remediation.md), as findings of the live line."""
+        from hyperacc.present.diagnosis import remediation_line
+        from hyperacc.remediation.events import read_events
+
+        new = False
+        for event in read_events(run_dir)[-20:]:
+            key = f"act:{event.get('kind')}:{event.get('rule', '')}:{event.get('target', '')}:{event.get('step')}"
+            if key not in self._findings:
+                self._findings[key] = f"remediation: {remediation_line(event)}"
+                new = True
         return new
 
     def _read_resources(self, run_dir: Path) -> None:

@@ -618,6 +618,7 @@ def _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runt
         parts.append(_event_table(events))
     if runtime is not None:
         parts.append(_runtime_table(runtime))
+    parts.append(_remediation_section(run_dir))
     parts.append("<pre id='js-errors'></pre></main>")
 
     payload = json.dumps(_finite(fig_json), allow_nan=False, separators=(",", ":"))
@@ -688,6 +689,24 @@ def _event_table(events: pa.Table) -> str:
                      f"{int(s.min())}-{int(s.max())}" if s.size else "-"])  # fmt: skip
     return ("<section id='event-table'><h2>What the stabilizers and pacing did</h2>"
             + _table(["event", "count", "ranks", "total ms", "median ms", "steps"], rows) + "</section>")  # fmt: skip
+
+
+def _remediation_section(run_dir) -> str:
+    """What ``--remediate`` decided and did (docs/remediation.md); empty when it never ran."""
+    import logging
+
+    from hyperacc.present.diagnosis import remediation_of
+
+    try:
+        rows = remediation_of(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the rest of the report stands without it
+        logging.getLogger(__name__).warning("remediation events not shown (%s)", exc)
+        return ""
+    if not rows:
+        return ""
+    body = [[r.get("time", "")[:23], r.get("kind", ""), r.get("status", "") or "started", r["line"]] for r in rows]
+    return ("<section id='remediation'><h2>Remediation: what was decided and done</h2>"
+            + _table(["time (UTC)", "event", "status", "what"], body) + "</section>")  # fmt: skip
 
 
 def _runtime_table(runtime: pa.Table) -> str:

@@ -39,7 +39,8 @@ class RemediationConfig:
     # -- live switches (rules "gc-schedule", "memory-release")
     gc_min_share: float = 0.10  # GC explains at least 10 % of the time lost to spikes ...
     gc_min_spikes: int = 3  # ... over at least this many spikes, or a confirmed GC straggler
-    gc_lead_steps: int = 20  # the agreed step is this far ahead, so every rank reaches it in time
+    gc_lead_steps: int = 20  # the agreed step is this far ahead, so every rank reaches it in time ...
+    switch_lead_s: float = 2.0  # ... and at least this much training time ahead at the measured step rate
     memory_min_share: float = 0.10  # the same for allocator (memory-release) spikes
     memory_min_spikes: int = 3
 
@@ -52,8 +53,10 @@ class RemediationConfig:
             raise RemediationConfigError(f"max_drains must be >= 0 (got {self.max_drains})")
         if self.drain_hold_windows < 0 or self.drain_cooldown_steps < 0 or self.gc_lead_steps < 1:
             raise RemediationConfigError("drain_hold_windows, drain_cooldown_steps must be >= 0, gc_lead_steps >= 1")
-        if self.drain_min_slowdown < 0 or self.signal_timeout_s <= 0:
-            raise RemediationConfigError("drain_min_slowdown must be >= 0 and signal_timeout_s > 0")
+        if not self.drain_min_slowdown >= 0 or not self.signal_timeout_s > 0 or not self.switch_lead_s >= 0:
+            raise RemediationConfigError("drain_min_slowdown, switch_lead_s must be >= 0 and signal_timeout_s > 0")
+        if not isinstance(self.drain_kinds, tuple) or not all(isinstance(k, str) for k in self.drain_kinds):
+            raise RemediationConfigError(f"drain_kinds must be a list of kinds (got {self.drain_kinds!r})")
         for name in ("gc_min_share", "memory_min_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise RemediationConfigError(f"{name} must be a share in [0, 1] (got {getattr(self, name)})")
@@ -84,7 +87,7 @@ class RemediationConfig:
                 f"unknown remediation option(s) {unknown}; known: {', '.join(sorted(known))}"
             )
         values = dict(values)
-        if "drain_kinds" in values:
+        if isinstance(values.get("drain_kinds"), list):
             values["drain_kinds"] = tuple(values["drain_kinds"])
         try:
             return cls(**values)
@@ -113,3 +116,63 @@ class RemediationConfig:
     def from_env(cls) -> RemediationConfig | None:
         raw = os.environ.get(ENV, "").strip()
         return cls.parse(raw) if raw else None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSettings:
+    """What ``hyperacc run --remediate`` adds to the launch (docs/remediation.md, "hyperacc run --remediate")."""
+
+    config: RemediationConfig
+    env: dict[str, str]  # for torchrun and the ranks
+    max_restarts: str | None  # torchrun's --max-restarts to use (None: as given)
+    notes: tuple[str, ...]  # what was changed, and why (printed by --dry-run)
+
+
+def launch_settings(text: str, *, nnodes: str | None = None, max_restarts: str | None = None) -> LaunchSettings:
+    """``--remediate`` as the ranks will read it, and what the launch needs for it.
+
+    * ``min_nodes`` (when not given) is the MIN of ``--nnodes MIN:MAX``;
+    * an elastic job (MIN < MAX) gets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (restarted workers need
+      torchrun's own store, pytorch#135712);
+    * in ``auto`` mode an elastic job's ``--max-restarts`` is raised to ``max_drains`` when lower (each
+      drain restarts the other nodes once).
+    Raises ``RemediationConfigError`` with one line naming the problem."""
+    try:
+        config = RemediationConfig.parse(text)
+    except RemediationConfigError:
+        raise
+    except (ValueError, TypeError, OSError, RecursionError) as exc:  # unreadable file, odd bytes, deep JSON
+        raise RemediationConfigError(f"cannot read the remediation settings ({type(exc).__name__}: {exc})") from None
+    if config.mode == "off":
+        return LaunchSettings(config, {}, None, ())
+    notes: list[str] = []
+    low, high = _node_range(nnodes)
+    elastic = low is not None and high is not None and low < high
+    if config.min_nodes is None and elastic:
+        config = dataclasses.replace(config, min_nodes=low)
+        notes.append(f"min_nodes={low} (the MIN of --nnodes {nnodes})")
+    env = {ENV: config.to_json()}
+    restarts = None
+    if elastic:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        notes.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the workers get torchrun's own store, so that the "
+                     "nodes left after a drain can restart (pytorch#135712)")  # fmt: skip
+        given = int(max_restarts) if max_restarts is not None else 0  # torchrun's default is 0
+        if config.acting and config.max_drains > given:
+            restarts = str(config.max_drains)
+            notes.append(f"--max-restarts {restarts} (was {given}): each of the max_drains={config.max_drains} "
+                         "drain(s) restarts the other nodes once; add what failures need on top")  # fmt: skip
+    elif config.min_nodes is None:
+        notes.append("not an elastic job (--nnodes MIN:MAX with MIN < MAX): nodes are never drained")
+    return LaunchSettings(config, env, restarts, tuple(notes))
+
+
+def _node_range(nnodes: str | None) -> tuple[int | None, int | None]:
+    if not nnodes:
+        return None, None
+    parts = nnodes.split(":")
+    try:
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        return None, None
+    return low, high

@@ -17,10 +17,14 @@ Nothing here runs when remediation is off; a failure switches remediation off wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -72,18 +76,21 @@ class LiveRemediation:
         *,
         rank: int,
         record: Callable[[str, int, str], None] | None = None,
-        poll_s: float = 1.0,
+        current_step: Callable[[], int] | None = None,
+        poll_s: float = 0.25,
     ) -> None:
         self.config = config
         self.rank = rank
         self.record = record  # (kind, step, detail) -> an event of the rank's trace
+        self.current_step = current_step  # rank 0: the training thread's step (read, never waited on)
         self.poll_s = poll_s
         self.executor = (
             RemediationExecutor(config, handlers={a: self._publish for a in SWITCH_PARTS}) if rank == 0 else None
         )
         self.stabilizers: list[Any] = []
-        self._pending: dict[str, int] = {}  # action -> agreed step (written by the poll thread)
+        self._pending: dict[str, tuple[int, str]] = {}  # action -> (agreed step, rule), set by the poll thread
         self._applied: set[str] = set()
+        self._seen: deque[tuple[float, int]] = deque(maxlen=16)  # rank 0: (monotonic time, step), polled
         self._store: Any = None
         self._on = config.mode != "off"
         self._stop = threading.Event()
@@ -91,33 +98,70 @@ class LiveRemediation:
         if self._on:
             self._thread.start()
 
+    @property
+    def on(self) -> bool:
+        return self._on
+
     # ------------------------------------------------------------------ rank 0: deciding
 
+    def on_judged(self, detector: Any, rows: Sequence[Mapping[str, Any]], first_step: int) -> None:
+        """``WindowAggregator``'s hook after each judged window (rank 0's aggregation thread): decide on
+        the detector's active stragglers and its recent windows. Never raises."""
+        if self.executor is None or not self._on:
+            return
+        try:
+            last = max(int(r.get("last_step", first_step)) for r in rows) if rows else first_step
+            now = last if self.current_step is None else max(int(self.current_step()), last)
+            rate = self._rate(now, rows)
+            self.decide(detector.active_stragglers, detector.history, now, int(detector.opts.window_steps),
+                        nodes=int(getattr(detector, "nodes", 1)), steps_per_s=rate)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - remediation never stops training nor the aggregation
+            self._off_everywhere(exc)
+
+    def _rate(self, now: int, rows: Sequence[Mapping[str, Any]]) -> float:
+        """Training steps per wall-clock second, pauses and all: the step counter sampled by the poll
+        thread over the last few seconds; without such samples, the windows' median step time (an upper
+        bound of the rate, so the lead is never too short)."""
+        seen = list(self._seen)
+        if len(seen) >= 2:
+            (t0, s0), (t1, s1) = seen[0], seen[-1]
+            if t1 - t0 >= 1.0 and s1 > s0:
+                return (s1 - s0) / (t1 - t0)
+        medians = [float(r["step_ns_median"]) for r in rows if r.get("step_ns_median")]
+        return 1e9 / float(np.median(medians)) if medians and np.median(medians) > 0 else 0.0
+
+    def lead_steps(self, steps_per_s: float) -> int:
+        """How far ahead a live switch's agreed step is: ``gc_lead_steps``, and at least ``switch_lead_s``
+        of training at the measured rate, so that every rank's poll thread learns it in time."""
+        return max(self.config.gc_lead_steps, math.ceil(self.config.switch_lead_s * max(steps_per_s, 0.0)))
+
     def decide(self, stragglers: Sequence[Any], windows: Mapping[str, np.ndarray], step: int,
-               window_steps: int) -> list[dict[str, Any]]:  # fmt: skip
-        """After a live window: the policy's decisions on the current verdicts (rank 0, off the training
-        thread); returns the events written."""
+               window_steps: int, *, nodes: int = 1, steps_per_s: float = 0.0) -> list[dict[str, Any]]:  # fmt: skip
+        """The policy's decisions on the current verdicts (rank 0, off the training thread); returns the
+        events written."""
         if self.executor is None or not self._on:
             return []
-        try:
-            membership = read_membership(self.config.resolved_run_dir()) if self.config.resolved_run_dir() else None
-            if membership:
-                job = JobState.from_membership(membership, step, window_steps)
-                names = {n["group_rank"]: n["name"] for n in membership.get("nodes", []) if "group_rank" in n}
-            else:
-                nodes = sorted({int(getattr(s, "node", 0)) for s in stragglers} | {0})
-                job = JobState(step=step, nodes=tuple(f"node{n}" for n in nodes), window_steps=window_steps)
-                names = None
-            return self.executor.step(findings_from_live(stragglers, windows, names), job)
-        except Exception as exc:  # noqa: BLE001 - remediation never stops training
-            self._on = False
-            switch_off("remediation", exc)
-            return []
+        run_dir = self.config.resolved_run_dir()
+        membership = read_membership(run_dir) if run_dir else None
+        if membership:
+            job = JobState.from_membership(membership, step, window_steps)
+            names = {n["group_rank"]: n["name"] for n in membership.get("nodes", []) if "group_rank" in n}
+        else:
+            seen = {int(getattr(s, "node", 0)) for s in stragglers}
+            job = JobState(step=step, nodes=tuple(f"node{n}" for n in sorted(seen | set(range(nodes)))),
+                           window_steps=window_steps)  # fmt: skip
+            names = None
+        lead = self.lead_steps(steps_per_s)
+        if lead != self.config.gc_lead_steps:
+            self.executor.config = dataclasses.replace(self.config, gc_lead_steps=lead)
+        return self.executor.step(findings_from_live(stragglers, windows, names), job)
 
     def _publish(self, decision: Decision) -> str:
         """Handler of a live switch: every rank learns the agreed step through the store."""
         store = self._connect()
         store.set(f"switch/{decision.action}", json.dumps({"step": decision.step, "rule": decision.rule}))
+        if not self._on:  # switched off meanwhile: the ranks must drop it too
+            store.set("off", "switched off")
         return f"published for step {decision.step}"
 
     # ------------------------------------------------------------------ every rank: applying
@@ -137,42 +181,61 @@ class LiveRemediation:
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
+                if self.current_step is not None:
+                    self._seen.append((time.monotonic(), int(self.current_step())))
                 store = self._connect()
+                if store.check(["off"]):
+                    self._on = False
+                    self._pending.clear()
+                    log.warning("hyperacc remediation: rank %d: switched off (%s)", self.rank,
+                                store.get("off").decode()[:200])  # fmt: skip
+                    return
                 for action in SWITCH_PARTS:
                     if action in self._pending or action in self._applied:
                         continue
                     if store.check([f"switch/{action}"]):
                         spec = json.loads(store.get(f"switch/{action}").decode())
-                        self._pending[action] = int(spec["step"])
+                        self._pending[action] = (int(spec["step"]), str(spec.get("rule", "")))
             except Exception as exc:  # noqa: BLE001 - a dead store stops remediation, never training
-                self._on = False
-                switch_off("remediation (store)", exc)
+                self._off_everywhere(exc, "remediation (store)")
                 return
 
+    def _off_everywhere(self, exc: BaseException, part: str = "remediation") -> None:
+        """An internal error: remediation off on this rank, and on every rank through the store (a
+        switch not started yet is dropped everywhere)."""
+        self._on = False
+        self._pending.clear()
+        switch_off(part, exc)
+        try:
+            self._connect().set("off", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - the store itself failed: the others keep polling a silent store
+            pass
+
     def step(self, step: int) -> None:
-        """At every step boundary (training thread): start a published switch at its agreed step, and
-        drive the stabilizers started so far."""
+        """At every step boundary (training thread; ``step`` just ended): start a published switch before
+        its agreed step, and drive the stabilizers started so far."""
         if self._pending:
-            for action, at in list(self._pending.items()):
+            for action, (at, rule) in list(self._pending.items()):
                 if step + 1 >= at:
                     del self._pending[action]
-                    self._apply(action, step)
+                    self._apply(action, at, rule, step + 1)
         for stabilizer in self.stabilizers:
             stabilizer.step(step)
 
-    def _apply(self, action: str, step: int) -> None:
+    def _apply(self, action: str, at: int, rule: str, start: int) -> None:
         self._applied.add(action)
+        late = "" if start == at else f"; LATE: the agreed step was {at}"
         try:
             from hyperacc.stabilize import stabilize
 
             self.stabilizers.append(stabilize(SWITCH_PARTS[action]))
-            detail = f"{action} switched on at step {step + 1}"
+            detail = f"{action} switched on at step {start} ({rule}, agreed step {at}){late}"
         except Exception as exc:  # noqa: BLE001
-            detail = f"{action} could not be switched on: {type(exc).__name__}: {exc}"
+            detail = f"{action} could not be switched on at step {start}: {type(exc).__name__}: {exc}"
             switch_off(f"remediation {action}", exc)
         log.warning("hyperacc remediation: rank %d: %s", self.rank, detail)
         if self.record is not None:
-            self.record("remediation", step + 1, detail)
+            self.record("remediation", start, detail)
 
     def close(self) -> None:
         self._stop.set()
@@ -181,3 +244,36 @@ class LiveRemediation:
                 stabilizer.close()
             except Exception as exc:  # noqa: BLE001
                 switch_off("remediation stabilizer", exc)
+
+
+def install(auto: Any) -> LiveRemediation | None:
+    """``hyperacc.bootstrap``: live remediation from ``HYPERACC_REMEDIATE`` on a traced rank (``auto`` is
+    the automatic tracer). Rank 0 decides after each window its aggregator judged; every rank applies
+    switches from a step callback. None when remediation is off (then nothing is added anywhere)."""
+    try:
+        config = RemediationConfig.from_env()
+    except ValueError as exc:
+        switch_off("remediation (HYPERACC_REMEDIATE)", exc)
+        return None
+    if config is None or config.mode == "off":
+        return None
+    tracer = getattr(auto, "tracer", None)
+    if tracer is None:
+        log.warning("hyperacc: remediation needs the tracer (HYPERACC_RUN_DIR); remediation is off")
+        return None
+    try:
+        live = LiveRemediation(
+            config, rank=tracer.rank, current_step=lambda: tracer.current_step,
+            record=lambda kind, step, detail: tracer.record_event(kind, step, detail=detail),
+        )  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - e.g. no run directory for the event log
+        switch_off("remediation", exc)
+        return None
+    auto.add_step_callback(live.step)
+    if tracer.rank == 0:
+        if tracer.aggregator is None:
+            log.warning("hyperacc: remediation decides from the live windows (--trace window > 0); "
+                        "this job has none, so nothing will be decided")  # fmt: skip
+        else:
+            tracer.aggregator.on_judged = live.on_judged
+    return live

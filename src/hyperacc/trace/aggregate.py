@@ -104,6 +104,7 @@ class WindowAggregator:
         nodes: int | None = None,
         on_finding: Callable[[int, str], None] | None = None,
         on_window: Callable[[int, list[int], list[int]], None] | None = None,
+        on_judged: Callable[[Any, list[dict[str, Any]], int], None] | None = None,
         poll_s: float = 0.5,
         prefix: str | None = None,
         run_dir: str | os.PathLike | None = None,
@@ -115,6 +116,7 @@ class WindowAggregator:
         self.nodes = nodes if nodes is not None else _node_count(world_size)
         self.on_finding = on_finding
         self.on_window = on_window
+        self.on_judged = on_judged  # (detector, rows, first_step) after each judged window (remediation)
         self.prefix = _prefix() if prefix is None else prefix
         self._store = store
         self._store_given = store is not None
@@ -248,6 +250,8 @@ class WindowAggregator:
             log.warning("hyperacc live: %s", message)
             if self.on_finding is not None:
                 self.on_finding(first_step, str(message))
+        if self.on_judged is not None:
+            self.on_judged(self._detector, rows, first_step)
 
     def _keep(self, rows: list[dict[str, Any]]) -> None:
         if self.run_dir is None:

@@ -1,0 +1,88 @@
+"""``hyperacc run --remediate``: GC pressure on one of 4 real gloo ranks; rank 0's live verdicts decide the
+GC schedule, every rank switches it on at the one agreed step, and the GC spikes stop there.
+``dry-run`` decides the same and acts on nothing."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hyperacc import harness, store
+from hyperacc.analysis import diagnose
+from hyperacc.cli import cli
+from hyperacc.remediation.events import read_events
+
+pytestmark = pytest.mark.multirank
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
+STEPS = 360
+ARGS = ["--steps", str(STEPS), "--features", "64", "--hidden", "64", "--batch-size", "16"]
+CHAOS = {"seed": 1, "faults": [{"kind": "gc_pressure", "ranks": [3], "live": 100000, "garbage": 20000}]}
+
+
+def _job(tmp_path: Path, mode: str) -> tuple[Path, list[dict]]:
+    run_dir = tmp_path / "run"
+    # a short lead keeps the test short: the agreed step is >= 10 steps and >= 1 s of training ahead
+    remediate = {"mode": mode, "gc_lead_steps": 10, "switch_lead_s": 1.0}
+    opts = {"run-dir": str(run_dir), "trace": json.dumps({"window": 20}), "chaos": json.dumps(CHAOS),
+            "remediate": json.dumps(remediate)}  # fmt: skip
+    job = harness.launch(EXAMPLE, ARGS, nproc=4, timeout=240, traced=opts, workdir=tmp_path / "job")
+    assert job.ok, job.explain()
+    decisions = [e for e in read_events(run_dir) if e.get("rule") == "gc-schedule"]
+    assert len(decisions) == 1, (read_events(run_dir), job.launcher_output[-3000:])
+    return run_dir, decisions
+
+
+def _gc_spikes(run_dir: Path) -> list[tuple[int, int]]:
+    doc = diagnose(run_dir, top_events=100_000).to_dict()
+    return sorted((e["step"], e["rank"]) for e in doc["spikes"]["events"] if e.get("cause") == "gc")
+
+
+def _switches(run_dir: Path) -> list[dict]:
+    table = store.read_events(run_dir)
+    return [r for r in table.to_pylist() if r["kind"] == "remediation"] if table.num_rows else []
+
+
+def test_gc_pressure_switches_the_gc_schedule_on_at_one_agreed_step_on_every_rank(tmp_path: Path) -> None:
+    run_dir, [decision] = _job(tmp_path, "auto")
+    assert decision["status"] == "done" and decision["mode"] == "auto", decision
+    assert "gc explains" in decision["reason"] or "GC straggler" in decision["reason"], decision
+    at = decision["step"]
+    assert at <= STEPS - 40, f"the switch came too late to verify anything (step {at})"
+
+    # every rank started it at the agreed step, none late
+    switches = _switches(run_dir)
+    assert sorted(r["rank"] for r in switches) == [0, 1, 2, 3], switches
+    assert {r["step"] for r in switches} == {at}, switches
+    assert all(f"agreed step {at}" in r["detail"] and "LATE" not in r["detail"] for r in switches), switches
+
+    # the GC spikes of the pressured rank stop there
+    spikes = _gc_spikes(run_dir)
+    before = [s for s in spikes if s[0] < at]
+    after = [s for s in spikes if s[0] >= at]
+    assert len(before) >= 3 and {r for _, r in before} == {3}, spikes
+    assert after == [], (at, spikes)
+
+    # analyze shows the decision and the switch (text and JSON)
+    text = CliRunner().invoke(cli, ["analyze", str(run_dir)], terminal_width=400)
+    assert text.exit_code == 0, text.output
+    assert re.search(rf"ranks 0,1,2,3: gc_schedule switched on at step {at}", text.output), text.output
+    assert "decision gc-schedule done all ranks" in text.output
+    doc = json.loads(CliRunner().invoke(cli, ["analyze", str(run_dir), "--json"]).output)
+    kinds = [(e["kind"], e.get("status")) for e in doc["remediation"]]
+    assert ("decision", "done") in kinds and ("switch", None) in kinds, doc["remediation"]
+
+
+def test_dry_run_decides_the_same_and_acts_on_nothing(tmp_path: Path) -> None:
+    run_dir, [decision] = _job(tmp_path, "dry-run")
+    assert decision["status"] == "would" and decision["mode"] == "dry-run", decision
+    at = decision["step"]
+    assert _switches(run_dir) == []
+    # nothing changed: the pressured rank's collections go on spiking after the step it would have chosen
+    spikes = _gc_spikes(run_dir)
+    assert [s for s in spikes if s[0] >= at], (at, spikes)
+    text = CliRunner().invoke(cli, ["analyze", str(run_dir)], terminal_width=400)
+    assert "decision gc-schedule would all ranks" in text.output, text.output
