@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
@@ -358,7 +359,9 @@ def _coordination_view(
         for f in members:
             if med > 0:
                 by_local[layout.metas[f.rank].local_rank].append(f.self_median_ns / med)
-    total = sum(f.step_total_ns for f in findings)
+    # A rank's spike holds the whole cluster's step: time lost is measured against the job's wall time
+    # (the sum of the cluster's step times), not against the summed time of every rank.
+    total = float(np.nansum(cluster.step_max))
     runtime = {c["cause"]: c["time_lost_ns"] / total for c in causes if c["cause"] in RUNTIME_CAUSES} if total else {}
     modes = failure_modes(coord, by_local or None, runtime or None)
     return to_dict({
@@ -385,7 +388,8 @@ def _spread_trend(cluster: _Cluster, bins: int = 20) -> list[dict[str, float]]:
 def _resources_view(layout: RunLayout) -> dict[str, Any]:
     """Memory creep and imbalance from ``RUN_DIR/resources`` (``analysis.resources``)."""
     table = store.read_resources(layout.run_dirs or [layout.run_dir])
-    cols = {name: table.column(name).cast("float64").to_numpy(zero_copy_only=False) for name in table.column_names}
+    cols = {name: table.column(name).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+            for name in table.column_names if name != "node"}  # ns of wall clock keep ~0.3 us as float64
     return resource_findings(cols)
 
 
