@@ -71,6 +71,16 @@ def test_each_agent_alone_misses_the_other_node_and_merged_they_are_one_job(two_
     assert cost is not None and 0 < cost["wait_share"] < 1  # waits of all four ranks, across both agents
     assert merged["resources"]["ranks"] == 4  # both agents' resource samples
 
+    # copied together into one directory, they are the same job
+    import shutil
+
+    copy = a.parent.parent / "copied"
+    shutil.copytree(a, copy)
+    shutil.copytree(b, copy, dirs_exist_ok=True)
+    together = diagnose(copy, warmup_steps=5).to_dict()
+    for key in ("ranks_analyzed", "missing_ranks", "stragglers", "spikes", "coordination", "resources"):
+        assert together[key] == merged[key]
+
     r = hyperacc("analyze", f"{a},{b}", "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["ranks_analyzed"] == 4
