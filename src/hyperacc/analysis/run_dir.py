@@ -2,9 +2,10 @@
 
 Ranks are read and reduced one at a time by a small pool of threads (pyarrow and numpy release the
 GIL), at most ``workers + 1`` ranks in flight, and merged in rank order by the calling thread. Memory is
-bounded: the ranks in flight (steps x ~18 float64 each), per-step arrays for the cluster (about 20
-bytes per step) and the window summaries (ranks x windows rows of ~17 float32: 140 MB for 1,000 ranks
-x 100,000 steps at 50-step windows, plus the rank x window matrices the straggler rules judge).
+bounded: the ranks in flight (steps x ~21 float64 each), per-step arrays for the cluster (about 60
+bytes per step, 40 of them for the coordination view) and the window summaries (ranks x windows rows
+of ~17 float32: 140 MB for 1,000 ranks x 100,000 steps at 50-step windows, plus the rank x window
+matrices the straggler rules judge).
 Rules: docs/detection.md.
 """
 
