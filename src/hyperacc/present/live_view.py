@@ -126,7 +126,6 @@ class RunFollower:
         cols = {}
         for name in _COLUMNS:
             if name in table.column_names:
-                # safe=False: wall-clock ns (t_start_ns) exceed 2**53 and keep ~0.3 us as float64
                 cols[name] = table.column(name).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
             else:
                 cols[name] = np.full(table.num_rows, np.nan)
