@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("hyperacc.commands.run:command", "Run a training script through torchrun with hyper-trace on."),
     "analyze": ("hyperacc.commands.analyze:command", "Diagnose a run directory: stragglers, spikes, causes."),
     "report": ("hyperacc.commands.report:command", "Write a self-contained HTML report of a run directory."),
+    "compare": ("hyperacc.commands.compare:command", "Compare runs side by side; exit 1 when a --fail-on limit breaks."),
     "export": ("hyperacc.commands.export:command", "Export a run directory as a Chrome/Perfetto trace."),
     "import-kineto": ("hyperacc.commands.import_kineto:command", "Import torch.profiler traces and analyse them."),
     "affinity": ("hyperacc.commands.affinity:command", "Show the NUMA/CPU binding plan for this node."),

@@ -333,6 +333,13 @@ def _read_segments(paths: Iterable[Path], schema: pa.Schema, columns: list[str] 
     return pa.concat_tables(tables)
 
 
+def run_dir_list(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+    """One run directory, or the run directories of one job (agents with local disks), as a list."""
+    if isinstance(run_dir, (str, os.PathLike)):
+        return [Path(run_dir)]
+    return [Path(d) for d in run_dir]
+
+
 def check_run_dir(run_dir: str | os.PathLike) -> Path:
     root = Path(run_dir)
     if not str(run_dir).strip():
@@ -347,28 +354,32 @@ def check_run_dir(run_dir: str | os.PathLike) -> Path:
     return root
 
 
-def read_steps(run_dir: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
+def _segments_of(run_dir: str | os.PathLike | Sequence[str | os.PathLike], kind: str) -> list[Path]:
+    """The ``kind`` segments of one run directory or of the run directories of one job."""
+    return [p for d in run_dir_list(run_dir) for p in _segments(check_run_dir(d) / kind)]
+
+
+def read_steps(
+    run_dir: str | os.PathLike | Sequence[str | os.PathLike], columns: list[str] | None = None
+) -> pa.Table:
     """Every rank's step records that fit ``STEP_SCHEMA``, sorted by (rank, step)."""
-    root = check_run_dir(run_dir)
     unknown = [c for c in columns or () if STEP_SCHEMA.get_field_index(c) < 0]
     if unknown:
         raise ValueError(f"unknown step column(s) {unknown}; see hyperacc.schema.STEP_SCHEMA")
-    table = _read_segments(_segments(root / "steps"), STEP_SCHEMA, columns)
+    table = _read_segments(_segments_of(run_dir, "steps"), STEP_SCHEMA, columns)
     if table.num_rows and {"rank", "step"} <= set(table.column_names):
         table = table.sort_by([("rank", "ascending"), ("step", "ascending")])
     return table
 
 
-def read_events(run_dir: str | os.PathLike) -> pa.Table:
-    """Every rank's events that fit ``EVENT_SCHEMA``."""
-    root = check_run_dir(run_dir)
-    return _read_segments(_segments(root / "events"), EVENT_SCHEMA, None)
+def read_events(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> pa.Table:
+    """Every rank's events that fit ``EVENT_SCHEMA`` (of one run directory, or of several of one job)."""
+    return _read_segments(_segments_of(run_dir, "events"), EVENT_SCHEMA, None)
 
 
-def read_resources(run_dir: str | os.PathLike) -> pa.Table:
+def read_resources(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> pa.Table:
     """Every rank's resource samples (RESOURCE_SCHEMA), sorted by (rank, time)."""
-    root = check_run_dir(run_dir)
-    table = _read_segments(_segments(root / "resources"), RESOURCE_SCHEMA, None)
+    table = _read_segments(_segments_of(run_dir, "resources"), RESOURCE_SCHEMA, None)
     if table.num_rows:
         table = table.sort_by([("rank", "ascending"), ("t_ns", "ascending")])
     return table

@@ -155,7 +155,7 @@ def script(tmp_path_factory) -> str:
 
 
 def test_every_command_is_fuzzed():
-    fuzzed = {"analyze", "report", "export", "theory", "simulate", "affinity", "run", "doctor", "watch"}
+    fuzzed = {"analyze", "report", "export", "theory", "simulate", "affinity", "run", "doctor", "watch", "compare"}
     # import-kineto reads profiler traces: its own suite fuzzes its input (tests/present)
     missing = set(COMMANDS) - fuzzed - {"import-kineto"}
     assert not missing, f"fuzz the options of {sorted(missing)} here (a test_<command>_options like the others)"
@@ -165,6 +165,12 @@ def test_every_command_is_fuzzed():
 @given(args=_args("analyze"))
 def test_analyze_options(run_dir, args):
     _invoke(["analyze", run_dir, *args])
+
+
+@FUZZ
+@given(args=_args("compare"))
+def test_compare_options(run_dir, args):
+    _invoke(["compare", run_dir, run_dir, *args])
 
 
 @FUZZ

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -53,10 +54,16 @@ class RankSource:
 
 @dataclasses.dataclass
 class RunLayout:
-    run_dir: Path
+    run_dir: Path  # the first of ``run_dirs``
     metas: dict[int, RankMeta]
     sources: dict[int, RankSource]  # ranks that have at least one segment
     world_size: int
+    run_dirs: list[Path] = dataclasses.field(default_factory=list)  # every run directory of the job
+
+    @property
+    def name(self) -> str:
+        """The run directories as the user wrote them, joined by commas."""
+        return ",".join(str(d) for d in self.run_dirs) if len(self.run_dirs) > 1 else str(self.run_dir)
 
     @property
     def missing_ranks(self) -> list[int]:
@@ -64,12 +71,23 @@ class RunLayout:
         return [r for r in range(self.world_size) if r not in self.sources]
 
 
-def discover(run_dir: str | os.PathLike) -> RunLayout:
+def discover(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> RunLayout:
     """The ranks of a run directory and their segments. Raises ``store.RunDirError`` for a bad path.
 
     A folder whose name is not ``rank-<number below store.MAX_RANKS>`` is not a rank's; metadata
-    that does not describe a rank is skipped with a warning (``store.read_meta``).
+    that does not describe a rank is skipped with a warning (``store.read_meta``). Several run
+    directories of one job (agents with local disks) are merged after ``merge_layouts`` checked that
+    they belong together.
     """
+    dirs = store.run_dir_list(run_dir)
+    if len(dirs) != 1:
+        if not dirs:
+            raise store.RunDirError("no run directory given; pass the --run-dir of a traced job")
+        return merge_layouts([_discover_one(d) for d in dirs])
+    return _discover_one(dirs[0])
+
+
+def _discover_one(run_dir: str | os.PathLike) -> RunLayout:
     root = store.check_run_dir(run_dir)
     metas = store.read_meta(root)
     sources: dict[int, RankSource] = {}
@@ -92,7 +110,67 @@ def discover(run_dir: str | os.PathLike) -> RunLayout:
             meta = metas.get(rank)
             sources[rank] = RankSource(rank, meta.node if meta else None, segments)
     world = max([m.world_size for m in metas.values()] + [r + 1 for r in sources] + [0])
-    return RunLayout(root, metas, sources, world)
+    return RunLayout(root, metas, sources, world, [root])
+
+
+def merge_layouts(layouts: Sequence[RunLayout]) -> RunLayout:
+    """One job from the run directories its agents wrote (one per node with local disks).
+
+    They belong together when their metadata agree on the world size, no rank has step records in two
+    of them, and their steps overlap in wall-clock time; otherwise ``store.RunDirError`` names the two
+    directories and what differs (docs/presentation.md, "Several run directories of one job").
+    """
+    roots = [lay.run_dir for lay in layouts]
+    if len(set(roots)) != len(roots):
+        raise store.RunDirError(f"the same run directory is given twice ({', '.join(map(str, roots))}); "
+                                "give each agent's run directory once")  # fmt: skip
+    sizes = {}
+    for lay in layouts:
+        for m in lay.metas.values():
+            sizes.setdefault(m.world_size, lay.run_dir)
+    if len(sizes) > 1:
+        (wa, da), (wb, db) = list(sizes.items())[:2]
+        raise store.RunDirError(
+            f"{da} (world size {wa}) and {db} (world size {wb}) are not of one job: their metadata give "
+            "different world sizes; compare different jobs with `hyperacc compare A B`"
+        )
+    owner: dict[int, Path] = {}
+    for lay in layouts:
+        for rank in lay.sources:
+            if rank in owner:
+                raise store.RunDirError(
+                    f"rank {rank} has step records in both {owner[rank]} and {lay.run_dir}: these are not the "
+                    "run directories of one job's agents (each rank writes to one); compare different runs "
+                    "with `hyperacc compare A B`"
+                )
+            owner[rank] = lay.run_dir
+    spans = [(s, lay.run_dir) for lay in layouts if (s := _wall_span(lay)) is not None]
+    for i, ((lo_a, hi_a), da) in enumerate(spans):
+        for (lo_b, hi_b), db in spans[i + 1 :]:
+            if hi_a < lo_b or hi_b < lo_a:
+                raise store.RunDirError(
+                    f"{da} and {db} are not of one job: their steps do not overlap in time; compare "
+                    "different runs with `hyperacc compare A B`"
+                )
+    metas: dict[int, RankMeta] = {}
+    sources: dict[int, RankSource] = {}
+    for lay in layouts:
+        metas.update({r: m for r, m in lay.metas.items() if r in lay.sources or r not in metas})
+        sources.update(lay.sources)
+    world = max([lay.world_size for lay in layouts] + [0])
+    return RunLayout(roots[0], metas, dict(sorted(sources.items())), world, roots)
+
+
+def _wall_span(layout: RunLayout) -> tuple[float, float] | None:
+    """(earliest, latest) wall-clock step start of a layout, from each rank's first and last segment."""
+    lo, hi = math.inf, -math.inf
+    for src in layout.sources.values():
+        for path in {src.segments[0], src.segments[-1]}:
+            cols = read_rank([path], ("t_start_ns",))
+            t = cols["t_start_ns"][np.isfinite(cols["t_start_ns"])]
+            if t.size:
+                lo, hi = min(lo, float(t.min())), max(hi, float(t.max()))
+    return (lo, hi) if lo <= hi else None
 
 
 def _readable(paths: Iterable[Path]) -> Iterable[tuple[Path, pq.ParquetFile]]:

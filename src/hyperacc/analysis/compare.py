@@ -134,3 +134,68 @@ def _newcombe(k1: int, n1: int, k2: int, n2: int) -> tuple[float, float]:
     low = d - math.sqrt((p2 - l2) ** 2 + (u1 - p1) ** 2)
     high = d + math.sqrt((u2 - p2) ** 2 + (p1 - l1) ** 2)
     return low, high
+
+
+# Figures of a diagnosis document (``Diagnosis.to_dict()``), in the order they are shown; the names are
+# what ``--fail-on`` takes. (name, where, unit, better, scale)
+_FIGURES: tuple[tuple[str, tuple[str, ...], str, str, float], ...] = (
+    ("p50", ("coordination", "distribution", "p50_ns"), "ms", "lower", 1e-6),
+    ("p90", ("coordination", "distribution", "p90_ns"), "ms", "lower", 1e-6),
+    ("p99", ("coordination", "distribution", "p99_ns"), "ms", "lower", 1e-6),
+    ("p999", ("coordination", "distribution", "p999_ns"), "ms", "lower", 1e-6),
+    ("cv", ("coordination", "distribution", "cv"), "", "lower", 1.0),
+    ("jitter", ("coordination", "distribution", "jitter"), "", "lower", 1.0),
+    ("steps_per_s", ("coordination", "distribution", "steps_per_s"), "/s", "higher", 1.0),
+    ("samples_per_s", ("coordination", "distribution", "samples_per_s"), "/s", "higher", 1.0),
+    ("wait_share", ("coordination", "cost", "wait_share"), "%", "lower", 1.0),
+    ("late_share", ("coordination", "cost", "late_share"), "%", "lower", 1.0),
+    ("collective_share", ("coordination", "cost", "collective_share"), "%", "lower", 1.0),
+    ("spread_p50", ("coordination", "cost", "spread_p50_ns"), "ms", "lower", 1e-6),
+    ("spread_p99", ("coordination", "cost", "spread_p99_ns"), "ms", "lower", 1e-6),
+)
+FIGURE_NAMES: tuple[str, ...] = (*(f[0] for f in _FIGURES), "spike_rate", "stragglers", "creep_ranks")
+
+
+def figures_of(doc: Mapping) -> dict[str, Figure]:
+    """The figures ``compare`` sets side by side, from a diagnosis document; a figure the run did not
+    measure is None (never zero)."""
+    out: dict[str, Figure] = {}
+    for name, path, unit, better, scale in _FIGURES:
+        v: object = doc
+        for key in path:
+            v = v.get(key) if isinstance(v, Mapping) else None
+        out[name] = Figure(name, float(v) * scale if isinstance(v, (int, float)) else None, unit, better)
+    cl = (doc.get("spikes") or {}).get("cluster") or {}
+    steps, spikes = int(cl.get("steps") or 0), int(cl.get("spike_steps") or 0)
+    out["spike_rate"] = Figure("spike_rate", spikes / steps if steps else None, "%", "lower",
+                               spikes if steps else None, steps or None)  # fmt: skip
+    out["stragglers"] = Figure("stragglers", float(len(doc.get("stragglers") or [])), "", "lower")
+    res = doc.get("resources") or {}
+    out["creep_ranks"] = Figure("creep_ranks", float(len({c["rank"] for c in res.get("creep") or []}))
+                                if res.get("samples") else None, "", "lower")  # fmt: skip
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalePoint:
+    world_size: int
+    steps_per_s: float | None
+    efficiency: float | None  # against linear scaling of the smallest run (per-rank batch held)
+    cv: float | None
+
+
+def scaling(runs: Sequence[tuple[int, Mapping[str, Figure]]]) -> list[ScalePoint]:
+    """Efficiency against linear scaling over runs of one job at several world sizes.
+
+    With the per-rank batch held (data parallel, weak scaling) samples/s is ranks x batch x steps/s, so
+    efficiency at N ranks = (N x steps/s(N)) / (N0 x steps/s(N0)) / (N / N0) = steps/s(N) / steps/s(N0),
+    N0 the smallest world size. docs/presentation.md, "Compare".
+    """
+    ordered = sorted(runs, key=lambda r: r[0])
+    base = ordered[0][1]["steps_per_s"].value if ordered else None
+    out = []
+    for n, figs in ordered:
+        rate = figs["steps_per_s"].value
+        eff = rate / base if rate is not None and base else None
+        out.append(ScalePoint(n, rate, eff, figs["cv"].value))
+    return out

@@ -26,6 +26,8 @@ import numpy as np
 
 from hyperacc.analysis.robust import nan_median, nan_quantiles
 
+# Spike causes that belong to the runtime/control failure mode (launch latency, allocator, host, GC).
+RUNTIME_CAUSES = ("gc", "allocator", "host")
 # A mode is named only when it accounts for at least this share of the step time.
 MIN_SHARE = 0.05
 # Fabric contention: the collective's own cost grew by this factor from the first to the last third of
@@ -212,7 +214,9 @@ def to_dict(obj: Any) -> Any:
     """Plain JSON types (NaN becomes None)."""
     if dataclasses.is_dataclass(obj):
         return {k: to_dict(v) for k, v in dataclasses.asdict(obj).items()}
-    if isinstance(obj, list):
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None

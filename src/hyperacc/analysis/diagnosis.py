@@ -63,6 +63,8 @@ class Diagnosis:
     episodes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # stragglers that recovered
     windows_judged: int = 0  # windows in which the straggler rules could compare enough ranks
     steps_per_rank: int = 0  # the most steps any rank recorded (warm-up included)
+    coordination: dict[str, Any] = dataclasses.field(default_factory=dict)  # analysis.coordination
+    resources: dict[str, Any] = dataclasses.field(default_factory=dict)  # analysis.resources
 
     def to_dict(self) -> dict[str, Any]:
         """The document ``analyze --json`` prints: plain JSON types, no NaN (unknown values are None)."""
@@ -86,6 +88,8 @@ class Diagnosis:
                 "episodes": [dict(e) for e in self.episodes],
                 "windows_judged": self.windows_judged,
                 "steps_per_rank": self.steps_per_rank,
+                "coordination": self.coordination,
+                "resources": self.resources,
                 "options": dict(self.options),
                 "docs": "docs/detection.md",
             }

@@ -2,9 +2,10 @@
 
 Ranks are read and reduced one at a time by a small pool of threads (pyarrow and numpy release the
 GIL), at most ``workers + 1`` ranks in flight, and merged in rank order by the calling thread. Memory is
-bounded: the ranks in flight (steps x ~18 float64 each), per-step arrays for the cluster (about 20
-bytes per step) and the window summaries (ranks x windows rows of ~17 float32: 140 MB for 1,000 ranks
-x 100,000 steps at 50-step windows, plus the rank x window matrices the straggler rules judge).
+bounded: the ranks in flight (steps x ~21 float64 each), per-step arrays for the cluster (about 60
+bytes per step, 40 of them for the coordination view) and the window summaries (ranks x windows rows
+of ~17 float32: 140 MB for 1,000 ranks x 100,000 steps at 50-step windows, plus the rank x window
+matrices the straggler rules judge).
 Rules: docs/detection.md.
 """
 
@@ -15,18 +16,21 @@ import dataclasses
 import heapq
 import os
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
+from hyperacc.analysis.coordination import RUNTIME_CAUSES, coordination, distribution, failure_modes, to_dict
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess
 from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.projection import project
+from hyperacc.analysis.resources import resource_findings
 from hyperacc.analysis.spikes import communication_spikes, judge_spikes, wilson_interval
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
 from hyperacc.analysis.windows import RANK_CAUSES, concat_windows, summarize_windows
@@ -53,6 +57,12 @@ class RankFindings:
     steps_seen: int = 0  # steps recorded, warm-up included (kept when the arrays are dropped)
     cpu_measured: bool = False  # the rank's records carry CPU time (cpu_ns)
     comm_clock: str = "host"  # the clock of comm_wait: host, or device where the rank measured it
+    # For the coordination view (analysis.coordination); steps after the warm-up:
+    timed_steps: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # steps with a step time ...
+    step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # ... and that step time
+    comm_step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # step time at comm_steps
+    self_median_ns: float = float("nan")  # median self-time (busy time where self-time was not measured)
+    step_total_ns: float = 0.0  # summed step time
 
     @property
     def main_cause(self) -> str | None:
@@ -91,11 +101,24 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
     if dev is not None and np.isfinite(dev).any():
         comm, clock = dev, "device"
     ok = ~np.isnan(comm)
+    step_ns = cols["step_ns"]
+    timed = ~np.isnan(step_ns)
     return RankFindings(
         rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
         judged_count=int(sp.judged.sum()), steps_seen=int(all_steps.size),
         cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
+        timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
+        self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
     )  # fmt: skip
+
+
+def _self_median(cols: dict[str, np.ndarray]) -> float:
+    """A rank's typical work per step: median self-time, else median step time less the wait."""
+    for name in ("self_ns", "dev_self_ns"):
+        v = cols.get(name)
+        if v is not None and np.isfinite(v).any():
+            return float(np.nanmedian(v))
+    return float("nan")
 
 
 class _Cluster:
@@ -105,7 +128,8 @@ class _Cluster:
     memory follows the records, not the step numbers (a step numbered 10**12 costs one entry).
     """
 
-    _FILL = {"present": False, "judged": False, "self_spike": False, "comm_min": np.inf, "comm_rank": -1}
+    _FILL = {"present": False, "judged": False, "self_spike": False, "comm_min": np.inf, "comm_rank": -1,
+             "step_max": np.nan, "comm_max": -np.inf, "comm_sum": 0.0, "comm_step_sum": 0.0, "comm_ranks": 0}
 
     def __init__(self) -> None:
         self.steps = np.zeros(0, dtype=np.int64)  # every step any rank recorded, sorted
@@ -114,6 +138,12 @@ class _Cluster:
         self.self_spike = np.zeros(0, dtype=bool)
         self.comm_min = np.zeros(0)
         self.comm_rank = np.zeros(0, dtype=np.int64)
+        # For the coordination view only (no detection rule reads them), after the warm-up:
+        self.step_max = np.zeros(0)  # the cluster's step time (the slowest rank's), NaN: not measured
+        self.comm_max = np.zeros(0)  # the largest wait
+        self.comm_sum = np.zeros(0)  # summed wait of the ranks that measured one ...
+        self.comm_step_sum = np.zeros(0)  # ... their summed step time ...
+        self.comm_ranks = np.zeros(0, dtype=np.int64)  # ... and how many they are
 
     def cover(self, steps: np.ndarray) -> None:
         """Make room for ``steps`` (sorted); existing facts keep their steps."""
@@ -142,6 +172,17 @@ class _Cluster:
         better = f.comm_wait < self.comm_min[pos]
         self.comm_min[pos[better]] = f.comm_wait[better]
         self.comm_rank[pos[better]] = f.rank
+        self._add_coordination(f, pos)
+
+    def _add_coordination(self, f: RankFindings, comm_pos: np.ndarray) -> None:
+        """Per-step step time and waits for ``analysis.coordination`` (each step once per rank)."""
+        tpos = self.index(f.timed_steps)
+        np.fmax.at(self.step_max, tpos, f.step_ns)
+        timed = ~np.isnan(f.comm_step_ns)
+        np.maximum.at(self.comm_max, comm_pos, f.comm_wait)
+        np.add.at(self.comm_sum, comm_pos[timed], f.comm_wait[timed])
+        np.add.at(self.comm_step_sum, comm_pos[timed], f.comm_step_ns[timed])
+        np.add.at(self.comm_ranks, comm_pos[timed], 1)
 
     def culprits(self, window_steps: int) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
         """The per-step culprit record by window: ({(rank, window): steps it waited least}, {window:
@@ -159,10 +200,16 @@ class _Cluster:
         )
 
 
-def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: Any) -> Diagnosis:
+def diagnose(
+    run_dir: str | os.PathLike | Sequence[str | os.PathLike], workers: int | None = None,
+    batch_size: int | None = None, **options: Any,
+) -> Diagnosis:  # fmt: skip
     """Stragglers, spikes, causes and projection of a run directory (docs/detection.md).
 
-    ``workers``: threads reading and reducing ranks (default: up to 2, bounded by the CPUs). Raises
+    ``run_dir``: one run directory, or the run directories of one job's agents (merged after checking
+    that they belong together, ``columns.merge_layouts``). ``batch_size``: samples per rank and step,
+    for the throughput in samples/s. ``workers``: threads reading and reducing ranks (default: up to 2,
+    bounded by the CPUs). Raises
     ``store.RunDirError`` when the directory is not a run directory or holds no step records; ranks
     that wrote nothing readable are reported in ``missing_ranks``.
     """
@@ -194,7 +241,8 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
             _keep_top(events, item, opts.top_events)
         # Keep the small tallies, drop the per-step arrays.
         findings.append(dataclasses.replace(f, steps=_EMPTY, judged=_EMPTY, spikes=_EMPTY, comm_steps=_EMPTY,
-                                            comm_wait=_EMPTY, windows={}, events=[]))  # fmt: skip
+                                            comm_wait=_EMPTY, windows={}, events=[], timed_steps=_EMPTY,
+                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F))  # fmt: skip
     if not findings:
         raise store.RunDirError(
             f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
@@ -249,8 +297,9 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
         "predicted": 1.0 - clear,  # from the per-rank and per-node rates, assuming independence
     }
 
+    causes = _causes(findings, comm_n, comm_lost)
     d = Diagnosis(
-        run_dir=str(layout.run_dir),
+        run_dir=layout.name,
         world_size=layout.world_size,
         nodes=n_nodes,
         steps=int(cluster.present.sum()),
@@ -269,7 +318,7 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
                 for e, r, n, s, ph, c in heapq.nlargest(opts.top_events, events)
             ],
         },
-        causes=_causes(findings, comm_n, comm_lost),
+        causes=causes,
         projection=projection,
         options=dataclasses.asdict(opts),
         ranks_analyzed=len(findings),
@@ -277,12 +326,76 @@ def diagnose(run_dir: str | os.PathLike, workers: int | None = None, **options: 
         episodes=episodes,
         windows_judged=windows_judged,
         steps_per_rank=max((int(f.steps_seen) for f in findings), default=0),
+        coordination=_coordination_view(cluster, findings, layout, causes, one_clock, batch_size),
+        resources=_resources_view(layout),
     )
     explain(d)
     return d
 
 
+def _coordination_view(
+    cluster: _Cluster, findings: list[RankFindings], layout: RunLayout, causes: list[dict[str, Any]],
+    one_clock: bool, batch_size: int | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Step-time distribution, coordination cost and failure modes (``analysis.coordination``; no rule
+    of the straggler or spike detection reads them)."""
+    ranks = len(findings)
+    dist = distribution(cluster.step_max, batch_size * ranks if batch_size else None)
+    coord = None
+    if one_clock:
+        wait_min = np.where(np.isfinite(cluster.comm_min), cluster.comm_min, np.nan)
+        wait_max = np.where(np.isfinite(cluster.comm_max), cluster.comm_max, np.nan)
+        coord = coordination(cluster.comm_step_sum, cluster.comm_sum, wait_min, wait_max, cluster.comm_ranks)
+    trend = _spread_trend(cluster) if coord is not None else []
+    # Locality: each rank's median self-time against its node's median, by local rank, on each node
+    by_node: dict[int, list[RankFindings]] = defaultdict(list)
+    for f in findings:
+        if np.isfinite(f.self_median_ns) and f.rank in layout.metas:
+            by_node[f.node].append(f)
+    by_local: dict[int, list[float]] = defaultdict(list)
+    for members in by_node.values():
+        if len(members) < 2:
+            continue
+        med = float(np.median([f.self_median_ns for f in members]))
+        for f in members:
+            if med > 0:
+                by_local[layout.metas[f.rank].local_rank].append(f.self_median_ns / med)
+    # A rank's spike holds the whole cluster's step: time lost is measured against the job's wall time
+    # (the sum of the cluster's step times), not against the summed time of every rank.
+    total = float(np.nansum(cluster.step_max))
+    runtime = {c["cause"]: c["time_lost_ns"] / total for c in causes if c["cause"] in RUNTIME_CAUSES} if total else {}
+    modes = failure_modes(coord, by_local or None, runtime or None)
+    return to_dict({
+        "distribution": dist, "cost": coord, "spread_trend": trend, "failure_modes": modes,
+        "clock": findings[0].comm_clock if one_clock and findings else "mixed",
+        "batch_size": batch_size,
+    })  # fmt: skip
+
+
+def _spread_trend(cluster: _Cluster, bins: int = 20) -> list[dict[str, float]]:
+    """Median arrival spread and collective cost in up to ``bins`` consecutive step ranges."""
+    ok = (cluster.comm_ranks >= 2) & np.isfinite(cluster.comm_min) & np.isfinite(cluster.comm_max)
+    steps = cluster.steps[ok]
+    if steps.size < 2:
+        return []
+    spread = (cluster.comm_max - cluster.comm_min)[ok]
+    own = cluster.comm_min[ok]
+    parts = np.array_split(np.arange(steps.size), min(bins, steps.size))
+    return [{"first_step": int(steps[p[0]]), "last_step": int(steps[p[-1]]),
+             "spread_p50_ns": float(np.median(spread[p])), "collective_p50_ns": float(np.median(own[p]))}
+            for p in parts if p.size]  # fmt: skip
+
+
+def _resources_view(layout: RunLayout) -> dict[str, Any]:
+    """Memory creep and imbalance from ``RUN_DIR/resources`` (``analysis.resources``)."""
+    table = store.read_resources(layout.run_dirs or [layout.run_dir])
+    cols = {name: table.column(name).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+            for name in table.column_names if name != "node"}  # ns of wall clock keep ~0.3 us as float64
+    return resource_findings(cols)
+
+
 _EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY_F = np.zeros(0)
 
 
 def _reduced(

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from hyperacc.commands.params import FINITE, Number, OneLineCommand, option_error, typed_options
+from hyperacc.commands.params import FINITE, Number, OneLineCommand, option_error, run_dirs_of, typed_options
 from hyperacc.store import MAX_RANKS, RunDirError
 
 
@@ -92,11 +92,18 @@ def _persist(ctx: click.Context, param: click.Parameter, text: str | None) -> tu
               help="Spike events to list [50].")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Threads reading ranks [2, at most the CPUs].")  # fmt: skip
+@click.option("--batch-size", type=click.IntRange(1, 1 << 40), default=None,
+              help="Samples per rank and step, for the throughput in samples/s.")  # fmt: skip
 def command(
     as_json: bool, run_dir: str, persist: tuple[int, int] | None, spike_floor_ms: float | None,
-    workers: int | None, **opts: Any,
+    workers: int | None, batch_size: int | None, **opts: Any,
 ) -> None:  # fmt: skip
-    """Diagnose RUN_DIR: stragglers, spike rates, causes and what it means at scale."""
+    """Diagnose RUN_DIR: stragglers, spike rates, causes, the step-time distribution, the cost of
+    coordination and its failure modes, resources, and what it means at scale.
+
+    RUN_DIR may list the run directories of one job's agents joined by commas (nodes with local disks):
+    hyperacc analyze /data/run-node0,/data/run-node1
+    """
     from hyperacc.analysis import diagnose
     from hyperacc.analysis.options import DetectionOptions
 
@@ -110,7 +117,7 @@ def command(
     except (ValueError, TypeError) as exc:
         raise option_error(exc, OPTION_OF, typed=typed_options()) from None
     try:
-        diagnosis = diagnose(run_dir, workers=workers, **options)
+        diagnosis = diagnose(run_dirs_of(run_dir), workers=workers, batch_size=batch_size, **options)
     except RunDirError as exc:
         click.echo(f"hyperacc analyze: {exc}", err=True)
         sys.exit(2)
@@ -226,9 +233,68 @@ def _render(doc: dict[str, Any]) -> None:
         t.caption = (f"none (node-wide): node-wide spikes alone ({_pct(p.get('p_node') or 0.0)} of each node's "
                      "steps) exceed the target there, so no per-rank rate can meet it")  # fmt: skip
     con.print(t)
+    _render_coordination(con, doc.get("coordination") or {})
+    _render_resources(con, doc.get("resources") or {})
     if doc.get("remediation"):
         con.print("[bold]Remediation[/bold] (RUN_DIR/remediation/events.jsonl and the ranks' switches)")
         for event in doc["remediation"]:
             con.print(f"  - {event['line']}", highlight=False, markup=False)
     if doc["missing_ranks"]:
         con.print(f"[yellow]Missing ranks (no step records): {doc['missing_ranks']}[/yellow]")
+
+
+def _render_coordination(con: Any, c: dict[str, Any]) -> None:
+    """Step-time distribution, coordination cost and failure modes (docs/detection.md, "Coordination")."""
+    from rich import box
+    from rich.table import Table
+
+    d = c.get("distribution")
+    if d:
+        t = Table(title="Step time of the cluster (the slowest rank's step)", box=box.SIMPLE_HEAD)
+        for col in ("steps", "p50", "p90", "p99", "p99.9", "CV", "jitter", "steps/s", "samples/s"):
+            t.add_column(col, justify="right")
+        t.add_row(str(d["steps"]), _ms(d["p50_ns"]), _ms(d["p90_ns"]), _ms(d["p99_ns"]), _ms(d["p999_ns"]),
+                  _num(d["cv"]), _pct(d["jitter"]), _num(d["steps_per_s"]),
+                  _num(d["samples_per_s"]) if d.get("samples_per_s") else "- (--batch-size)")  # fmt: skip
+        con.print(t)
+    cost = c.get("cost")
+    if cost:
+        con.print(
+            f"Coordination: {_pct(cost['wait_share'])} of step time waiting in collectives: "
+            f"{_pct(cost['collective_share'])} the collective's own cost, {_pct(cost['late_share'])} waiting for "
+            f"late arrivals. Arrival spread p50 {_ms(cost['spread_p50_ns'])}, p99 {_ms(cost['spread_p99_ns'])}; "
+            f"last third / first third of the run: spread {_num(cost['spread_trend'])}x, collective "
+            f"{_num(cost['collective_trend'])}x ({c.get('clock', 'host')} clock).",
+            highlight=False,
+        )
+    elif c:
+        con.print("Coordination: not measured (no step with waits in collectives on two or more ranks on one clock).")
+    modes = c.get("failure_modes") or []
+    if modes:
+        t = Table(title="Lost time by failure mode", box=box.SIMPLE_HEAD)
+        for col in ("mode", "verdict", "share", "evidence"):
+            t.add_column(col, justify="right" if col == "share" else "left", overflow="fold")
+        for m in modes:
+            t.add_row(m["mode"], m["verdict"], _pct(m["share"]), m["evidence"])
+        con.print(t)
+
+
+def _render_resources(con: Any, r: dict[str, Any]) -> None:
+    """Memory creep and imbalance across ranks (docs/detection.md, "Resources")."""
+    if not r:
+        return
+    if not r.get("samples"):
+        con.print("Resources: no samples (RUN_DIR/resources is empty).")
+        return
+    judged = r.get("judged") or {}
+    head = (f"Resources: {r['samples']} samples of {r['ranks']} ranks; creep: {judged.get('creep', '-')}; "
+            f"imbalance: {judged.get('imbalance', '-')}.")  # fmt: skip
+    con.print(head, highlight=False)
+    for line in r.get("findings") or []:
+        con.print(f"  - {line}", highlight=False)
+    if not r.get("findings"):
+        con.print("  - no memory creep and no rank out of line", highlight=False)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"

@@ -6,7 +6,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hyperacc.commands.params import OneLineCommand, OutputFile
+from hyperacc.commands.params import OneLineCommand, OutputFile, run_dirs_of
 from hyperacc.store import RunDirError
 
 
@@ -30,6 +30,7 @@ def command(run_dir: str, chrome_out: str, steps: tuple[int | None, int | None],
     """Export RUN_DIR as a trace: one process per rank, phases as slices, spikes and GC pauses as
     instant events, collective waits in their own track. Open it in https://ui.perfetto.dev.
 
+    RUN_DIR may list the run directories of one job's agents joined by commas (local disks).
     Example: hyperacc export runs/job1 --chrome job1.json --steps 100:200
     """
     from hyperacc.analysis.columns import discover
@@ -38,6 +39,7 @@ def command(run_dir: str, chrome_out: str, steps: tuple[int | None, int | None],
 
     console = Console(stderr=True)
     window = steps
+    run_dir = run_dirs_of(run_dir)  # the run directories of one job's agents may be joined by commas
     try:
         ranks = len(discover(run_dir).sources)
         diagnosis = None if no_diagnosis else diagnosis_of(run_dir)

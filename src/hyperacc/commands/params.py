@@ -159,3 +159,13 @@ def option_error(
     if named:
         return click.BadParameter(message, param_hint=f"'{options[named[0]]}'")
     return click.BadParameter(message, param_hint=f"'{default}'" if default else None)
+
+
+def run_dirs_of(text: str) -> str | list[str]:
+    """One job's run directories from one argument: a directory, or several joined by commas (one per
+    agent on nodes with local disks; docs/presentation.md, "Several run directories of one job"). A
+    path that exists as written is one directory, commas and all."""
+    if "," not in text or Path(text).exists():
+        return text
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    return parts[0] if len(parts) == 1 else parts

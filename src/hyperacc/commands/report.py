@@ -6,7 +6,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from hyperacc.commands.params import OneLineCommand, OutputFile
+from hyperacc.commands.params import OneLineCommand, OutputFile, run_dirs_of
 from hyperacc.store import MAX_RANKS, RunDirError
 
 
@@ -18,12 +18,18 @@ from hyperacc.store import MAX_RANKS, RunDirError
               help="Most ranks drawn one by one (flagged first, then the spikiest, then the slowest).")  # fmt: skip
 @click.option("--step-bins", default=600, show_default=True, type=click.IntRange(10, 10_000),
               help="Most step columns in the heatmap and timeline (longer runs are binned).")  # fmt: skip
-def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int) -> None:
+@click.option("--baseline", default=None, metavar="RUN",
+              help="Add a comparison with this run (the figures of `hyperacc compare`).")  # fmt: skip
+@click.option("--batch-size", type=click.IntRange(1, 1 << 40), default=None,
+              help="Samples per rank and step, for samples/s.")  # fmt: skip
+def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int, baseline: str | None,
+            batch_size: int | None) -> None:  # fmt: skip
     """Write a self-contained HTML report of RUN_DIR and print its path: verdict, heatmap of self-time,
     step time with spikes by cause, distributions, spike rates, time lost per cause, projection,
     stabilizer and pacing events.
 
-    Example: hyperacc report runs/job1 -o job1.html
+    RUN_DIR may list the run directories of one job's agents joined by commas (local disks).
+    Example: hyperacc report runs/job1 -o job1.html --baseline runs/job0
     """
     from hyperacc.present.diagnosis import diagnosis_of
     from hyperacc.present.report import ReportError, build_report
@@ -35,9 +41,17 @@ def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int) ->
             console=console, transient=True,
         ) as bar:  # fmt: skip
             task = bar.add_task("analysing", total=1.0)
-            diagnosis = diagnosis_of(run_dir)
+            dirs = run_dirs_of(run_dir)
+            diagnosis = diagnosis_of(dirs, batch_size=batch_size)
+            base = None
+            if baseline is not None:
+                bar.update(task, description="analysing the baseline")
+                try:
+                    base = diagnosis_of(run_dirs_of(baseline), batch_size=batch_size)
+                except RunDirError as exc:
+                    raise click.ClickException(f"--baseline: {exc}") from None
             result = build_report(
-                run_dir, output, diagnosis=diagnosis, step_bins=step_bins, max_ranks=max_ranks,
+                dirs, output, diagnosis=diagnosis, step_bins=step_bins, max_ranks=max_ranks, baseline=base,
                 progress=lambda stage, done: bar.update(task, description=stage, completed=done),
             )  # fmt: skip
     except (ReportError, RunDirError) as exc:

@@ -58,6 +58,22 @@ def follow(run_dirs: list[Path], *, interval: float, window: int, live: bool, on
         time.sleep(interval)
 
 
+def _not_one_job(dirs: list[Path]) -> str | None:
+    """Why the run directories are not of one job (``analysis.columns.merge_layouts``), or None. Directories
+    that hold no records yet (a job starting) are not judged."""
+    started = [d for d in dirs if any(d.glob("steps/rank-*/seg-*.parquet"))]
+    if len(started) < 2:
+        return None
+    from hyperacc.analysis.columns import discover
+    from hyperacc.store import RunDirError
+
+    try:
+        discover(started)
+    except RunDirError as exc:
+        return str(exc)
+    return None
+
+
 def follower_idle(follower: object) -> float:
     snap_idle = getattr(follower, "_last_new", None)
     return time.monotonic() - snap_idle if snap_idle is not None else 0.0
@@ -71,10 +87,25 @@ def follower_idle(follower: object) -> float:
 @click.option("--idle", default=None, type=click.FloatRange(0, None), help="Exit after this many seconds without new records.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per snapshot instead of text.")
 def command(run_dirs: tuple[Path, ...], interval: float, window: int, once: bool, idle: float | None, as_json: bool) -> None:
-    """Show the live view of the job writing RUN_DIRS (a rich panel in a terminal, else one line per window)."""
+    """Show the live view of the job writing RUN_DIRS (a rich panel in a terminal, else one line per window).
+
+    Several run directories of one job (one per agent on nodes with local disks) are shown as one job,
+    given as separate arguments or joined by commas.
+    """
+    from hyperacc.commands.params import run_dirs_of
+
+    dirs: list[Path] = []
     for d in run_dirs:
+        parts = run_dirs_of(str(d))
+        dirs += [Path(p) for p in ([parts] if isinstance(parts, str) else parts)]
+    for d in dirs:
         if not d.is_dir():
             raise click.BadParameter(f"{d} does not exist; pass the --run-dir of a traced job", param_hint="RUN_DIRS")
+    problem = _not_one_job(dirs)
+    if problem:
+        click.echo(f"hyperacc watch: {problem}", err=True)
+        sys.exit(2)
+    run_dirs = tuple(dirs)
     live = sys.stdout.isatty() and not as_json
     try:
         code = follow(list(run_dirs), interval=interval, window=window, live=live, once=once, idle=idle, as_json=as_json)

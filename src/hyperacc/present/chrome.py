@@ -116,7 +116,7 @@ def export_chrome(
     """
     layout = discover(run_dir)
     if not layout.sources:
-        raise ExportError(f"{run_dir} holds no step records; nothing to export")
+        raise ExportError(f"{layout.name} holds no step records; nothing to export")
     lo, hi = steps
     spikes = _spikes_by_rank(diagnosis, lo, hi)
     events = _events_by_rank(run_dir, lo, hi)
@@ -132,7 +132,7 @@ def export_chrome(
         if cols["t_start_ns"].size and np.isfinite(cols["t_start_ns"]).any():
             t0 = min(t0, float(np.nanmin(cols["t_start_ns"])))
     if not records:  # as analyze and report: a run without one readable record is an error, not a trace
-        raise store.RunDirError(f"no segment under {Path(run_dir) / 'steps'} could be read; see the warnings above")
+        raise store.RunDirError(f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above")
     for table in events.values():  # an event may precede the first exported step
         t = table.column("t_ns").drop_null()
         if len(t):
@@ -148,7 +148,7 @@ def export_chrome(
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write('{"displayTimeUnit":"ms","otherData":')
-            f.write(json.dumps({"producer": "hyperacc export", "run_dir": str(run_dir), "t0_unix_ns": int(t0),
+            f.write(json.dumps({"producer": "hyperacc export", "run_dir": layout.name, "t0_unix_ns": int(t0),
                                 "steps": [lo, hi]}))  # fmt: skip
             f.write(',"traceEvents":[\n')
             writer = _Writer(f)

@@ -66,14 +66,17 @@ class Snapshot:
     findings: list[str]
     per_rank: list[RankView]
     idle_s: float  # seconds since new records last arrived
+    # the second document's view over the same window (``RunFollower._coordination``): p90, jitter, the
+    # split of the wait, the spread trend, the failure modes, resource findings
+    coordination: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         def plain(v: Any) -> Any:
             return None if isinstance(v, float) and not math.isfinite(v) else v
 
         d = dataclasses.asdict(self)
-        return {k: ([{kk: plain(vv) for kk, vv in r.items()} for r in v] if k == "per_rank" else plain(v))
-                for k, v in d.items()}  # fmt: skip
+        return {k: ([{kk: plain(vv) for kk, vv in r.items()} for r in v] if k == "per_rank" else
+                    _plain(v) if k == "coordination" else plain(v)) for k, v in d.items()}  # fmt: skip
 
 
 class RunFollower:
@@ -89,6 +92,7 @@ class RunFollower:
         self._rss: dict[int, float] = {}
         self._findings: dict[str, str] = {}
         self._resources_seen: set[Path] = set()
+        self._rss_hist: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (t_ns, rss bytes), bounded
         self._last_new = time.monotonic()
         self.world_size = 0
 
@@ -169,10 +173,11 @@ class RunFollower:
             if path in self._resources_seen:
                 continue
             self._resources_seen.add(path)
-            table = _read(path, ("rank", "rss_bytes"))
+            table = _read(path, ("rank", "rss_bytes", "t_ns"))
             if table is not None and table.num_rows:
                 rows = table.to_pylist()
                 self._rss[int(rows[-1]["rank"])] = (rows[-1]["rss_bytes"] or 0) / 2**20
+                self._keep_rss(table)
 
     def snapshot(self, window: int = 50) -> Snapshot | None:
         """The figures over the last ``window`` steps that every reporting rank has (None: no records)."""
@@ -249,7 +254,96 @@ class RunFollower:
             findings=list(self._findings.values())[-6:],
             per_rank=views,
             idle_s=time.monotonic() - self._last_new,
+            coordination=self._coordination(first, last, x),
         )
+
+    # ---- the second document's view (docs/presentation.md, "Live view"; rules in docs/detection.md)
+
+    def _keep_rss(self, table: pa.Table, keep: int = 3600) -> None:
+        if "t_ns" not in table.column_names or "rss_bytes" not in table.column_names:
+            return
+        rank = table.column("rank").to_numpy(zero_copy_only=False)
+        t = table.column("t_ns").cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+        rss = table.column("rss_bytes").cast(pa.float64()).to_numpy(zero_copy_only=False)
+        for r in np.unique(rank).tolist():
+            sel = rank == r
+            old_t, old_v = self._rss_hist.get(int(r), (np.zeros(0), np.zeros(0)))
+            self._rss_hist[int(r)] = (np.concatenate([old_t, t[sel]])[-keep:], np.concatenate([old_v, rss[sel]])[-keep:])
+
+    def _coordination(self, first: int, last: int, step_max: np.ndarray) -> dict[str, Any]:
+        """p90 and jitter of the cluster's step, the wait split into the collective's own cost and waiting
+        for late arrivals, the spread trend and the failure modes over the window (``analysis.coordination``),
+        and memory creep over the samples seen (``analysis.resources``)."""
+        from hyperacc.analysis.coordination import coordination, distribution, failure_modes
+        from hyperacc.analysis.resources import ResourceOptions, memory_creep
+
+        steps = np.arange(first, last + 1)
+        step_sum, wait_sum = np.zeros(steps.size), np.zeros(steps.size)
+        wait_min, wait_max = np.full(steps.size, np.inf), np.full(steps.size, -np.inf)
+        n = np.zeros(steps.size)
+        for cols in self._rows.values():
+            inside = (cols["step"] >= first) & (cols["step"] <= last)
+            wait = cols["dev_comm_wait_ns"] if not np.isnan(cols["dev_comm_wait_ns"]).all() else cols["comm_wait_ns"]
+            ok = inside & ~np.isnan(wait) & ~np.isnan(cols["step_ns"])
+            p = np.searchsorted(steps, cols["step"][ok])
+            np.add.at(step_sum, p, cols["step_ns"][ok])
+            np.add.at(wait_sum, p, wait[ok])
+            np.minimum.at(wait_min, p, wait[ok])
+            np.maximum.at(wait_max, p, wait[ok])
+            np.add.at(n, p, 1)
+        seen = n >= 2
+        coord = coordination(step_sum[seen], wait_sum[seen], wait_min[seen], wait_max[seen], n[seen]) if seen.any() else None
+        dist = distribution(step_max)
+        modes = [m for m in failure_modes(coord) if m.mode in ("sync_amplification", "fabric_contention")]
+        creep = []
+        for rank, (t, rss) in sorted(self._rss_hist.items()):
+            c = memory_creep(t, rss, rank, "rss_bytes", ResourceOptions())
+            if c is not None and c.creep:
+                creep.append(f"memory creep on {c.text()}")
+        return {
+            "p90_ms": dist.p90_ns / 1e6 if dist else math.nan,
+            "jitter": dist.jitter if dist else math.nan,
+            "collective_share": coord.collective_share if coord else math.nan,
+            "late_share": coord.late_share if coord else math.nan,
+            "spread_trend": coord.spread_trend if coord else math.nan,
+            "modes": {m.mode: m.verdict for m in modes},
+            "resources": creep,
+        }
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _coordination_line(s: Snapshot) -> str:
+    """The one-line form's part of the second document's view."""
+    c = s.coordination
+    if not c:
+        return ""
+    pct = lambda x: _fmt(x * 100 if math.isfinite(x) else None, ".0f", "%")  # noqa: E731
+    likely = [k for k, v in c.get("modes", {}).items() if v == "likely"]
+    return (f", p90 {_fmt(c['p90_ms'])} ms jitter {pct(c['jitter'])}, late {pct(c['late_share'])} "
+            f"collective {pct(c['collective_share'])}, spread trend {_fmt(c['spread_trend'], '.2f')}x"
+            + (f", likely: {' '.join(likely)}" if likely else "")
+            + "".join(f"; {r}" for r in c.get("resources", [])[:2]))  # fmt: skip
+
+
+def _coordination_rows(s: Snapshot) -> list[str]:
+    """The rich panel's rows of the second document's view."""
+    c = s.coordination
+    if not c:
+        return []
+    pct = lambda x: _fmt(x * 100 if math.isfinite(x) else None, ".1f", " %")  # noqa: E731
+    modes = ", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in c.get("modes", {}).items())
+    rows = [f"p90 {_fmt(c['p90_ms'])} ms   jitter {pct(c['jitter'])}   waiting for late arrivals "
+            f"{pct(c['late_share'])}   collective's own cost {pct(c['collective_share'])}   spread trend "
+            f"{_fmt(c['spread_trend'], '.2f')}x", modes]  # fmt: skip
+    rows += [f"[bold yellow]![/] {r}" for r in c.get("resources", [])[:4]]
+    return rows
 
 
 def _finding_key(text: str) -> str:
@@ -287,6 +381,7 @@ def line(s: Snapshot) -> str:
         f"{_fmt(s.spike_rate * 100 if math.isfinite(s.spike_rate) else None, '.1f', '%')}, wait "
         f"{_fmt(s.wait_share * 100 if math.isfinite(s.wait_share) else None, '.0f', '%')}, spread "
         f"{_fmt(s.spread_ms)} ms, culprit {culprit}"
+        + _coordination_line(s)
         + (f"; {s.findings[-1]}" if s.findings else "")
     )
 
@@ -315,7 +410,7 @@ def render(s: Snapshot) -> Any:
     for v in sorted(top, key=lambda v: v.rank):
         ranks.add_row(str(v.rank), str(v.node), str(v.step), _fmt(v.self_ms), _fmt(v.wait_ms), _fmt(v.cpu_ms),
                       _fmt(v.rss_mb, ".0f"), str(v.spikes), f"{v.culprit_share:.0%}")  # fmt: skip
-    parts: list[Any] = [head, ranks]
+    parts: list[Any] = [head, *_coordination_rows(s), ranks]
     if s.findings:
         parts.append("\n".join(f"[bold red]![/] {f}" for f in s.findings))
     return Panel(Group(*parts), title=f"hyperacc live: {s.run}", expand=False)

@@ -84,10 +84,13 @@ def build_report(
     step_bins: int = STEP_BINS,
     max_ranks: int = MAX_RANKS,
     progress: Callable[[str, float], None] | None = None,
+    baseline: Mapping[str, Any] | None = None,
 ) -> ReportResult:
     """Writes the report of ``run_dir`` to ``out`` (default ``RUN_DIR/report.html``).
 
-    ``diagnosis`` is ``Diagnosis.to_dict()`` (``None``: sections that need it say so).
+    ``run_dir``: one run directory or the run directories of one job's agents (``analysis.columns``).
+    ``diagnosis`` is ``Diagnosis.to_dict()`` (``None``: sections that need it say so); ``baseline`` the
+    diagnosis of a run to compare with (the comparison section).
     ``progress(stage, fraction_done)`` is called as the work advances.
     """
     say = progress or (lambda _stage, _f: None)
@@ -151,7 +154,7 @@ def build_report(
     spikes = sorted((diag or {}).get("spikes", {}).get("events", []) or [], key=lambda e: -(e.get("excess_ns") or 0))
     spikes = spikes[:TOP_SPIKES]
     events = _events(run_dir)
-    runtime = _runtime(run_dir)
+    runtime = _runtime(layout.run_dir)
     metric_word = "self-time" if metric == "self_ns" else "step time"
 
     figs: list[tuple[str, str, dict, str]] = []  # (section id, title, figure, note)
@@ -167,6 +170,7 @@ def build_report(
         proj = _projection(diag, summaries, step_max)
         if proj is not None:
             figs.append(("projection", "Projection to larger clusters", proj[0], proj[1]))
+    extra = _second_view(layout, diag, baseline, figs, max_ranks)
     pacing = _pacing(pace_bins, x_bins)
     if pacing is not None:
         figs.append(("pacing", "Pacing", pacing, "share of ranks pacing and mean delay per step bin"))
@@ -175,8 +179,9 @@ def build_report(
 
     say("writing", 0.95)
     recorded = int(step_max.steps.size)
-    page = _page(run_dir, layout, ranks, recorded, first, last, diag, figs, events, runtime, summaries, metric_word)
-    path = Path(out) if out else Path(run_dir) / "report.html"
+    page = _page(layout.name, layout, ranks, recorded, first, last, diag, figs, events, runtime, summaries, metric_word,
+                 extra=extra)  # fmt: skip
+    path = Path(out) if out else layout.run_dir / "report.html"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -555,7 +560,23 @@ def _table(headers: list[str], rows: list[list[Any]], flag_rows: set[int] | None
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runtime, summaries, metric_word) -> str:
+def _second_view(layout, diag, baseline, figs: list, max_ranks: int) -> dict[str, str]:
+    """Adds the coordination, resources and comparison sections (``report_coordination``) to ``figs``;
+    returns their HTML by section id."""
+    from hyperacc.present.report_coordination import sections
+
+    samples = store.read_resources(layout.run_dirs or [layout.run_dir])
+    extra: dict[str, str] = {}
+    name = layout.name
+    for sid, title, fig, note, body in sections(diag, samples, baseline, name, (baseline or {}).get("run_dir") or "",
+                                                max_ranks):  # fmt: skip
+        figs.append((sid, title, fig, note))
+        extra[sid] = body
+    return extra
+
+
+def _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runtime, summaries, metric_word,
+          extra: Mapping[str, str] | None = None) -> str:  # fmt: skip
     from plotly.offline import get_plotlyjs
 
     e = html.escape
@@ -603,12 +624,14 @@ def _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runt
     fig_json = {}
     for sid, title, fig, note in figs:
         pid = f"plot-{sid}"
-        plot_ids.append(pid)
-        fig_json[pid] = fig
         block = f"<section id='{sid}'><h2>{e(title)}</h2>"
         if note:
             block += f"<p class='note'>{e(note)}</p>"
-        block += f"<div id='{pid}' class='plot'></div>"
+        if fig is not None:  # a section of tables only has no plot
+            plot_ids.append(pid)
+            fig_json[pid] = fig
+            block += f"<div id='{pid}' class='plot'></div>"
+        block += (extra or {}).get(sid, "")
         block += "</section>"
         parts.append(block)
         if sid == "nodes" and diag:
