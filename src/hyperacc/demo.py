@@ -11,6 +11,8 @@
    are counted (diagnose, act, verify).
 4. Storage: cold LMDB reads with and without the sampler-aware prefetch (data-time p99).
 5. See it: ``hyperacc report`` writes the self-contained HTML report and prints its path.
+6. Compare: ``hyperacc compare`` sets the stabilized run beside the faulty one (step-time percentiles,
+   CV, spike rate with its interval, coordination cost), with a CI gate (``--fail-on``) that passes.
 
 Set ``HYPERACC_DEMO_STEPS`` to change the run length (default 400).
 """
@@ -40,7 +42,7 @@ FAULTS = {
     "faults": [
         {"kind": "slowdown", "ranks": [2], "factor": 0.3},
         {"kind": "data_stall", "ranks": [1], "rate": 0.03, "ms": 60},
-        {"kind": "gc_pressure", "ranks": [3], "live": 300000, "garbage": 20000},
+        {"kind": "gc_pressure", "ranks": [3], "live": 300000, "garbage": 6000},
     ],
 }
 STABILIZE = {"gc": {"interval": 100}}
@@ -186,6 +188,10 @@ def main() -> None:
     console.rule("[bold]5. See it")
     hyperacc(console, "report", str(diag_dir), "-o", str(run_root / "report.html"))
     console.print(f"open {run_root / 'report.html'} in a browser (it works offline)")
+
+    console.rule("[bold]6. Compare: the stabilized run against the faulty one, as a CI gate would")
+    hyperacc(console, "compare", str(diag_dir), str(fixed_dir), "--fail-on", "p99=+10%,spike_rate=+5pp")
+    console.print("exit status 0: no --fail-on limit broken (a worse p99 or spike rate would exit 1)")
     console.rule(f"[bold]demo finished in {time.monotonic() - t0:.0f} s; run directories under {run_root}")
 
 
