@@ -111,7 +111,7 @@ def main() -> int:
             failed |= suite(what, {"HYPERACC_FUZZ_EXAMPLES": examples, "HYPERACC_FUZZ_RANDOM": "1"})
     if "faults" not in skip:
         for seed in range(1, 2 if args.quick else 4):
-            failed |= suite("tests/reliability/test_faults.py", {"HYPERACC_FAULT_SEED": str(seed)})
+            failed |= suite("tests/reliability/test_faults.py", {"HYPERACC_FAULT_SEED": str(seed), "HYPERACC_FAULTS": "all"})
     return 1 if failed else 0
 
 

@@ -8,8 +8,8 @@ the run directory, and ends with torchrun's own exit status.
 - ``--quiet``: the job's output untouched, no view.
 
 Signals: Ctrl-C in the terminal reaches torchrun and the ranks directly (one process group, as when
-torchrun is started by hand); this process waits for them. SIGTERM and SIGHUP sent to this process
-are passed to torchrun, which stops its workers. The exit status is torchrun's (128 + N when it died of
+torchrun is started by hand); this process waits for them. SIGTERM, SIGHUP and a SIGINT that did not
+come from the terminal, sent to this process, are passed to torchrun, which stops its workers. The exit status is torchrun's (128 + N when it died of
 signal N). The view reads only what the ranks already write; it never touches the job, and a failure in
 it switches the view off with one line while the job goes on. docs/presentation.md, "Live view".
 """
@@ -48,6 +48,18 @@ def choose_view(quiet: bool, stream: TextIO | None = None) -> str:
 def exit_status(returncode: int) -> int:
     """A child's return code as a shell reports it (128 + N for signal N)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _terminal_foreground() -> bool:
+    """Whether this process group is the foreground group of a terminal (where Ctrl-C comes from)."""
+    for stream in (sys.stdin, sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+            if os.isatty(fd):
+                return os.tcgetpgrp(fd) == os.getpgrp()
+        except (AttributeError, OSError, ValueError):
+            continue
+    return False
 
 
 class Supervisor:
@@ -113,10 +125,16 @@ class Supervisor:
             if self.proc is not None and self.proc.poll() is None:
                 self.proc.send_signal(signum)
 
+        def interrupt(signum: int, frame: Any) -> None:
+            # Ctrl-C in a terminal reaches torchrun and the ranks directly (one process group): passing
+            # it on would give torchrun a second one in the middle of stopping its workers. A SIGINT
+            # sent to this process alone (kill -INT, a scheduler) is passed on like SIGTERM.
+            if not _terminal_foreground():
+                forward(signum, frame)
+
         for sig in (signal.SIGTERM, signal.SIGHUP):
             self._previous[sig] = signal.signal(sig, forward)
-        # Ctrl-C reaches torchrun through the terminal's process group: this process only waits.
-        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
 
     def _restore_signals(self) -> None:
         for sig, handler in self._previous.items():

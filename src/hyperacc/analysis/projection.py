@@ -60,8 +60,9 @@ def headline(projection: dict[str, Any]) -> str | None:
         if req is not None
         else "node-wide spikes alone exceed the target"
     )
+    article = "an" if str(row["nodes"])[0] == "8" or row["nodes"] in (11, 18) else "a"
     return (
-        f"at {percent(projection['p_rank'])} per rank, a {row['nodes']}-node job ({projection['ranks_per_node']} "
+        f"at {percent(projection['p_rank'])} per rank, {article} {row['nodes']}-node job ({projection['ranks_per_node']} "
         f"ranks per node) spikes on {percent(row['p_cluster'])} of steps; to stay at or under "
         f"{percent(projection['target'])} {need}"
     )
