@@ -317,6 +317,11 @@ def top_confirmation(
     return int(cols[i0]), since, _recent(top[cols], opts)
 
 
+# A straggler still confirmed at the end was materially slower than the median in at least one of its
+# last END_WINDOWS judged windows (docs/detection.md, "Stragglers and episodes").
+END_WINDOWS = 2
+
+
 def _recent(flags: np.ndarray, opts: DetectionOptions) -> bool:
     """Still slow at the end: flagged in ``persist_k`` of the last ``persist_n`` judged windows (in more
     than half of them when fewer were judged)."""
@@ -397,7 +402,7 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
                     conf, rank_flags = _culprit_confirmation(grid, r, judged, med, opts, floor)
                 else:
                     continue
-                chosen = _better(chosen, conf, rank_flags, rule, mostly[r], judged[r])
+                chosen = _better(chosen, conf, rank_flags, rule, mostly[r], judged[r], above[r])
                 if chosen is not None and chosen[0][2]:
                     break
             if chosen is None:
@@ -418,14 +423,17 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
 
 
 def _better(chosen: tuple | None, conf: tuple | None, flags: np.ndarray, rule: str, mostly: np.ndarray,
-            judged: np.ndarray) -> tuple | None:
+            judged: np.ndarray, above: np.ndarray) -> tuple | None:
     """The rules in order: the first that still confirms the rank at its last window wins, else the first
     that confirmed it at all (an episode). "Still" includes being slower than the median in most of its
-    recent windows at its last judged window: persistent means what it says."""
+    recent windows at its last judged window, and materially slower in at least one of its last
+    ``END_WINDOWS`` judged windows: persistent means what it says, and a rank the host starved for a
+    stretch of the run that is back to the median at its end has recovered."""
     if conf is None:
         return chosen
     last = np.flatnonzero(judged)
-    conf = (conf[0], conf[1], bool(conf[2] and last.size and mostly[last[-1]]))
+    still = bool(last.size and mostly[last[-1]] and above[last[-END_WINDOWS:]].any())
+    conf = (conf[0], conf[1], bool(conf[2] and still))
     if chosen is None or (conf[2] and not chosen[0][2]):
         return (conf, flags, rule)
     return chosen
