@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
 
 import click
 
-from hyperacc.commands.params import one_line
+from hyperacc.commands.params import OneLineErrors
 
 # name -> (module:attribute, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -30,21 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class LazyGroup(click.Group):
+class LazyGroup(OneLineErrors, click.Group):
     """Subcommands imported when they run; every usage error of any of them is one line, exit 2."""
-
-    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
-                     **extra: Any) -> click.Context:  # fmt: skip
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as exc:
-            raise one_line(exc) from None
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except click.UsageError as exc:
-            raise one_line(exc) from None
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)

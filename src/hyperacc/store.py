@@ -26,8 +26,9 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -81,17 +82,7 @@ class SegmentWriter:
         if self.schema is not None and table.schema != self.schema:
             table = table.cast(self.schema)
         final = self.directory / f"seg-{self._next:06d}.parquet"
-        tmp = final.with_suffix(".parquet.tmp")
-        try:
-            pq.write_table(table, tmp, compression="zstd")
-            os.replace(tmp, final)
-        except BaseException:
-            # A full disk or a read-only file system: leave no half-written file behind.
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            raise
+        _write_atomically(final, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
         self._next += 1
         return final
 
@@ -99,9 +90,15 @@ class SegmentWriter:
 def write_meta(run_dir: str | os.PathLike, meta: RankMeta) -> None:
     path = meta_path(run_dir, meta.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
+    _write_atomically(path, lambda tmp: tmp.write_text(meta.to_json()))
+
+
+def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
+    """``write`` a file next to ``path`` and rename it into place: a reader never sees half of it, and a
+    write that fails (a full disk, a read-only file system) leaves no half-written file behind."""
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(meta.to_json())
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         try:

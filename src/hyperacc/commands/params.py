@@ -36,22 +36,26 @@ def one_line(exc: click.UsageError) -> OneLineUsageError:
     return OneLineUsageError(message)
 
 
-class OneLineCommand(click.Command):
-    """A command whose usage errors are one line, exit status 2, also when it is invoked on its own
-    (``hyperacc.cli`` does the same for every subcommand)."""
+class OneLineErrors:
+    """Mixin for click commands and groups: every usage error is one line, exit status 2."""
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:  # fmt: skip
         try:
-            return super().make_context(info_name, args, parent=parent, **extra)
+            return super().make_context(info_name, args, parent=parent, **extra)  # type: ignore[misc]
         except click.UsageError as exc:
             raise one_line(exc) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
-            return super().invoke(ctx)
+            return super().invoke(ctx)  # type: ignore[misc]
         except click.UsageError as exc:
             raise one_line(exc) from None
+
+
+class OneLineCommand(OneLineErrors, click.Command):
+    """A command whose usage errors are one line, exit status 2, also when it is invoked on its own
+    (``hyperacc.cli`` does the same for every subcommand)."""
 
 
 class Number(click.FloatRange):
