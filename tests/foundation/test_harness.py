@@ -26,13 +26,14 @@ def test_two_agents_on_one_machine_are_two_nodes():
     assert job.ranks[3].node == 1
 
 
-def test_twenty_runs_survive_the_exit_time_abort():
-    # half the runs die with SIGABRT after writing their results, as gloo does at interpreter exit
+def test_runs_survive_the_exit_time_abort():
+    # half the runs die with SIGABRT after writing their results, as gloo does at interpreter exit;
+    # the deterministic half is what is tested, the concurrency only makes the runs overlap
     def one(i: int) -> harness.JobResult:
         return harness.launch(SCRIPTS / "exit_crash.py", ["abort"] if i % 2 else [], nproc=2, timeout=180)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        jobs = list(pool.map(one, range(20)))
+        jobs = list(pool.map(one, range(10)))
     for job in jobs:
         assert job.ok, job.explain()
     assert any(code != 0 for job in jobs for code in job.returncodes)  # the aborts really happened
