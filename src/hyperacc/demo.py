@@ -1,7 +1,7 @@
 """``make demo``: a real 4-rank training run on this machine, its diagnosis and its fixes.
 
 1. Diagnose: ``hyperacc run`` starts the unmodified examples/train_ddp.py as 4 gloo ranks with three
-   injected faults (rank 2 computes 30 % slower, rank 1's loader stalls on 3 % of steps, rank 3 is under
+   injected faults (rank 2 computes 50 % slower, rank 1's loader stalls on 3 % of steps, rank 3 is under
    GC pressure), then ``hyperacc analyze`` names the culprits, the causes and what the measured spike
    rate means at scale, and the injected ground truth is printed beside it.
 2. Fix: the same job with ``--stabilize`` (deterministic GC: frozen heap, collections at the same step
@@ -40,7 +40,7 @@ EXAMPLE_ARGS = ["--batch-size", "256"]  # enough compute per step that a 15 % sl
 FAULTS = {
     "seed": 7,
     "faults": [
-        {"kind": "slowdown", "ranks": [2], "factor": 0.3},
+        {"kind": "slowdown", "ranks": [2], "factor": 0.5},
         {"kind": "data_stall", "ranks": [1], "rate": 0.03, "ms": 60},
         {"kind": "gc_pressure", "ranks": [3], "live": 300000, "garbage": 6000},
     ],
