@@ -208,8 +208,39 @@ class Supervisor:
 
     @staticmethod
     def _pump(stream: Any, live: Any) -> None:
-        """The job's output, line by line, above the panel."""
-        for raw in iter(stream.readline, b""):
-            text = raw.decode(errors="replace").rstrip("\n")
+        """The job's output, line by line, above the panel (progress bars redrawn with a carriage return
+        show their latest state when their line ends)."""
+        lines = OutputLines()
+        fd = stream.fileno()
+        while chunk := os.read(fd, 65536):
+            for text in lines.feed(chunk):
+                live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+        for text in lines.close():
             live.console.print(text, markup=False, highlight=False, soft_wrap=True)
         stream.close()
+
+
+class OutputLines:
+    """Bytes of a job's output -> the lines to print above the panel.
+
+    A line ends at a newline; a carriage return starts it again (a progress bar redrawing itself), so
+    only what follows the last carriage return of a line is kept. Undecodable bytes are replaced."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[str]:
+        self._buf += chunk
+        *done, self._buf = self._buf.split(b"\n")
+        return [self._text(line) for line in done]
+
+    def close(self) -> list[str]:
+        rest, self._buf = self._buf, b""
+        text = self._text(rest)
+        return [text] if text else []
+
+    @staticmethod
+    def _text(line: bytes) -> str:
+        if line.endswith(b"\r"):
+            line = line[:-1]  # a CRLF line end
+        return line.rsplit(b"\r", 1)[-1].decode(errors="replace")

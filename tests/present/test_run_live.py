@@ -162,3 +162,14 @@ def test_the_live_panel_in_a_terminal(tmp_path):
         assert header in panel, panel
     assert rc_file.read_text().strip() == "0", screen
     assert "loss" in screen  # the job's own output is shown above the panel
+
+
+def test_output_lines_keep_the_latest_state_of_a_progress_bar():
+    from hyperacc.supervisor import OutputLines
+
+    lines = OutputLines()
+    assert lines.feed(b"epoch 1\n 10%|#   \r 50%|#####") == ["epoch 1"]
+    assert lines.feed(b"     \r100%|##########|\nloss 0.5\r\n") == ["100%|##########|", "loss 0.5"]
+    assert lines.feed(b"caf\xc3") == [] and lines.feed(b"\xa9 \xff\n") == ["caf\u00e9 \ufffd"]
+    assert lines.feed(b"no newline at the end") == [] and lines.close() == ["no newline at the end"]
+    assert lines.close() == []
