@@ -32,7 +32,10 @@ class Agent:
 
 class ElasticJob:
     def __init__(self, workdir: Path, script: str, args: Sequence[str], *, names: Sequence[str], nproc: int,
-                 nnodes: str, max_restarts: int, env: Mapping[str, str], rdzv_conf: str) -> None:  # fmt: skip
+                 nnodes: str, max_restarts: int, env: Mapping[str, str], rdzv_conf: str,
+                 agent_env: Mapping[str, Mapping[str, str]] | None = None, bootstrap: bool = False) -> None:  # fmt: skip
+        """``agent_env``: extra variables of one agent's ranks (by name); ``bootstrap``: start the ranks
+        through ``hyperacc.bootstrap``, as ``hyperacc run`` does (tracing, chaos, remediation)."""
         self.workdir = workdir
         self.results = workdir / "results"
         self.results.mkdir(parents=True, exist_ok=True)
@@ -46,9 +49,10 @@ class ElasticJob:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
                    "--rdzv-conf", rdzv_conf, "--max-restarts", str(max_restarts), "--log-dir", str(log_dir),
-                   "--redirects", "3", script, *args]  # fmt: skip
+                   "--redirects", "3", *(["-m", "hyperacc.bootstrap"] if bootstrap else []), script, *args]  # fmt: skip
             out = workdir / f"agent-{name}.log"
-            proc = subprocess.Popen(cmd, env={**base, "HYPERACC_NODE_NAME": name}, stdout=out.open("wb"),
+            env_of = {**base, **(agent_env or {}).get(name, {}), "HYPERACC_NODE_NAME": name}
+            proc = subprocess.Popen(cmd, env=env_of, stdout=out.open("wb"),
                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
             self.agents.append(Agent(name, proc, log_dir, out))
             if i == 0:  # let the first agent bind the store's port, so that it is the host

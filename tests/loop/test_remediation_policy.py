@@ -192,6 +192,17 @@ def test_config_parsing(tmp_path: Path):
     f = tmp_path / "policy.json"
     f.write_text(json.dumps({"mode": "auto", "max_drains": 3}))
     assert RemediationConfig.parse(str(f)).max_drains == 3
+    t = tmp_path / "policy.toml"
+    t.write_text('[remediate]\nmode = "dry-run"\nmax_drains = 2\ndrain_kinds = ["compute", "host"]\n')
+    cfg = RemediationConfig.parse(str(t))
+    assert (cfg.mode, cfg.max_drains, cfg.drain_kinds) == ("dry-run", 2, ("compute", "host"))
+    (tmp_path / "flat.toml").write_text('mode = "auto"\n')
+    assert RemediationConfig.parse(str(tmp_path / "flat.toml")).mode == "auto"
+    (tmp_path / "broken.toml").write_text("mode = \n")
+    with pytest.raises(RemediationConfigError, match="not valid TOML"):
+        RemediationConfig.parse(str(tmp_path / "broken.toml"))
+    with pytest.raises(RemediationConfigError, match="cannot read"):
+        RemediationConfig.parse(str(tmp_path / "missing.toml"))
     for bad, match in (("sometimes", "must be off, dry-run, auto"), ('{"mode": "maybe"}', "mode"),
                        ('{"max_drain": 1}', "unknown remediation option"), ('{"min_nodes": 0}', "min_nodes"),
                        ("[1]", "JSON object")):  # fmt: skip

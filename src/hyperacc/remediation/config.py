@@ -96,17 +96,27 @@ class RemediationConfig:
 
     @classmethod
     def parse(cls, text: str) -> RemediationConfig:
-        """A mode (``off``, ``dry-run``, ``auto``), a JSON object, or the path of a JSON file."""
+        """A mode (``off``, ``dry-run``, ``auto``), a JSON object, or the path of a JSON or TOML file (its
+        settings at top level or in a ``[remediate]`` table)."""
         text = text.strip()
         if text in MODES:
             return cls(mode=text)
+        if not text.startswith("{") and Path(text).suffix.lower() == ".toml":
+            from hyperacc.stabilize.config import load_config
+
+            try:
+                values = load_config(text, what="remediation policy")
+            except ValueError as exc:
+                raise RemediationConfigError(str(exc)) from None
+            values = values.get("remediate", values) if isinstance(values.get("remediate"), dict) else values
+            return cls.from_mapping(values)
         if not text.startswith("{") and Path(text).is_file():
             text = Path(text).read_text()
         try:
             values = json.loads(text)
         except ValueError as exc:
             raise RemediationConfigError(
-                f"remediation must be off, dry-run, auto, a JSON object or a JSON file (not valid JSON: {exc})"
+                f"remediation must be off, dry-run, auto, a JSON object, or a JSON or TOML file (not valid JSON: {exc})"
             ) from None
         if not isinstance(values, dict):
             raise RemediationConfigError("remediation settings must be a JSON object")

@@ -133,13 +133,14 @@ def config_from_dict(values: Mapping[str, Any], source: str = "stabilize()") -> 
     return StabilizeConfig(**kwargs, run_dir=str(run_dir) if run_dir else None)
 
 
-def load_config(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a TOML or JSON file (a top-level ``[stabilize]`` table or the parts at top level)."""
+def load_config(path: str | os.PathLike, what: str = "stabilizer config") -> dict[str, Any]:
+    """Read a TOML or JSON file (a top-level ``[stabilize]`` table or the parts at top level); ``what``
+    names the file in errors."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
-        raise ValueError(f"cannot read stabilizer config {p}: {exc.strerror}; pass an existing file") from None
+        raise ValueError(f"cannot read {what} {p}: {exc.strerror}; pass an existing file") from None
     if p.suffix.lower() == ".json":
         try:
             return json.loads(text)
