@@ -10,8 +10,9 @@ TORCH   := torch==2.13.0
 setup: $(STAMP)
 
 # Debian packages the tests use where present: Chromium renders the HTML report, numactl and
-# gperftools' tcmalloc exercise the binding and memory-release stabilizers. Installed once; a test
-# whose package could not be installed skips with its reason.
+# gperftools' tcmalloc exercise the binding and memory-release stabilizers, tmux drives the live view
+# of `hyperacc run` in a terminal. Installed once; a test whose package could not be installed skips
+# with its reason.
 SYSTEM_PKGS := chromium numactl libtcmalloc-minimal4 tmux
 system:
 	@missing=""; for p in $(SYSTEM_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
