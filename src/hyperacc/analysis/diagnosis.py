@@ -19,7 +19,8 @@ SCHEMA_VERSION = 1
 
 # What to do about each kind of straggler and each spike cause (docs/detection.md, "Next steps").
 ADVICE: dict[str, str] = {
-    "compute": "check that rank's device and host (clocks, thermals, other processes); drain it if it stays slow",
+    "compute": "that rank does more work per step: look for uneven work (larger inputs, a code path only it "
+    "takes), then check its device and host (clocks, thermals); drain it if it stays slow",
     "compute_or_host": "check that rank's host for other processes taking its cores (`top`, `hyperacc affinity`) "
     "and its device (clocks, thermals); drain it if it stays slow",
     "data": "make the input path steady: more loader workers, prefetch, readahead for the storage "
