@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -163,16 +164,19 @@ def render(doc: Mapping[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    # a log or a pipe gets the whole table on one line per figure (a terminal: its own width)
+    con = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 120)
     runs = doc["runs"]
     base = runs[0]
     for i, run in enumerate(runs[1:], start=1):
         t = Table(title=f"{run['run']} against {base['run']} (baseline)", box=box.SIMPLE_HEAD)
         for col in ("figure", "baseline", "this run", "change", "95 % interval", ""):
-            t.add_column(col, justify="left" if col in ("figure", "") else "right")
+            # numbers never wrap inside a cell; a narrow terminal folds the mark instead
+            t.add_column(col, justify="left" if col in ("figure", "") else "right",
+                         no_wrap=col not in ("figure", ""))  # fmt: skip
         for c in (c for c in doc["changes"] if c["run"] == i):
             unit = base["figures"][c["name"]]["unit"]
-            interval = "-" if c["low"] is None else f"{100 * c['low']:+.2f} to {100 * c['high']:+.2f} pp"
+            interval = "-" if c["low"] is None else f"{100 * c['low']:+.2f}..{100 * c['high']:+.2f} pp"
             mark = "BROKEN " + ", ".join(c["broken"]) if c["broken"] else ("worse" if c["worse"] else "")
             t.add_row(c["name"], _value(c["base"], unit), _value(c["value"], unit), _delta(c, unit), interval,
                       f"[red]{mark}[/]" if c["broken"] else mark)  # fmt: skip
