@@ -140,24 +140,14 @@ def _jsonable(value: Any) -> Any:
 def _render(doc: dict[str, Any]) -> None:
     from rich import box
     from rich.console import Console
-    from rich.panel import Panel
     from rich.table import Table
 
     con = Console()
-    con.print(
-        Panel(
-            doc["verdict"],
-            title=f"hyperacc analyze: {doc['ranks_analyzed']} of {doc['world_size']} ranks, "
-            f"{doc['nodes']} node{'' if doc['nodes'] == 1 else 's'}, {doc['steps']} steps",
-            border_style="red" if doc["stragglers"] else "green",
-        )
-    )
-    con.print("[bold]Evidence[/bold]")
-    for line in doc["evidence"]:
-        con.print(f"  - {line}", highlight=False)
-    con.print("[bold]Next step[/bold]")
-    for line in doc["next_step"]:
-        con.print(f"  - {line}", highlight=False)
+    from hyperacc.present.diagnosis import print_verdict
+
+    title = (f"hyperacc analyze: {doc['ranks_analyzed']} of {doc['world_size']} ranks, "
+             f"{doc['nodes']} node{'' if doc['nodes'] == 1 else 's'}, {doc['steps']} steps")  # fmt: skip
+    print_verdict(con, title, doc["verdict"], bool(doc["stragglers"]), doc["evidence"], doc["next_step"])
 
     if doc["stragglers"]:
         t = Table(title="Stragglers", box=box.SIMPLE_HEAD)

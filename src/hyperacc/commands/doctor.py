@@ -207,25 +207,15 @@ def _launch(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[int | 
 def _render(doc: dict[str, Any]) -> None:
     from rich import box
     from rich.console import Console
-    from rich.panel import Panel
     from rich.table import Table
 
     con = Console()
     nodes = doc["nodes"]
-    con.print(
-        Panel(
-            doc["verdict"],
-            title=f"hyperacc doctor: {doc['world_size']} ranks, {nodes} node{'' if nodes == 1 else 's'}, "
-            f"{doc['device']}, {doc['rounds']} rounds",
-            border_style="red" if doc["findings"] else "green",
-        )
-    )
-    con.print("[bold]Evidence[/bold]")
-    for line in doc["evidence"]:
-        con.print(f"  - {line}", highlight=False)
-    con.print("[bold]Next step[/bold]")
-    for line in doc["next_step"]:
-        con.print(f"  - {line}", highlight=False)
+    from hyperacc.present.diagnosis import print_verdict
+
+    title = (f"hyperacc doctor: {doc['world_size']} ranks, {nodes} node{'' if nodes == 1 else 's'}, "
+             f"{doc['device']}, {doc['rounds']} rounds")  # fmt: skip
+    print_verdict(con, title, doc["verdict"], bool(doc["findings"]), doc["evidence"], doc["next_step"])
 
     figures = doc["figures"]
     if figures:

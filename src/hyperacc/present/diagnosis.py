@@ -70,3 +70,17 @@ def remediation_line(e: dict[str, Any]) -> str:
     settings = (e.get("detail") or {}).get("settings") if isinstance(e.get("detail"), dict) else None
     knobs = f" [{'; '.join(settings)}]" if settings else ""
     return f"{step}{e.get('kind')} {what} {e.get('status', '')}{target}{at}{reason}{knobs}"
+
+
+def print_verdict(con: Any, title: str, verdict: str, alarm: bool, evidence: list[str], next_step: list[str]) -> None:
+    """The head every verdict command prints (analyze, doctor): a panel with the verdict, red when it
+    calls for action, then the evidence and the next steps, one line each."""
+    from rich.panel import Panel
+
+    con.print(Panel(verdict, title=title, border_style="red" if alarm else "green"))
+    con.print("[bold]Evidence[/bold]")
+    for line in evidence:
+        con.print(f"  - {line}", highlight=False)
+    con.print("[bold]Next step[/bold]")
+    for line in next_step:
+        con.print(f"  - {line}", highlight=False)
