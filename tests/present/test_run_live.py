@@ -173,3 +173,43 @@ def test_output_lines_keep_the_latest_state_of_a_progress_bar():
     assert lines.feed(b"caf\xc3") == [] and lines.feed(b"\xa9 \xff\n") == ["caf\u00e9 \ufffd"]
     assert lines.feed(b"no newline at the end") == [] and lines.close() == ["no newline at the end"]
     assert lines.close() == []
+
+
+def test_output_lines_equal_the_whole_output_split_at_once_for_any_chunking():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from hyperacc.supervisor import OutputLines
+
+    def reference(data: bytes) -> list[str]:
+        *done, rest = data.split(b"\n")
+        rest_line = [rest] if rest else []
+        texts = [line[:-1] if line.endswith(b"\r") else line for line in done]
+        out = [t.rsplit(b"\r", 1)[-1].decode(errors="replace") for t in texts]
+        tail = [t[:-1] if t.endswith(b"\r") else t for t in rest_line]
+        return out + [t for t in (x.rsplit(b"\r", 1)[-1].decode(errors="replace") for x in tail) if t]
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.sampled_from([b"a", b"bc", b"\r", b"\n", b"\r\n", b"\xc3", b"\xa9"]), max_size=40),
+           st.lists(st.integers(min_value=0, max_value=40), max_size=8))
+    def check(tokens: list[bytes], cuts: list[int]) -> None:
+        data = b"".join(tokens)
+        bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+        lines = OutputLines()
+        got = []
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            got += lines.feed(data[lo:hi])
+        got += lines.close()
+        assert got == reference(data)
+
+    check()
+
+
+def test_output_lines_keep_only_the_latest_redraw_in_memory():
+    from hyperacc.supervisor import OutputLines
+
+    lines = OutputLines()
+    for i in range(20_000):
+        assert lines.feed(b"\r" + f"{i:>6d} it".encode() * 10) == []
+    assert sum(map(len, lines._parts)) <= 100  # one redraw's worth, not the whole history
+    assert lines.feed(b"\n") == [" 19999 it" * 10]
