@@ -27,6 +27,16 @@ METRIC_KIND: dict[str, str] = {
     "launch_ns": "launch",
     "gc_ns": "gc",
 }
+# How messages name each judged metric (the diagnosis, the live detector).
+METRIC_WORD: dict[str, str] = {
+    "self_ns": "self-time",
+    "forward_ns": "forward time",
+    "backward_ns": "backward time",
+    "cpu_ns": "CPU time",
+    "data_ns": "data wait",
+    "launch_ns": "launch latency",
+    "gc_ns": "GC time",
+}
 CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "compute", "unknown")
 
 
