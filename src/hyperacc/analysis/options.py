@@ -40,6 +40,16 @@ METRIC_WORD: dict[str, str] = {
 CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "compute", "unknown")
 
 
+def outlier_rule_text(opts: DetectionOptions, floor_ns: float) -> str:
+    """The cross-rank outlier rule in words, with the thresholds in force (for captions and notes: what a
+    reader is told is the rule that ran). Formula and defaults: docs/detection.md, "Stragglers"."""
+    z, fence = f"modified z > {opts.z_threshold:g}", f"above the other ranks' Q3 + {opts.iqr_k:g} IQR"
+    material = f"{100 * opts.min_slowdown:g} % and {floor_ns / 1e3:g} us over the median"
+    if opts.outlier_rule == "and":
+        return f"{z}, {fence}, {material}"
+    return f"{z} or {fence}; either way {material}"
+
+
 @dataclasses.dataclass(frozen=True)
 class DetectionOptions:
     """Thresholds of the detection rules (docs/detection.md names each one).
