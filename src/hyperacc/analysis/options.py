@@ -63,7 +63,7 @@ class DetectionOptions:
     window_steps: int = 50  # straggler windows: steps [w*window_steps, (w+1)*window_steps)
     min_window_samples: int = 10  # a rank's window needs this many measured steps to be judged
     min_ranks: int = 4  # a window is judged only when this many ranks reported it
-    # -- outlier ranks (per window, per metric)
+    # -- outlier ranks (per window, per metric): docs/detection.md, "The cross-rank outlier rule"
     z_threshold: float = 3.5  # modified z-score (median/MAD)
     iqr_k: float = 1.5  # Tukey upper fence Q3 + k * IQR
     outlier_rule: str = "and"  # "and": MAD z and IQR fence must agree; "or": either one

@@ -119,8 +119,8 @@ class Imbalance:
 
 def imbalance(per_rank: Mapping[int, float], metric: str, opts: ResourceOptions) -> list[Imbalance]:
     """Ranks far above the others by the cross-rank outlier rule (``stragglers.cross_rank_outliers`` with
-    ``opts.detection``) and at least ``min_excess`` above the median rank; empty with fewer than
-    ``min_ranks`` ranks."""
+    ``opts.detection``; docs/detection.md, "The cross-rank outlier rule") and at least ``min_excess`` above
+    the median rank; empty with fewer than ``min_ranks`` ranks."""
     ranks = [r for r, v in per_rank.items() if math.isfinite(v)]
     if len(ranks) < opts.detection.min_ranks:
         return []
