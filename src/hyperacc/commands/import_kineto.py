@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from hyperacc.stats import median
 from hyperacc.store import RunDirError
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def _render_runtime(rows: list[dict[str, Any]], opts: DetectionOptions) -> None:
     t.add_column("outliers", min_width=8)
     for api in order[:16]:
         rs = by_api[api]
-        med = statistics.median(r["median_ns"] for r in rs)
+        med = median(r["median_ns"] for r in rs)
         slow = max(rs, key=lambda r: r["median_ns"])
         out = [r for r in rs if r["outlier"]]
         excess = slow["excess"]
