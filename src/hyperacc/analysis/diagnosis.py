@@ -13,7 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from hyperacc.analysis.options import METRIC_WORD, DetectionOptions
 from hyperacc.analysis.projection import headline, percent
+from hyperacc.stats import median
 
 SCHEMA_VERSION = 1
 
@@ -119,7 +121,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     rate = float(cluster.get("rate", 0.0))
     top_cause = d.causes[0]["cause"] if d.causes else None
     opts = d.options or {}
-    min_ranks = opts.get("min_ranks", 4)
+    min_ranks = opts.get("min_ranks", DetectionOptions().min_ranks)
 
     nodes_bad = sorted({s["node"] for s in d.stragglers if s["kind"] == "node"})
     ranks_bad = [s for s in d.stragglers if s["kind"] != "node"]
@@ -133,7 +135,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             versus = (
                 f"{_ratio(members[0]['node_ratio'])} the other nodes'"
                 if members[0].get("node_ratio") is not None
-                else f"{_ratio(_median([m['self_slowdown'] or m['slowdown'] for m in members]))} the cluster median"
+                else f"{_ratio(median([m['self_slowdown'] or m['slowdown'] for m in members]))} the cluster median"
             )
             parts.append(
                 f"node {node} is slow ({len(members)} of its {size} ranks, {word} {versus} "
@@ -146,8 +148,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         sentences.append(_sentence("; ".join(parts)))
         waited = [s for s in d.stragglers if s["active"] and _culprit_share(s) is not None]
         if waited and len(waited) == len([s for s in d.stragglers if s["active"]]):
-            share = _median([_culprit_share(s) for s in waited])
-            chance = _median([s.get("culprit_expected") for s in waited])
+            share = median([_culprit_share(s) for s in waited])
+            chance = median([s.get("culprit_expected") for s in waited])
             who = "it" if len(waited) == 1 else "one of them"
             sentences.append(
                 f"The other ranks waited for {who} in {percent(share)} of the flagged steps "
@@ -428,24 +430,11 @@ def _sentence(text: str) -> str:
 
 
 def _metric(metric: str) -> str:
-    return {
-        "self_ns": "self-time",
-        "forward_ns": "forward time",
-        "backward_ns": "backward time",
-        "cpu_ns": "CPU time",
-        "data_ns": "data wait",
-        "launch_ns": "launch latency",
-        "gc_ns": "GC time",
-    }.get(metric, metric)
+    return METRIC_WORD.get(metric, metric)
 
 
 def _ratio(x: float | None) -> str:
-    return "far above" if x is None else f"{x:.2f}x"
-
-
-def _median(values: list[float | None]) -> float | None:
-    vals = sorted(v for v in values if v is not None)
-    return vals[len(vals) // 2] if vals else None
+    return "far above" if x is None or math.isnan(x) else f"{x:.2f}x"
 
 
 def _ms(ns: float) -> str:

@@ -18,21 +18,12 @@ import pyarrow as pa
 
 from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase
 from hyperacc.analysis.excess import RankExcess, excess_from_windows
-from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.options import METRIC_WORD, DetectionOptions
 from hyperacc.analysis.stragglers import Straggler, detect_stragglers
 from hyperacc.analysis.windows import EXTRA_WINDOW_COLUMNS, RANK_CAUSES
 from hyperacc.schema import WINDOW_SCHEMA
 
 _REQUIRED = ("rank", "node", "window", "first_step", "last_step", "steps")
-_METRIC_WORD = {
-    "self_ns": "self-time",
-    "forward_ns": "forward time",
-    "backward_ns": "backward time",
-    "cpu_ns": "CPU time",
-    "data_ns": "data wait",
-    "launch_ns": "launch latency",
-    "gc_ns": "GC time",
-}
 
 
 class LiveDetector:
@@ -105,7 +96,7 @@ def _straggler_line(s: Straggler, before: str | None) -> str:
     what = f"{s.kind} straggler" if s.kind != "node" else f"straggler on slow node {s.node}"
     ratio = f"{s.slowdown:.2f}x" if s.slowdown is not None else "far above"
     line = (
-        f"rank {s.rank} (node {s.node}) is a {what}: {_METRIC_WORD.get(s.metric, s.metric)} {ratio} "
+        f"rank {s.rank} (node {s.node}) is a {what}: {METRIC_WORD.get(s.metric, s.metric)} {ratio} "
         f"the cluster median in {s.windows_flagged} of {s.windows_seen} recent windows, since step {s.since_step}"
     )
     if before is not None:

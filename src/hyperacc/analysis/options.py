@@ -27,7 +27,27 @@ METRIC_KIND: dict[str, str] = {
     "launch_ns": "launch",
     "gc_ns": "gc",
 }
+# How messages name each judged metric (the diagnosis, the live detector).
+METRIC_WORD: dict[str, str] = {
+    "self_ns": "self-time",
+    "forward_ns": "forward time",
+    "backward_ns": "backward time",
+    "cpu_ns": "CPU time",
+    "data_ns": "data wait",
+    "launch_ns": "launch latency",
+    "gc_ns": "GC time",
+}
 CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "compute", "unknown")
+
+
+def outlier_rule_text(opts: DetectionOptions, floor_ns: float) -> str:
+    """The cross-rank outlier rule in words, with the thresholds in force (for captions and notes: what a
+    reader is told is the rule that ran). Formula and defaults: docs/detection.md, "Stragglers"."""
+    z, fence = f"modified z > {opts.z_threshold:g}", f"above the other ranks' Q3 + {opts.iqr_k:g} IQR"
+    material = f"{100 * opts.min_slowdown:g} % and {floor_ns / 1e3:g} us over the median"
+    if opts.outlier_rule == "and":
+        return f"{z}, {fence}, {material}"
+    return f"{z} or {fence}; either way {material}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +63,7 @@ class DetectionOptions:
     window_steps: int = 50  # straggler windows: steps [w*window_steps, (w+1)*window_steps)
     min_window_samples: int = 10  # a rank's window needs this many measured steps to be judged
     min_ranks: int = 4  # a window is judged only when this many ranks reported it
-    # -- outlier ranks (per window, per metric)
+    # -- outlier ranks (per window, per metric): docs/detection.md, "The cross-rank outlier rule"
     z_threshold: float = 3.5  # modified z-score (median/MAD)
     iqr_k: float = 1.5  # Tukey upper fence Q3 + k * IQR
     outlier_rule: str = "and"  # "and": MAD z and IQR fence must agree; "or": either one

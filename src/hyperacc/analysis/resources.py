@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from hyperacc.analysis.robust import loo_upper_fence, modified_z
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.stragglers import cross_rank_outliers
+from hyperacc.stats import nan_median
 
 MIB = float(1 << 20)
 MEMORY = ("rss_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes")
@@ -24,25 +26,26 @@ _WORD = {"rss_bytes": "RSS", "cuda_allocated_bytes": "CUDA allocated", "cuda_res
 
 @dataclasses.dataclass(frozen=True)
 class ResourceOptions:
-    """Thresholds of the resource rules (docs/detection.md, "Resources")."""
+    """Thresholds of the resource rules (docs/detection.md, "Resources"). The imbalance test is the
+    cross-rank outlier rule of ``detection`` (its thresholds, its ``outlier_rule`` and ``min_ranks``)."""
 
     min_samples: int = 10  # samples a rank needs before its growth is judged
     min_span_s: float = 20.0  # ... and the seconds they must span
     creep_min_bytes: float = 256 * MIB  # growth over the run below this is never creep ...
     creep_min_rel: float = 0.10  # ... nor below this share of the rank's starting level
-    z_threshold: float = 3.5  # imbalance: modified z-score over the ranks ...
-    iqr_k: float = 1.5  # ... and above the other ranks' Q3 + k IQR ...
-    min_excess: float = 0.10  # ... and this much above the median rank
-    min_ranks: int = 4  # imbalance needs at least this many ranks
+    min_excess: float = 0.10  # imbalance: an outlier by the rule, and this much above the median rank
     max_pairs_points: int = 200  # Theil-Sen slope over at most this many evenly spaced samples
+    detection: DetectionOptions = dataclasses.field(default_factory=DetectionOptions)
 
     def __post_init__(self) -> None:
-        if self.min_samples < 3 or self.min_ranks < 3 or self.max_pairs_points < 3:
-            raise ValueError("min_samples, min_ranks and max_pairs_points must be at least 3")
-        for name in ("min_span_s", "creep_min_bytes", "creep_min_rel", "z_threshold", "iqr_k", "min_excess"):
+        if self.min_samples < 3 or self.max_pairs_points < 3:
+            raise ValueError("min_samples and max_pairs_points must be at least 3")
+        for name in ("min_span_s", "creep_min_bytes", "creep_min_rel", "min_excess"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.detection, DetectionOptions):
+            raise ValueError(f"detection must be a DetectionOptions, got {type(self.detection).__name__}")
 
 
 def theil_sen(t: np.ndarray, y: np.ndarray, max_points: int = 200) -> float:
@@ -115,20 +118,20 @@ class Imbalance:
 
 
 def imbalance(per_rank: Mapping[int, float], metric: str, opts: ResourceOptions) -> list[Imbalance]:
-    """Ranks far above the others by the straggler rule's outlier test (MAD z AND leave-one-out IQR fence,
-    and a material excess over the median); empty with fewer than ``min_ranks`` ranks."""
+    """Ranks far above the others by the cross-rank outlier rule (``stragglers.cross_rank_outliers`` with
+    ``opts.detection``; docs/detection.md, "The cross-rank outlier rule") and at least ``min_excess`` above
+    the median rank; empty with fewer than ``min_ranks`` ranks."""
     ranks = [r for r, v in per_rank.items() if math.isfinite(v)]
-    if len(ranks) < opts.min_ranks:
+    if len(ranks) < opts.detection.min_ranks:
         return []
     v = np.array([per_rank[r] for r in ranks], dtype=np.float64)
-    z, med, _ = modified_z(v, axis=None, min_mad_rel=0.01)
-    fence = loo_upper_fence(v[:, None], opts.iqr_k)[:, 0]
-    med = float(med)
+    flagged, z, ratio, _ = cross_rank_outliers(v, opts.detection, 0.0)
+    med = float(nan_median(v))
     out = []
     for i, r in enumerate(ranks):
-        excess = v[i] / med - 1.0 if med > 0 else math.inf
-        if z[i] > opts.z_threshold and v[i] > fence[i] and excess >= opts.min_excess:
-            out.append(Imbalance(metric, med, r, float(v[i]), float(z[i]), float(excess)))
+        excess = float(ratio[i]) - 1.0 if med > 0 else math.inf
+        if flagged[i] and excess >= opts.min_excess:
+            out.append(Imbalance(metric, med, r, float(v[i]), float(z[i]), excess))
     return sorted(out, key=lambda x: -x.excess)
 
 
@@ -190,7 +193,7 @@ def resource_findings(cols: Mapping[str, np.ndarray], opts: ResourceOptions | No
     out["judged"] = {
         "creep": f"{judged_creep} rank series judged" if judged_creep else
         f"not enough samples (each rank needs {opts.min_samples} over {opts.min_span_s:g} s)",
-        "imbalance": "judged" if out["ranks"] >= opts.min_ranks else
-        f"not enough ranks ({out['ranks']}, the rule needs {opts.min_ranks})",
+        "imbalance": "judged" if out["ranks"] >= opts.detection.min_ranks else
+        f"not enough ranks ({out['ranks']}, the rule needs {opts.detection.min_ranks})",
     }  # fmt: skip
     return out

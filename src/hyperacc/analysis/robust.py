@@ -13,32 +13,11 @@ from collections.abc import Iterator
 import numpy as np
 from scipy.ndimage import median_filter
 
+from hyperacc.stats import nan_median  # the one median (hyperacc.stats); re-exported here
+
 # MAD of a normal distribution is 0.6745 sigma (Iglewicz & Hoaglin's modified z-score).
 MAD_Z = 0.6745
 MAD_TO_SIGMA = 1.4826
-
-
-def nan_median(values: np.ndarray, axis: int | None = None) -> np.ndarray:
-    """Median ignoring NaN; all-NaN slices give NaN without a warning.
-
-    Sort-based (NaN sorts last), so it stays vectorised where ``np.nanmedian`` falls back to masked
-    arrays or a Python loop over slices.
-    """
-    values = np.asarray(values, dtype=np.float64)
-    if axis is None:
-        values = values.ravel()
-        axis = 0
-    if values.shape[axis] == 0:
-        return np.full(np.delete(values.shape, axis), np.nan) if values.ndim > 1 else np.float64(np.nan)
-    if not np.isnan(values).any():
-        return np.median(values, axis=axis)
-    ordered = np.sort(values, axis=axis)
-    n = np.count_nonzero(~np.isnan(values), axis=axis, keepdims=True)
-    lo = np.take_along_axis(ordered, np.maximum((n - 1) // 2, 0), axis=axis)
-    hi = np.take_along_axis(ordered, np.maximum(n // 2, 0), axis=axis)
-    med = np.where(n > 0, 0.5 * (lo + hi), np.nan)
-    med = np.squeeze(med, axis=axis)
-    return med if med.ndim else np.float64(med)
 
 
 def median_mad(values: np.ndarray, axis: int | None = 0) -> tuple[np.ndarray, np.ndarray]:

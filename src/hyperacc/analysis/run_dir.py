@@ -30,7 +30,7 @@ from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess
 from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.projection import project
-from hyperacc.analysis.resources import resource_findings
+from hyperacc.analysis.resources import ResourceOptions, resource_findings
 from hyperacc.analysis.spikes import communication_spikes, judge_spikes, wilson_interval
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
 from hyperacc.analysis.windows import RANK_CAUSES, concat_windows, summarize_windows
@@ -327,7 +327,7 @@ def diagnose(
         windows_judged=windows_judged,
         steps_per_rank=max((int(f.steps_seen) for f in findings), default=0),
         coordination=_coordination_view(cluster, findings, layout, causes, one_clock, batch_size),
-        resources=_resources_view(layout),
+        resources=_resources_view(layout, opts),
     )
     explain(d)
     return d
@@ -386,12 +386,12 @@ def _spread_trend(cluster: _Cluster, bins: int = 20) -> list[dict[str, float]]:
             for p in parts if p.size]  # fmt: skip
 
 
-def _resources_view(layout: RunLayout) -> dict[str, Any]:
+def _resources_view(layout: RunLayout, opts: DetectionOptions) -> dict[str, Any]:
     """Memory creep and imbalance from ``RUN_DIR/resources`` (``analysis.resources``)."""
     table = store.read_resources(layout.run_dirs or [layout.run_dir])
     cols = {name: table.column(name).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
             for name in table.column_names if name != "node"}  # ns of wall clock keep ~0.3 us as float64
-    return resource_findings(cols)
+    return resource_findings(cols, ResourceOptions(detection=opts))
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)

@@ -5,9 +5,10 @@ tracer's live aggregation). The rules and their defaults are in docs/detection.m
 short:
 
 * per window and metric, a rank is an outlier when it is SLOW by both the modified z-score
-  (median/MAD, > 3.5) and Tukey's upper fence of the other ranks (Q3 + 1.5 IQR), and by at least 5 % and
-  a floor in absolute terms. Fast ranks are never outliers; a rank without data in a window is not
-  judged there, and a window with fewer than ``min_ranks`` reporting ranks is not judged at all;
+  (median/MAD, > ``z_threshold``) and Tukey's upper fence of the other ranks (Q3 + ``iqr_k`` IQR), and by
+  ``min_slowdown`` and a floor in absolute terms (``outlier_flags``, the one cross-rank outlier test).
+  Fast ranks are never outliers; a rank without data in a window is not judged there, and a window
+  with fewer than ``min_ranks`` reporting ranks is not judged at all;
 * a part of the rank's own time (forward, backward, data, GC) counts only in windows where the own time
   itself is materially slower and the part explains at least half of that: a part that grows while the
   self-time stays normal is contention, not a straggler;

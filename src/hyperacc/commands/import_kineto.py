@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
+from hyperacc.stats import median
 from hyperacc.store import RunDirError
+
+if TYPE_CHECKING:
+    from hyperacc.analysis.options import DetectionOptions
 
 
 @click.command()
@@ -40,6 +43,7 @@ def command(
     """
     from rich.console import Console
 
+    from hyperacc.analysis.options import DetectionOptions
     from hyperacc.present.diagnosis import diagnosis_of
     from hyperacc.present.kineto import KinetoTraceError, import_traces, runtime_api_outliers
 
@@ -60,7 +64,8 @@ def command(
         diagnosis = diagnosis_of(run_dir, warmup_steps=warmup_steps, window_steps=window_steps)
     except (RunDirError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
-    runtime = runtime_api_outliers(result.runtime)
+    opts = DetectionOptions.from_mapping((diagnosis or {}).get("options") or {})  # the rules the analysis used
+    runtime = runtime_api_outliers(result.runtime, opts=opts)
     rows = runtime.to_pylist()
 
     if as_json:
@@ -88,16 +93,17 @@ def command(
         from hyperacc.commands.analyze import _render
 
         _render(diagnosis)
-    _render_runtime(rows)
+    _render_runtime(rows, opts)
     sys.stdout.flush()
 
 
-def _render_runtime(rows: list[dict[str, Any]]) -> None:
+def _render_runtime(rows: list[dict[str, Any]], opts: DetectionOptions) -> None:
     from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    from hyperacc.present.kineto import KEY_RUNTIME_APIS, MIN_RANKS
+    from hyperacc.analysis.options import outlier_rule_text
+    from hyperacc.present.kineto import KEY_RUNTIME_APIS
 
     con = Console()
     if not rows:
@@ -116,7 +122,7 @@ def _render_runtime(rows: list[dict[str, Any]]) -> None:
     t.add_column("outliers", min_width=8)
     for api in order[:16]:
         rs = by_api[api]
-        med = statistics.median(r["median_ns"] for r in rs)
+        med = median(r["median_ns"] for r in rs)
         slow = max(rs, key=lambda r: r["median_ns"])
         out = [r for r in rs if r["outlier"]]
         excess = slow["excess"]
@@ -125,12 +131,12 @@ def _render_runtime(rows: list[dict[str, Any]]) -> None:
             f"{slow['rank']}" + ("" if excess is None or not math.isfinite(excess) else f" ({100 * excess:+.0f} %)"),
             (", ".join(f"rank {r['rank']}" for r in out) or "-") if any(r.get("judged") for r in rs) else "not tested",
         )  # fmt: skip
-    if ranks < MIN_RANKS:
-        t.caption = (f"not tested: the cross-rank outlier test needs at least {MIN_RANKS} ranks "
+    if ranks < opts.min_ranks:
+        t.caption = (f"not tested: the cross-rank outlier test needs at least {opts.min_ranks} ranks "
                      f"(the other ranks' fence needs three of them); these traces have {ranks}")  # fmt: skip
     else:
-        t.caption = ("outlier: the straggler rule on one window (modified z > 3.5, above the other ranks' "
-                     "Q3 + 1.5 IQR, 5 % and 0.2 us over the median; docs/detection.md)")  # fmt: skip
+        t.caption = (f"outlier: the straggler rule on one window ({outlier_rule_text(opts, opts.launch_floor_ns)}; "
+                     "docs/detection.md)")  # fmt: skip
     con.print(t)
     flagged = [r for r in rows if r["outlier"]]
     for r in flagged[:10]:

@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from hyperacc.stats import median_inplace
+
 _SQRT_HALF_PI = math.sqrt(math.pi / 2)  # standard deviation / mean absolute deviation of a normal
 
 
@@ -206,7 +208,7 @@ class PacingController:
             sample = step_buf[step_buf >= 0]
         if sample.size:
             self._step, self._step_dev = _robust_scalar(
-                self._step, self._step_dev, _median_inplace(sample), self._observed, cfg, self._step
+                self._step, self._step_dev, median_inplace(sample), self._observed, cfg, self._step
             )
 
         # Spread of this step over measured ranks, smoothed robustly.
@@ -290,7 +292,7 @@ class PacingController:
             return
         scratch = self._scratch[: devs.shape[0]]
         np.copyto(scratch, devs)
-        sigma = _median_inplace(scratch) * _SQRT_HALF_PI  # one arrival's noise, from the deviations
+        sigma = median_inplace(scratch) * _SQRT_HALF_PI  # one arrival's noise, from the deviations
         weight = max(1.0 / float(counts.min()), cfg.alpha)  # a running mean, then the EWMA's weight
         noise = factor * sigma * math.sqrt(weight / (2.0 - weight))  # E[range] of N estimates of one value
         self._noise = noise
@@ -371,16 +373,6 @@ class PacingController:
             predictable_ns=self._predictable,
             noise_ns=self._noise,
         )
-
-
-def _median_inplace(values: np.ndarray) -> float:
-    """Median by partial sort in place (the buffer is scratch): no copy per step."""
-    n = values.shape[0]
-    k = n // 2
-    values.partition(k)
-    if n % 2:
-        return float(values[k])
-    return 0.5 * (float(values[k]) + float(values[:k].max()))
 
 
 def _robust_scalar(

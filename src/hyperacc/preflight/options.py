@@ -15,6 +15,7 @@ from hyperacc.analysis.options import DetectionOptions
 
 ENV = "HYPERACC_DOCTOR"  # the options as JSON, for the ranks
 ENV_OUT = "HYPERACC_DOCTOR_OUT"  # where each node's local rank 0 writes the gathered measurements
+_RULE = DetectionOptions()  # the cross-rank outlier rule's defaults, defined once (docs/detection.md)
 
 
 class DoctorConfigError(ValueError):
@@ -34,9 +35,9 @@ class DoctorOptions:
     # -- judging (docs/doctor.md, "Rules")
     min_slowdown: float = 0.25  # a figure must be this much worse than the median to count
     persist_k: int = 3  # ... in at least k of the rounds
-    min_ranks: int = 4  # fewer ranks (or nodes, or node pairs) than this: no robust comparison
-    z_threshold: float = 3.5
-    iqr_k: float = 1.5
+    min_ranks: int = _RULE.min_ranks  # fewer ranks (or nodes, or node pairs) than this: no robust comparison
+    z_threshold: float = _RULE.z_threshold
+    iqr_k: float = _RULE.iqr_k
 
     def __post_init__(self) -> None:
         if not self.seconds > 0:

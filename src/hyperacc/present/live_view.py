@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.stats import nan_median
 
 _COLUMNS = (
     "step", "t_start_ns", "step_ns", "self_ns", "comm_wait_ns", "dev_comm_wait_ns", "cpu_ns", "data_ns",
@@ -220,9 +221,9 @@ class RunFollower:
                     rank=rank,
                     node=self._node.get(rank, 0),
                     step=int(cols["step"][-1]),
-                    self_ms=_median(cols["self_ns"][inside]) / 1e6,
-                    wait_ms=_median(w) / 1e6,
-                    cpu_ms=_median(cols["cpu_ns"][inside]) / 1e6,
+                    self_ms=float(nan_median(cols["self_ns"][inside])) / 1e6,
+                    wait_ms=float(nan_median(w)) / 1e6,
+                    cpu_ms=float(nan_median(cols["cpu_ns"][inside])) / 1e6,
                     rss_mb=self._rss.get(rank),
                     spikes=int(sp[inside].sum()),
                     culprit_share=0.0,
@@ -249,7 +250,7 @@ class RunFollower:
             cv=float(x.std() / x.mean()) if x.size > 1 and x.mean() > 0 else math.nan,
             spike_rate=float(spiked[measured].mean()) if measured.any() else math.nan,
             wait_share=wait_total / total if total > 0 else math.nan,
-            spread_ms=_median(spread) / 1e6,
+            spread_ms=float(nan_median(spread)) / 1e6,
             culprit=int(wait_rank[-1]) if wait_rank.size and wait_rank[-1] >= 0 else None,
             findings=list(self._findings.values())[-6:],
             per_rank=views,
@@ -349,12 +350,6 @@ def _coordination_rows(s: Snapshot) -> list[str]:
 def _finding_key(text: str) -> str:
     words = text.split()
     return " ".join(words[:2]) if len(words) >= 2 else text
-
-
-def _median(values: np.ndarray) -> float:
-    v = np.asarray(values, dtype=np.float64)
-    v = v[~np.isnan(v)]
-    return float(np.median(v)) if v.size else math.nan
 
 
 def _read(path: Path, columns: Sequence[str]) -> pa.Table | None:

@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 
 from hyperacc import store, theory
 from hyperacc.analysis.columns import discover, read_rank, step_bounds
+from hyperacc.analysis.options import DetectionOptions, outlier_rule_text
 from hyperacc.analysis.robust import MAD_TO_SIGMA
 
 STEP_BINS = 600  # most heatmap / timeline columns
@@ -154,7 +155,7 @@ def build_report(
     spikes = sorted((diag or {}).get("spikes", {}).get("events", []) or [], key=lambda e: -(e.get("excess_ns") or 0))
     spikes = spikes[:TOP_SPIKES]
     events = _events(run_dir)
-    runtime = _runtime(layout.run_dir)
+    runtime = _runtime(layout.run_dir, _options(diag))
     metric_word = "self-time" if metric == "self_ns" else "step time"
 
     figs: list[tuple[str, str, dict, str]] = []  # (section id, title, figure, note)
@@ -270,11 +271,16 @@ def _events(run_dir) -> pa.Table | None:
     return table.filter(keep)
 
 
-def _runtime(run_dir) -> pa.Table | None:
+def _options(diag: Mapping[str, Any] | None) -> DetectionOptions:
+    """The detection options the diagnosis ran with (the defaults without one)."""
+    return DetectionOptions.from_mapping((diag or {}).get("options") or {})
+
+
+def _runtime(run_dir, opts: DetectionOptions) -> pa.Table | None:
     from hyperacc.present.kineto import read_runtime_api, runtime_api_outliers
 
     table = read_runtime_api(run_dir)
-    return runtime_api_outliers(table) if table is not None and table.num_rows else None
+    return runtime_api_outliers(table, opts=opts) if table is not None and table.num_rows else None
 
 
 # ------------------------------------------------------------------------------------ figures
@@ -640,7 +646,7 @@ def _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runt
     if events is not None and events.num_rows:
         parts.append(_event_table(events))
     if runtime is not None:
-        parts.append(_runtime_table(runtime))
+        parts.append(_runtime_table(runtime, _options(diag)))
     parts.append(_remediation_section(run_dir))
     parts.append("<pre id='js-errors'></pre></main>")
 
@@ -732,7 +738,7 @@ def _remediation_section(run_dir) -> str:
             + _table(["time (UTC)", "event", "status", "what"], body) + "</section>")  # fmt: skip
 
 
-def _runtime_table(runtime: pa.Table) -> str:
+def _runtime_table(runtime: pa.Table, opts: DetectionOptions) -> str:
     from hyperacc.present.kineto import KEY_RUNTIME_APIS
 
     rows_all = runtime.to_pylist()
@@ -750,9 +756,9 @@ def _runtime_table(runtime: pa.Table) -> str:
             f"rank {r['rank']}: {r['api']} median {r['median_ns'] / 1e3:.2f} us, {100 * r['excess']:+.0f} % vs the other ranks"
             for r in flagged[:10])) + "</p>")  # fmt: skip
     tested = any(r.get("judged", True) for r in rows_all)
-    out.append("<p class='note'>" + ("cross-rank test on each API's median: the straggler rule of docs/detection.md on "
-               "one window (modified z &gt; 3.5, above the other ranks' Q3 + 1.5 IQR, 5 % and 0.2 us over the median)"
-               if tested else "not tested: the cross-rank test needs at least 4 ranks") + "</p>")  # fmt: skip
+    out.append("<p class='note'>" + html.escape("cross-rank test on each API's median: the straggler rule of docs/detection.md on "
+               f"one window ({outlier_rule_text(opts, opts.launch_floor_ns)})"
+               if tested else f"not tested: the cross-rank test needs at least {opts.min_ranks} ranks") + "</p>")  # fmt: skip
     out.append(_table(["API", "rank", "calls", "median us", "p99 us", "z", "vs median", ""], rows,
                       {i for i, r in enumerate(shown) if r["outlier"]}))  # fmt: skip
     out.append("</section>")
