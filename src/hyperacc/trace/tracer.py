@@ -238,7 +238,7 @@ class Tracer:
         self._flusher.start()
         if options.window > 0 and self.world_size > 0:
             try:
-                from hyperacc.trace.aggregate import WindowAggregator
+                from hyperacc.analysis.live_aggregate import WindowAggregator
 
                 self.aggregator = WindowAggregator(
                     self.rank,
