@@ -1,5 +1,5 @@
 """The report's figures (plotly figure dicts) and its HTML table, shared by the report's two pages
-(report: the run; report_coordination: the second view)."""
+(``report``: the run; ``report_coordination``: the second view)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ from hyperacc import store
 
 _HIST_EDGES = np.geomspace(1e3, 1e12, 4001)  # 1 us .. 1000 s, 0.5 % wide bins (node quantiles)
 
-
 _QUIET_EVENT_KINDS = frozenset({"collective", "memory_peak"})  # profiler detail, shown in the export
 
 
