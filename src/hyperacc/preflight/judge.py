@@ -1,7 +1,7 @@
 """The pre-flight verdict: pure functions from the gathered measurements to findings and a document.
 
 Each figure is a (rank x round) matrix of costs. A rank is slow on a figure when it is a slow outlier
-in at least ``persist_k`` rounds by the rule of ``hyperacc analyze`` (``hyperacc.analysis.stragglers.
+in at least ``persist_k`` rounds by the rule of ``hyperacc analyze`` (``hyperacc.analysis.outliers.
 outlier_flags``: modified z-score AND the leave-one-out Tukey fence AND a material excess), one round
 playing the part of one window. The rest is specific to a pre-flight check (docs/doctor.md, "Rules"):
 
@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.outliers import confirmation, outlier_flags
 from hyperacc.analysis.robust import nan_median
-from hyperacc.analysis.stragglers import confirmation, outlier_flags
 from hyperacc.preflight.figures import CPU_FIGURES, RANK_FIGURES, Figure
 from hyperacc.preflight.findings import Finding, Flag, _plain
 from hyperacc.preflight.judge_words import _words

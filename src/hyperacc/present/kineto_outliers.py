@@ -15,11 +15,11 @@ def runtime_api_outliers(
     runtime: pa.Table, metric: str = "median_ns", opts: DetectionOptions | None = None
 ) -> pa.Table:
     """The runtime API table with, per API, the analysis' cross-rank outlier test on ``metric``
-    (``stragglers.cross_rank_outliers``: modified z and the other ranks' Tukey fence, at least
+    (``outliers.cross_rank_outliers``: modified z and the other ranks' Tukey fence, at least
     ``min_slowdown`` and ``launch_floor_ns`` above the median, with the same ``DetectionOptions``).
     Adds ``z``, ``excess`` (ratio to the cross-rank median, minus 1), ``outlier`` and ``judged`` (False
     where fewer than ``min_ranks`` ranks called the API: not tested)."""
-    from hyperacc.analysis.stragglers import cross_rank_outliers
+    from hyperacc.analysis.outliers import cross_rank_outliers
 
     opts = opts or DetectionOptions()
     if runtime.num_rows == 0:
