@@ -9,6 +9,11 @@ The finished row is committed to a ring (``ring.StepRing``) by advancing a count
 flusher thread copies committed rows out, converts them to STEP_SCHEMA and writes one segment through
 ``hyperacc.store`` every few seconds. The training thread never waits for the flusher. docs/tracing.md
 describes what is recorded and how.
+
+Why this module is over 500 lines: it is the per-step path's one file (the row that every step fills,
+``begin_step``/``end_step``), kept beside the thread that drains it and the shutdown that must see
+both, so that one step can be read in one sitting; the parts it drives live in their own modules (map:
+``hyperacc/trace/__init__.py``).
 """
 
 from __future__ import annotations
