@@ -63,6 +63,9 @@ def install() -> list[Any]:
     pace = os.environ.get("HYPERACC_PACE", "").strip()
     pacing = bool(pace) and pace != "0"
     if os.environ.get(ENV_RUN_DIR, "").strip():
+        from hyperacc.analysis import live_aggregate
+
+        live_aggregate.install()  # rank 0 gathers every rank's window summaries (trace/ does not import it)
         try:
             # pacing reads every rank's arrival from the in-band exchange: it asks for it
             closers.append(install_auto(**({"inband": True} if pacing else {})))

@@ -14,7 +14,7 @@ import pytest
 from present_inputs import NCCL_TRACE, SINGLE_TRACE, write_rank_trace
 
 from hyperacc import store
-from hyperacc.present import kineto
+from hyperacc.present import kineto, kineto_reader
 from hyperacc.present.kineto import KinetoTraceError, import_traces, runtime_api_outliers, scan_trace
 
 
@@ -86,7 +86,7 @@ def test_chunk_boundaries_do_not_change_the_result(monkeypatch, tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(doc, indent=3))
     whole = scan_trace(path)
-    monkeypatch.setattr(kineto, "_CHUNK_CHARS", 3)
+    monkeypatch.setattr(kineto_reader, "_CHUNK_CHARS", 3)
     split = scan_trace(path)
     assert whole.steps.equals(split.steps) and whole.events.equals(split.events)
     s = whole.steps.to_pylist()
@@ -99,7 +99,7 @@ def test_chunk_boundaries_do_not_change_the_result(monkeypatch, tmp_path):
 
 def test_scanning_keeps_memory_bounded(monkeypatch, tmp_path):
     # Memory is bounded by the chunk, not the document: events are inspected and dropped chunk by chunk.
-    monkeypatch.setattr(kineto, "_CHUNK_CHARS", 1 << 16)
+    monkeypatch.setattr(kineto_reader, "_CHUNK_CHARS", 1 << 16)
     plain = tmp_path / "single.json"
     with gzip.open(SINGLE_TRACE, "rb") as src:
         plain.write_bytes(src.read())
@@ -174,7 +174,7 @@ def test_strings_full_of_event_separators_do_not_slow_the_reader(monkeypatch, tm
     path = tmp_path / "separators.json"
     path.write_text(json.dumps({"traceEvents": events}))
     calls = {"decode": 0}
-    real = kineto._decoder
+    real = kineto_reader._decoder
 
     class Counting:
         def decode(self, text):
@@ -184,10 +184,10 @@ def test_strings_full_of_event_separators_do_not_slow_the_reader(monkeypatch, tm
         def raw_decode(self, text, pos):
             return real.raw_decode(text, pos)
 
-    monkeypatch.setattr(kineto, "_decoder", Counting())
+    monkeypatch.setattr(kineto_reader, "_decoder", Counting())
     tr = scan_trace(path)
     assert tr.steps.num_rows == 3 and tr.events_seen == 20_003
-    chunks = path.stat().st_size // kineto._CHUNK_CHARS + 1
+    chunks = path.stat().st_size // kineto_reader._CHUNK_CHARS + 1
     assert calls["decode"] <= 4 * (chunks + 1)  # at most three failed guesses and one batch per chunk
 
 

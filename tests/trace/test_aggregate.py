@@ -13,10 +13,10 @@ import pyarrow as pa
 import pytest
 import torch.distributed as dist
 
+from hyperacc.analysis.live_aggregate import WindowAggregator, step_columns
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.windows import summarize_windows, window_rows
 from hyperacc.schema import STEP_SCHEMA, WINDOW_SCHEMA
-from hyperacc.trace.aggregate import WindowAggregator, step_columns
 
 
 def steps_table(rank: int, steps: range, self_ms: float) -> pa.Table:

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.outliers import cross_rank_outliers
 from hyperacc.analysis.robust import binom_sf
-from hyperacc.analysis.stragglers import cross_rank_outliers
 
 # Spikes of a rank's own work that no phase or signal names specifically. Without CPU time the line
 # between them is noise (a preempted step and a longer computation look alike), so they are counted

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.stragglers import cross_rank_outliers
+from hyperacc.analysis.outliers import cross_rank_outliers
 from hyperacc.stats import nan_median
 
 MIB = float(1 << 20)
@@ -118,7 +118,7 @@ class Imbalance:
 
 
 def imbalance(per_rank: Mapping[int, float], metric: str, opts: ResourceOptions) -> list[Imbalance]:
-    """Ranks far above the others by the cross-rank outlier rule (``stragglers.cross_rank_outliers`` with
+    """Ranks far above the others by the cross-rank outlier rule (``outliers.cross_rank_outliers`` with
     ``opts.detection``; docs/detection.md, "The cross-rank outlier rule") and at least ``min_excess`` above
     the median rank; empty with fewer than ``min_ranks`` ranks."""
     ranks = [r for r, v in per_rank.items() if math.isfinite(v)]

@@ -21,183 +21,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
-from hyperacc.analysis.coordination import RUNTIME_CAUSES, coordination, distribution, failure_modes, to_dict
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess
-from hyperacc.analysis.options import CAUSES, DetectionOptions
+from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.projection import project
-from hyperacc.analysis.resources import ResourceOptions, resource_findings
-from hyperacc.analysis.spikes import communication_spikes, judge_spikes, wilson_interval
+from hyperacc.analysis.run_reduce import _EMPTY, _EMPTY_F, _EVENT, RankFindings, _Cluster, reduce_rank
+from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
+from hyperacc.analysis.spikes import communication_spikes
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
-from hyperacc.analysis.windows import RANK_CAUSES, concat_windows, summarize_windows
-
-_EVENT = tuple[float, int, int, int, "str | None", str]  # (excess_ns, rank, node, step, phase, cause)
-
-
-@dataclasses.dataclass
-class RankFindings:
-    """What one rank contributes to the diagnosis (small: no per-step arrays beyond a few int columns)."""
-
-    rank: int
-    node: int
-    steps: np.ndarray  # every recorded step (warm-up included)
-    judged: np.ndarray  # steps judged for spikes
-    spikes: np.ndarray  # steps that spiked
-    comm_steps: np.ndarray  # steps with a measured wait in the collective ...
-    comm_wait: np.ndarray  # ... and that wait
-    windows: dict[str, np.ndarray]  # window summaries of the rank's typical (non-spike) steps
-    counts: dict[str, int]  # spikes per cause
-    time_lost: dict[str, float]  # excess ns per cause
-    events: list[_EVENT]  # the rank's largest spikes
-    judged_count: int = 0  # steps judged for spikes (kept when the arrays are dropped)
-    steps_seen: int = 0  # steps recorded, warm-up included (kept when the arrays are dropped)
-    cpu_measured: bool = False  # the rank's records carry CPU time (cpu_ns)
-    comm_clock: str = "host"  # the clock of comm_wait: host, or device where the rank measured it
-    # For the coordination view (analysis.coordination); steps after the warm-up:
-    timed_steps: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # steps with a step time ...
-    step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # ... and that step time
-    comm_step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # step time at comm_steps
-    self_median_ns: float = float("nan")  # median self-time (busy time where self-time was not measured)
-    step_total_ns: float = 0.0  # summed step time
-
-    @property
-    def main_cause(self) -> str | None:
-        return max(self.time_lost.items(), key=lambda kv: kv[1])[0] if self.time_lost else None
-
-
-def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: DetectionOptions) -> RankFindings:
-    """Pure reduction of one rank's columns (``columns.read_rank``) to its findings."""
-    all_steps = cols["step"]
-    keep = all_steps >= all_steps[0] + opts.warmup_steps if all_steps.size else np.zeros(0, dtype=bool)
-    cols = {k: v[keep] for k, v in cols.items()}
-    cols["node"] = np.full(cols["step"].size, node, dtype=np.int64)
-    cols["rank"] = np.full(cols["step"].size, rank, dtype=np.int64)
-    judged = judge_spikes(cols, opts)
-    sp, idx, causes, phases = judged.series, judged.idx, judged.causes, judged.phases
-    # Stragglers are judged on typical steps: a spike is a transient, counted in the spike rates. The
-    # same summary the live aggregation makes (warm-up already left out here).
-    windows = summarize_windows(cols, opts, first_step=int(cols["step"][0]) - opts.warmup_steps
-                                if cols["step"].size else None, spikes=judged)  # fmt: skip
-    excess = sp.excess[idx]
-    counts: dict[str, int] = {}
-    lost: dict[str, float] = {}
-    for cause in np.unique(causes) if idx.size else []:
-        sel = causes == cause
-        counts[str(cause)] = int(sel.sum())
-        lost[str(cause)] = float(excess[sel].sum())
-    steps = cols["step"]
-    events = [
-        (float(excess[i]), rank, node, int(steps[idx[i]]), phases[i], str(causes[i]))
-        for i in np.argsort(-excess)[: opts.top_events]
-    ]
-    # The wait in collectives on the device clock where the rank measured it (on NCCL the host wait is
-    # microseconds: the work completes when it is enqueued), else on the host clock.
-    comm, clock = cols["comm_wait_ns"], "host"
-    dev = cols.get("dev_comm_wait_ns")
-    if dev is not None and np.isfinite(dev).any():
-        comm, clock = dev, "device"
-    ok = ~np.isnan(comm)
-    step_ns = cols["step_ns"]
-    timed = ~np.isnan(step_ns)
-    return RankFindings(
-        rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
-        judged_count=int(sp.judged.sum()), steps_seen=int(all_steps.size),
-        cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
-        timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
-        self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
-    )  # fmt: skip
-
-
-def _self_median(cols: dict[str, np.ndarray]) -> float:
-    """A rank's typical work per step: median self-time, else median step time less the wait."""
-    for name in ("self_ns", "dev_self_ns"):
-        v = cols.get(name)
-        if v is not None and np.isfinite(v).any():
-            return float(np.nanmedian(v))
-    return float("nan")
-
-
-class _Cluster:
-    """Per-step facts merged over ranks: who reported, who spiked, who waited least.
-
-    Indexed sparsely: the arrays hold one entry per step some rank recorded (``steps``, sorted), so
-    memory follows the records, not the step numbers (a step numbered 10**12 costs one entry).
-    """
-
-    _FILL = {"present": False, "judged": False, "self_spike": False, "comm_min": np.inf, "comm_rank": -1,
-             "step_max": np.nan, "comm_max": -np.inf, "comm_sum": 0.0, "comm_step_sum": 0.0, "comm_ranks": 0}
-
-    def __init__(self) -> None:
-        self.steps = np.zeros(0, dtype=np.int64)  # every step any rank recorded, sorted
-        self.present = np.zeros(0, dtype=bool)  # any record (warm-up included)
-        self.judged = np.zeros(0, dtype=bool)  # any judged record
-        self.self_spike = np.zeros(0, dtype=bool)
-        self.comm_min = np.zeros(0)
-        self.comm_rank = np.zeros(0, dtype=np.int64)
-        # For the coordination view only (no detection rule reads them), after the warm-up:
-        self.step_max = np.zeros(0)  # the cluster's step time (the slowest rank's), NaN: not measured
-        self.comm_max = np.zeros(0)  # the largest wait
-        self.comm_sum = np.zeros(0)  # summed wait of the ranks that measured one ...
-        self.comm_step_sum = np.zeros(0)  # ... their summed step time ...
-        self.comm_ranks = np.zeros(0, dtype=np.int64)  # ... and how many they are
-
-    def cover(self, steps: np.ndarray) -> None:
-        """Make room for ``steps`` (sorted); existing facts keep their steps."""
-        pos = np.searchsorted(self.steps, steps)
-        inside = pos < self.steps.size
-        if inside.all() and np.array_equal(self.steps[pos], steps):
-            return
-        merged = np.union1d(self.steps, steps)
-        where = np.searchsorted(merged, self.steps)
-        for name, fill in self._FILL.items():
-            old = getattr(self, name)
-            new = np.full(merged.size, fill, dtype=old.dtype)
-            new[where] = old
-            setattr(self, name, new)
-        self.steps = merged
-
-    def index(self, steps: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.steps, steps)
-
-    def add(self, f: RankFindings) -> None:
-        self.cover(f.steps)
-        self.present[self.index(f.steps)] = True
-        self.judged[self.index(f.judged)] = True
-        self.self_spike[self.index(f.spikes)] = True
-        pos = self.index(f.comm_steps)
-        better = f.comm_wait < self.comm_min[pos]
-        self.comm_min[pos[better]] = f.comm_wait[better]
-        self.comm_rank[pos[better]] = f.rank
-        self._add_coordination(f, pos)
-
-    def _add_coordination(self, f: RankFindings, comm_pos: np.ndarray) -> None:
-        """Per-step step time and waits for ``analysis.coordination`` (each step once per rank)."""
-        tpos = self.index(f.timed_steps)
-        np.fmax.at(self.step_max, tpos, f.step_ns)
-        timed = ~np.isnan(f.comm_step_ns)
-        np.maximum.at(self.comm_max, comm_pos, f.comm_wait)
-        np.add.at(self.comm_sum, comm_pos[timed], f.comm_wait[timed])
-        np.add.at(self.comm_step_sum, comm_pos[timed], f.comm_step_ns[timed])
-        np.add.at(self.comm_ranks, comm_pos[timed], 1)
-
-    def culprits(self, window_steps: int) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
-        """The per-step culprit record by window: ({(rank, window): steps it waited least}, {window:
-        steps with a known culprit})."""
-        valid = self.comm_rank >= 0
-        steps = self.steps[valid]
-        win = steps // window_steps
-        rank = self.comm_rank[valid]
-        pairs, counts = np.unique(np.stack([rank, win]), axis=1, return_counts=True) if rank.size else (
-            np.zeros((2, 0), dtype=np.int64), np.zeros(0, dtype=np.int64))  # fmt: skip
-        known_w, known_n = np.unique(win, return_counts=True)
-        return (
-            {(int(r), int(w)): int(c) for (r, w), c in zip(pairs.T, counts, strict=True)},
-            dict(zip(known_w.tolist(), known_n.tolist(), strict=True)),
-        )
+from hyperacc.analysis.windows import RANK_CAUSES, concat_windows
 
 
 def diagnose(
@@ -333,69 +168,6 @@ def diagnose(
     return d
 
 
-def _coordination_view(
-    cluster: _Cluster, findings: list[RankFindings], layout: RunLayout, causes: list[dict[str, Any]],
-    one_clock: bool, batch_size: int | None,
-) -> dict[str, Any]:  # fmt: skip
-    """Step-time distribution, coordination cost and failure modes (``analysis.coordination``; no rule
-    of the straggler or spike detection reads them)."""
-    ranks = len(findings)
-    dist = distribution(cluster.step_max, batch_size * ranks if batch_size else None)
-    coord = None
-    if one_clock:
-        wait_min = np.where(np.isfinite(cluster.comm_min), cluster.comm_min, np.nan)
-        wait_max = np.where(np.isfinite(cluster.comm_max), cluster.comm_max, np.nan)
-        coord = coordination(cluster.comm_step_sum, cluster.comm_sum, wait_min, wait_max, cluster.comm_ranks)
-    trend = _spread_trend(cluster) if coord is not None else []
-    # Locality: each rank's median self-time against its node's median, by local rank, on each node
-    by_node: dict[int, list[RankFindings]] = defaultdict(list)
-    for f in findings:
-        if np.isfinite(f.self_median_ns) and f.rank in layout.metas:
-            by_node[f.node].append(f)
-    by_local: dict[int, list[float]] = defaultdict(list)
-    for members in by_node.values():
-        if len(members) < 2:
-            continue
-        med = float(np.median([f.self_median_ns for f in members]))
-        for f in members:
-            if med > 0:
-                by_local[layout.metas[f.rank].local_rank].append(f.self_median_ns / med)
-    # A rank's spike holds the whole cluster's step: time lost is measured against the job's wall time
-    # (the sum of the cluster's step times), not against the summed time of every rank.
-    total = float(np.nansum(cluster.step_max))
-    runtime = {c["cause"]: c["time_lost_ns"] / total for c in causes if c["cause"] in RUNTIME_CAUSES} if total else {}
-    modes = failure_modes(coord, by_local or None, runtime or None)
-    return to_dict({
-        "distribution": dist, "cost": coord, "spread_trend": trend, "failure_modes": modes,
-        "clock": findings[0].comm_clock if one_clock and findings else "mixed",
-        "batch_size": batch_size,
-    })  # fmt: skip
-
-
-def _spread_trend(cluster: _Cluster, bins: int = 20) -> list[dict[str, float]]:
-    """Median arrival spread and collective cost in up to ``bins`` consecutive step ranges."""
-    ok = (cluster.comm_ranks >= 2) & np.isfinite(cluster.comm_min) & np.isfinite(cluster.comm_max)
-    steps = cluster.steps[ok]
-    if steps.size < 2:
-        return []
-    spread = (cluster.comm_max - cluster.comm_min)[ok]
-    own = cluster.comm_min[ok]
-    parts = np.array_split(np.arange(steps.size), min(bins, steps.size))
-    return [{"first_step": int(steps[p[0]]), "last_step": int(steps[p[-1]]),
-             "spread_p50_ns": float(np.median(spread[p])), "collective_p50_ns": float(np.median(own[p]))}
-            for p in parts if p.size]  # fmt: skip
-
-
-def _resources_view(layout: RunLayout, opts: DetectionOptions) -> dict[str, Any]:
-    """Memory creep and imbalance from ``RUN_DIR/resources`` (``analysis.resources``)."""
-    table = store.read_resources(layout.run_dirs or [layout.run_dir])
-    cols = {name: table.column(name).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
-            for name in table.column_names if name != "node"}  # ns of wall clock keep ~0.3 us as float64
-    return resource_findings(cols, ResourceOptions(detection=opts))
-
-
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY_F = np.zeros(0)
 
 
 def _reduced(
@@ -535,30 +307,6 @@ def _node_steps(judged: list[np.ndarray], spikes: list[np.ndarray]) -> tuple[int
     return int(seen.size), hits
 
 
-def _causes(findings: list[RankFindings], comm_n: int, comm_lost: float) -> list[dict[str, Any]]:
-    count: dict[str, int] = defaultdict(int)
-    lost: dict[str, float] = defaultdict(float)
-    for f in findings:
-        for cause, n in f.counts.items():
-            count[cause] += n
-            lost[cause] += f.time_lost[cause]
-    if comm_n:
-        count["communication"] += comm_n
-        lost["communication"] += comm_lost
-    total = sum(lost.values())
-    rows = [
-        {
-            "cause": c,
-            "spikes": count[c],
-            "time_lost_ns": int(lost[c]),
-            "share": lost[c] / total if total else 0.0,
-        }
-        for c in CAUSES
-        if count.get(c)
-    ]
-    return sorted(rows, key=lambda r: -r["time_lost_ns"])
-
-
 def _by_node(sources: dict[int, RankSource]) -> dict[int, list[RankSource]]:
     groups: dict[int, list[RankSource]] = defaultdict(list)
     for src in sources.values():
@@ -582,52 +330,3 @@ def _node_sizes(layout: RunLayout, findings: list[RankFindings]) -> dict[int, in
     return dict(sizes)
 
 
-def _per_rank(findings: list[RankFindings]) -> list[dict[str, Any]]:
-    """Per-rank spike rates, with the rate of each cause (``by_cause``) and its interval."""
-    rows = _rate_rows(
-        [(f.rank, f.node, f.judged_count, sum(f.counts.values()), f.main_cause) for f in findings],
-        ("rank", "node"),
-    )
-    for row, f in zip(rows, findings, strict=True):
-        causes = sorted(f.counts)
-        if not causes:
-            row["by_cause"] = {}
-            continue
-        lo, hi = wilson_interval(
-            np.array([f.counts[c] for c in causes]), np.full(len(causes), f.judged_count)
-        )
-        row["by_cause"] = {
-            c: {
-                "spikes": f.counts[c],
-                "rate": f.counts[c] / f.judged_count if f.judged_count else 0.0,
-                "ci_low": float(lo[i]),
-                "ci_high": float(hi[i]),
-                "time_lost_ns": int(f.time_lost[c]),
-            }
-            for i, c in enumerate(causes)
-        }
-    return rows
-
-
-def _rate_rows(rows: list[tuple], keys: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Rate rows with 95 % Wilson intervals from (keys..., steps, spikes[, cause]) tuples."""
-    if not rows:
-        return []
-    k = len(keys)
-    steps = np.array([r[k] for r in rows], dtype=np.float64)
-    spikes = np.array([r[k + 1] for r in rows], dtype=np.float64)
-    lo, hi = wilson_interval(spikes, steps)
-    out = []
-    for i, r in enumerate(rows):
-        row: dict[str, Any] = {key: int(r[j]) for j, key in enumerate(keys)}
-        row.update(
-            steps=int(steps[i]),
-            spikes=int(spikes[i]),
-            rate=float(spikes[i] / steps[i]) if steps[i] else 0.0,
-            ci_low=float(lo[i]),
-            ci_high=float(hi[i]),
-        )
-        if len(r) > k + 2:
-            row["cause"] = r[k + 2]
-        out.append(row)
-    return out

@@ -133,7 +133,7 @@ class RankSpikes:
 
 def judge_spikes(cols: Mapping[str, np.ndarray], opts: DetectionOptions) -> RankSpikes:
     """Spikes of one rank's (post warm-up) step columns and the cause of each: the same sequence
-    offline (``run_dir.reduce_rank``) and live (``windows.WindowStream``)."""
+    offline (``run_reduce.reduce_rank``) and live (``windows.WindowStream``)."""
     from hyperacc.analysis.attribution import attribute_spikes
 
     values = spike_metric(cols, opts)

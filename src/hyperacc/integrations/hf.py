@@ -12,11 +12,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from hyperacc.analysis import live_aggregate
 from hyperacc.trace import install_auto
 
 
 class HyperaccCallback(TrainerCallback):
     def __init__(self, run_dir: str | os.PathLike | None = None, **trace_options: Any) -> None:
+        live_aggregate.install()  # live window summaries, as under ``hyperacc run``
         self.auto = install_auto(run_dir, **trace_options)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -12,12 +12,14 @@ from typing import Any
 
 import lightning as L
 
+from hyperacc.analysis import live_aggregate
 from hyperacc.trace import install_auto
 
 
 class HyperaccCallback(L.Callback):
     def __init__(self, run_dir: str | os.PathLike | None = None, **trace_options: Any) -> None:
         super().__init__()
+        live_aggregate.install()  # live window summaries, as under ``hyperacc run``
         self.auto = install_auto(run_dir, **trace_options)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

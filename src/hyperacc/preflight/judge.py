@@ -1,7 +1,7 @@
 """The pre-flight verdict: pure functions from the gathered measurements to findings and a document.
 
 Each figure is a (rank x round) matrix of costs. A rank is slow on a figure when it is a slow outlier
-in at least ``persist_k`` rounds by the rule of ``hyperacc analyze`` (``hyperacc.analysis.stragglers.
+in at least ``persist_k`` rounds by the rule of ``hyperacc analyze`` (``hyperacc.analysis.outliers.
 outlier_flags``: modified z-score AND the leave-one-out Tukey fence AND a material excess), one round
 playing the part of one window. The rest is specific to a pre-flight check (docs/doctor.md, "Rules"):
 
@@ -25,64 +25,15 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.outliers import confirmation, outlier_flags
 from hyperacc.analysis.robust import nan_median
-from hyperacc.analysis.stragglers import confirmation, outlier_flags
-from hyperacc.preflight.figures import CPU_FIGURES, RANK_FIGURES, RESOURCES, Figure
+from hyperacc.preflight.figures import CPU_FIGURES, RANK_FIGURES, Figure
+from hyperacc.preflight.findings import Finding, Flag, _plain
+from hyperacc.preflight.judge_words import _words
 from hyperacc.preflight.options import DoctorOptions
 
 SCHEMA_VERSION = 1
 CONTENTION = Figure("contention", "wall time per CPU second", "contention", "x", False, "none", "wall")
-
-
-@dataclasses.dataclass
-class Flag:
-    """One confirmed slow figure of one rank, node or link."""
-
-    figure: str
-    slowdown: float  # cost / median cost over the flagged rounds (2.0: twice as slow)
-    value: float  # the subject's figure, median over rounds, in the figure's display unit
-    median: float  # the median subject's figure, in the same unit
-    rounds_flagged: int
-    rounds_seen: int
-    material: bool = True  # False: below min_slowdown, kept only as corroboration of a slow host CPU
-
-    def to_dict(self) -> dict[str, Any]:
-        f = RANK_FIGURES.get(self.figure)
-        return {
-            "figure": self.figure,
-            "label": f.label if f else self.figure,
-            "unit": f.unit if f else "",
-            **{k: _plain(v) for k, v in dataclasses.asdict(self).items() if k != "figure"},
-        }
-
-
-@dataclasses.dataclass
-class Finding:
-    scope: str  # rank | node | link
-    resources: list[str]  # keys of RESOURCES, the first is the main one
-    flags: list[Flag]
-    node: int | None = None
-    host: str | None = None
-    rank: int | None = None
-    nodes: tuple[int, int] | None = None  # a link's two nodes
-    hosts: list[str] = dataclasses.field(default_factory=list)  # hosts to leave out
-    ranks: list[int] = dataclasses.field(default_factory=list)  # a node finding's slow ranks
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "scope": self.scope,
-            "rank": self.rank,
-            "node": self.node,
-            "host": self.host,
-            "nodes": list(self.nodes) if self.nodes else None,
-            "ranks": list(self.ranks),
-            "resource": self.resources[0],
-            "resources": list(self.resources),
-            "resource_label": RESOURCES[self.resources[0]][0],
-            "figures": [f.to_dict() for f in self.flags],
-            "exclude_hosts": list(self.hosts),
-            "advice": [RESOURCES[r][1] for r in self.resources],
-        }
 
 
 # ---------------------------------------------------------------- matrices from the gathered document
@@ -478,120 +429,3 @@ def _cpu_share_doc(ranks: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     return {"median": float(nan_median(arr)), "min": float(np.nanmin(arr)), "max": float(np.nanmax(arr))}
 
 
-# ---------------------------------------------------------------- words
-
-
-def _fmt(v: float | None) -> str:
-    if v is None or not math.isfinite(v):
-        return "-"
-    return f"{v:.3g}"
-
-
-def _flag_text(fl: Flag) -> str:
-    f = RANK_FIGURES.get(fl.figure)
-    label = f.label if f else fl.figure
-    unit = f.unit if f else ""
-    return (
-        f"{label} {fl.slowdown:.2f}x slower than the median ({_fmt(fl.value)} vs {_fmt(fl.median)} {unit}, "
-        f"{fl.rounds_flagged} of {fl.rounds_seen} rounds{'' if fl.material else ', below the bar but consistent'})"
-    )
-
-
-def _subject(f: Finding) -> str:
-    if f.scope == "rank":
-        return f"rank {f.rank} (node {f.node}, host {f.host})"
-    if f.scope == "node":
-        return f"node {f.node} (host {f.host})"
-    return f"the link between nodes {f.nodes[0]} and {f.nodes[1]} ({f.host})"
-
-
-def _words(doc: Mapping[str, Any], findings: list[Finding]) -> tuple[str, list[str], list[str]]:
-    evidence: list[str] = []
-    nxt: list[str] = []
-    for f in findings:
-        what = " and ".join(RESOURCES[r][0] for r in f.resources)
-        evidence.append(f"{_subject(f)} is slow: {what}: " + "; ".join(_flag_text(fl) for fl in f.flags))
-        for r in f.resources:
-            nxt.append(f"{_subject(f)}: {RESOURCES[r][1]}")
-    world, nodes = doc["world_size"], doc["nodes"]
-    if not doc["judged"]["ranks"]:
-        evidence.append(
-            f"{world} rank{'s' if world != 1 else ''}: fewer than {doc['options']['min_ranks']} ranks, so no robust "
-            "comparison between ranks (the figures are listed, not judged)"
-        )
-    if nodes > 1 and not doc["judged"]["nodes"]:
-        evidence.append(
-            f"{nodes} nodes: nodes are compared through their ranks only; a node-level comparison "
-            f"(and telling a slow node from a slow link) needs {doc['options']['min_ranks']} nodes or more"
-        )
-    share = doc.get("cpu_share")
-    if share and share["median"] < 0.8:
-        evidence.append(
-            f"the ranks ran {100 * share['median']:.0f} % of the wall time on a core (min "
-            f"{100 * share['min']:.0f} %): more ranks than free cores or other load; host figures are "
-            "timed in CPU time, so this contention does not make a rank look slow"
-        )
-    ar = doc.get("allreduce")
-    if ar:
-        evidence.append(
-            f"all-reduce over {world} ranks: {ar['latency_us']:.3g} us for 8 bytes, {ar['time_ms']:.3g} ms for "
-            f"{ar['bytes'] / 2**20:.0f} MiB (bus bandwidth {ar['busbw_gbps']:.3g} GB/s)"
-        )
-    reads = doc["figures"].get("read_p50"), doc["figures"].get("read_p99")
-    if reads[0] and reads[1]:
-        evidence.append(
-            f"data reads of {doc['options']['read_bytes'] // 1024} KiB, page cache evicted first (median rank): "
-            f"p50 {_fmt(reads[0]['median'])} ms, p99 {_fmt(reads[1]['median'])} ms"
-        )
-    slow_links = [lk for lk in doc.get("links", []) if lk["slow"]]
-    if doc.get("links") and not slow_links:
-        bws = [lk["bandwidth_gbps"] for lk in doc["links"] if lk["bandwidth_gbps"]]
-        if bws:
-            spread = f"{min(bws):.3g}" if len(bws) == 1 else f"{min(bws):.3g} to {max(bws):.3g}"
-            pairs = f"{len(doc['links'])} node pair{'s' if len(doc['links']) > 1 else ''}"
-            evidence.append(f"{pairs} exchanged {spread} GB/s per rank; no slow link")
-    for name, reason in doc.get("skipped", {}).items():
-        if name in ("h2d", "read_p50"):
-            evidence.append(f"not measured: {reason}")
-    for where, err in doc.get("errors", {}).items():
-        evidence.append(f"benchmark failed on {where}: {err}")
-    hosts = doc["exclude_hosts"]
-    if findings:
-        if len(findings) == 1:
-            f = findings[0]
-            verdict = f"{_subject(f).capitalize()} is slow: {' and '.join(RESOURCES[r][0] for r in f.resources)}"
-        else:
-            verdict = f"{len(findings)} findings: " + "; ".join(
-                f"{_subject(f)}: {' and '.join(RESOURCES[r][0].split(' (')[0] for r in f.resources)}"
-                for f in findings
-            )
-        if hosts:
-            verdict += f". Leave out: {', '.join(hosts)}."
-            nxt.append(
-                "start the job without those hosts: pass the exclusion file to the launcher (Slurm: "
-                "--exclude=$PWD/FILE; a list: $(paste -sd, FILE)) or run `hyperacc doctor` on a fresh "
-                "allocation"
-            )
-    elif doc["judged"]["ranks"]:
-        verdict = (
-            f"Healthy: no slow rank, node or link among {world} ranks on {nodes} node{'s' if nodes != 1 else ''} "
-            f"(every figure within the rules of docs/doctor.md)"
-        )
-        nxt.append("start the job")
-    else:
-        verdict = f"Measured {world} rank{'s' if world != 1 else ''}; too few to compare (see evidence)"
-        nxt.append("run the doctor with at least 4 ranks to compare them")
-    return verdict, evidence, nxt
-
-
-def _plain(value: Any) -> Any:
-    """JSON-safe: numpy scalars to Python, NaN/inf to None, tuples to lists."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

@@ -21,35 +21,44 @@ import html
 import json
 import math
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from hyperacc import store, theory
+from hyperacc import store
 from hyperacc.analysis.columns import discover, read_rank, step_bounds
 from hyperacc.analysis.options import DetectionOptions, outlier_rule_text
-from hyperacc.analysis.robust import MAD_TO_SIGMA
+from hyperacc.present.report_figures import (
+    _causes,
+    _event_timeline,
+    _heatmap,
+    _heatmap_note,
+    _node_boxes,
+    _pacing,
+    _projection,
+    _rank_boxes,
+    _step_time,
+    _subset_note,
+    _table,
+)
+from hyperacc.present.report_reductions import (
+    _HIST_EDGES,
+    _choose_ranks,
+    _events,
+    _options,
+    _RankSummary,
+    _runtime,
+    _StepMax,
+    _summarise,
+)
 
 STEP_BINS = 600  # most heatmap / timeline columns
 MAX_RANKS = 64  # most ranks drawn one by one (heatmap rows, boxes)
 TOP_SPIKES = 300  # most spike markers
-_HIST_EDGES = np.geomspace(1e3, 1e12, 4001)  # 1 us .. 1000 s, 0.5 % wide bins (node quantiles)
-_CAUSE_COLOURS = {
-    "data": "#1f77b4",
-    "gc": "#d62728",
-    "allocator": "#9467bd",
-    "host": "#8c564b",
-    "communication": "#ff7f0e",
-    "compute": "#2ca02c",
-    "unknown": "#7f7f7f",
-}
 _COLUMNS = ("step", "node", "step_ns", "self_ns", "comm_wait_ns", "gc_ns", "pace_on", "pace_delay_ns")
-_QUIET_EVENT_KINDS = frozenset({"collective", "memory_peak"})  # profiler detail, shown in the export
 
 
 class ReportError(ValueError):
@@ -64,17 +73,6 @@ class ReportResult:
     steps: int
     ranks_drawn: int
     step_bin: int  # steps per heatmap/timeline column
-
-
-@dataclasses.dataclass
-class _RankSummary:
-    rank: int
-    node: int
-    n: int
-    q: tuple[float, float, float, float, float]  # lower whisker, q1, median, q3, upper whisker (ns)
-    mean: float
-    mad: float
-    outliers: int
 
 
 def build_report(
@@ -199,335 +197,7 @@ def build_report(
 # ------------------------------------------------------------------------------------ reductions
 
 
-class _StepMax:
-    """The cluster's step time (the slowest rank's ``step_ns``) per recorded step, indexed sparsely:
-    memory follows the records, not the step numbers (a step numbered 10**12 costs one entry)."""
-
-    def __init__(self) -> None:
-        self.steps = np.zeros(0, dtype=np.int64)  # sorted
-        self.values = np.zeros(0)  # NaN where no rank measured the step
-
-    def add(self, steps: np.ndarray, values: np.ndarray) -> None:
-        pos = np.searchsorted(self.steps, steps)
-        if not (pos < self.steps.size).all() or not np.array_equal(self.steps[pos], steps):
-            merged = np.union1d(self.steps, steps)
-            grown = np.full(merged.size, np.nan)
-            grown[np.searchsorted(merged, self.steps)] = self.values
-            self.steps, self.values = merged, grown
-            pos = np.searchsorted(self.steps, steps)
-        np.fmax.at(self.values, pos, values)
-
-    def at(self, step: int) -> float | None:
-        i = int(np.searchsorted(self.steps, step))
-        if i < self.steps.size and self.steps[i] == step and np.isfinite(self.values[i]):
-            return float(self.values[i])
-        return None
-
-
-def _summarise(rank: int, node: int, v: np.ndarray) -> _RankSummary:
-    q1, med, q3 = np.percentile(v, [25, 50, 75])
-    iqr = q3 - q1
-    inside = v[(v >= q1 - 1.5 * iqr) & (v <= q3 + 1.5 * iqr)]
-    lo, hi = (float(inside.min()), float(inside.max())) if inside.size else (float(q1), float(q3))
-    return _RankSummary(
-        rank=rank,
-        node=node,
-        n=int(v.size),
-        q=(lo, float(q1), float(med), float(q3), hi),
-        mean=float(v.mean()),
-        mad=float(np.median(np.abs(v - med))),
-        outliers=int(v.size - inside.size),
-    )
-
-
-def _hist_quantiles(counts: np.ndarray, qs: tuple[float, ...]) -> list[float]:
-    cum = np.cumsum(counts)
-    total = cum[-1]
-    mids = np.sqrt(_HIST_EDGES[:-1] * _HIST_EDGES[1:])
-    return [float(mids[min(int(np.searchsorted(cum, q * total)), len(mids) - 1)]) for q in qs]
-
-
-def _choose_ranks(ranks, summaries, diag, flagged, k: int) -> list[int]:
-    if len(ranks) <= k:
-        return list(ranks)
-    order: list[int] = sorted(flagged)
-    per_rank = (diag or {}).get("spikes", {}).get("per_rank", []) or []
-    order += [int(p["rank"]) for p in sorted(per_rank, key=lambda p: -(p.get("spikes") or 0)) if p.get("spikes")][: k // 3]
-    order += [s.rank for s in sorted(summaries, key=lambda s: -s.q[2])]
-    seen: list[int] = []
-    for r in order:
-        if r not in seen:
-            seen.append(r)
-        if len(seen) >= k:
-            break
-    return sorted(seen)
-
-
-def _events(run_dir) -> pa.Table | None:
-    table = store.read_events(run_dir)
-    if table.num_rows == 0:
-        return None
-    keep = pc.invert(pc.is_in(table.column("kind"), value_set=pa.array(sorted(_QUIET_EVENT_KINDS))))
-    return table.filter(keep)
-
-
-def _options(diag: Mapping[str, Any] | None) -> DetectionOptions:
-    """The detection options the diagnosis ran with (the defaults without one)."""
-    return DetectionOptions.from_mapping((diag or {}).get("options") or {})
-
-
-def _runtime(run_dir, opts: DetectionOptions) -> pa.Table | None:
-    from hyperacc.present.kineto import read_runtime_api, runtime_api_outliers
-
-    table = read_runtime_api(run_dir)
-    return runtime_api_outliers(table, opts=opts) if table is not None and table.num_rows else None
-
-
 # ------------------------------------------------------------------------------------ figures
-
-
-def _ms(v):
-    return np.round(np.asarray(v, dtype=np.float64) / 1e6, 4)
-
-
-def _base_layout(**kw) -> dict:
-    lay = {"margin": {"l": 70, "r": 30, "t": 30, "b": 50}, "template": "plotly_white", "height": 420}
-    lay.update(kw)
-    return lay
-
-
-def _heatmap(bin_mean, bin_max, rows, chosen, x_bins, width, spikes, flagged, metric_word) -> dict:
-    sub = bin_mean[rows].astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        col_median = np.nanmedian(bin_mean.astype(np.float64), axis=0)
-        ratio = sub / col_median[None, :]
-    ylabels = [f"rank {r}" + (" *" if r in flagged else "") for r in chosen]
-    hover = np.char.add(np.char.add(np.round(_ms(sub), 2).astype(str), " ms, max "), np.round(_ms(bin_max[rows]), 2).astype(str))
-    data = [
-        {
-            "type": "heatmap",
-            "z": np.round(ratio, 3).tolist(),
-            "x": x_bins.tolist(),
-            "y": ylabels,
-            "text": hover.tolist(),
-            "hovertemplate": "%{y}, step %{x}: %{text} (%{z:.2f}x the cluster median)<extra></extra>",
-            "colorscale": "RdBu",
-            "zmid": 1.0,
-            "zmin": 0.5,
-            "zmax": 1.5,
-            "colorbar": {"title": {"text": "x cluster<br>median"}},
-        }
-    ]
-    shown = set(chosen)
-    sp = [e for e in spikes if int(e.get("rank", -1)) in shown]
-    for cause in sorted({e.get("cause") or "unknown" for e in sp}):
-        pts = [e for e in sp if (e.get("cause") or "unknown") == cause]
-        data.append(
-            {
-                "type": "scatter",
-                "mode": "markers",
-                "name": f"spike: {cause}",
-                "x": [int(e["step"]) for e in pts],
-                "y": [f"rank {int(e['rank'])}" + (" *" if int(e["rank"]) in flagged else "") for e in pts],
-                "text": [f"+{(e.get('excess_ns') or 0) / 1e6:.1f} ms ({e.get('phase') or '-'})" for e in pts],
-                "hovertemplate": "%{y}, step %{x}: spike %{text}<extra>" + cause + "</extra>",
-                "marker": {"symbol": "x", "size": 9, "color": _CAUSE_COLOURS.get(cause, "#000"),
-                           "line": {"width": 1, "color": "#000"}},
-            }
-        )  # fmt: skip
-    height = min(1200, max(320, 16 * len(chosen) + 120))
-    return {
-        "data": data,
-        "layout": _base_layout(
-            height=height,
-            xaxis={"title": {"text": "step" + (f" (bins of {width})" if width > 1 else "")}},
-            yaxis={"autorange": "reversed", "type": "category"},
-            legend={"orientation": "h", "y": 1.06},
-            title={"text": f"{metric_word} per rank and step, relative to the cluster median (* flagged)", "font": {"size": 13}},
-        ),
-    }
-
-
-def _heatmap_note(n_ranks: int, drawn: int, width: int) -> str:
-    parts = []
-    if drawn < n_ranks:
-        parts.append(f"{drawn} of {n_ranks} ranks drawn: the flagged ones, the spikiest and the slowest")
-    if width > 1:
-        parts.append(f"each column is the mean over {width} steps")
-    return "; ".join(parts)
-
-
-def _subset_note(n_ranks: int, drawn: int) -> str:
-    return f"{drawn} of {n_ranks} ranks drawn" if drawn < n_ranks else ""
-
-
-def _step_time(step_max: _StepMax, first, width, spikes) -> dict:
-    steps, values = step_max.steps, step_max.values
-    n = steps.size
-    data: list[dict] = []
-    if width == 1:
-        data.append({"type": "scattergl" if n > 2000 else "scatter", "mode": "lines", "name": "step time (slowest rank)",
-                     "x": steps.tolist(), "y": _ms(values).tolist(), "line": {"width": 1, "color": "#444"}})  # fmt: skip
-    else:
-        ok = np.isfinite(values)
-        b = (steps - first) // width
-        n_bins = int(b.max()) + 1 if n else 0
-        cnt = np.bincount(b[ok], minlength=n_bins)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = np.where(cnt > 0, np.bincount(b[ok], weights=values[ok], minlength=n_bins) / cnt, np.nan)
-        top = np.full(n_bins, -np.inf)
-        np.maximum.at(top, b[ok], values[ok])
-        top = np.where(cnt > 0, top, np.nan)  # bins without a measured step stay gaps
-        x = (first + np.arange(n_bins) * width).tolist()
-        data.append({"type": "scatter", "mode": "lines", "name": f"max over {width} steps", "x": x, "y": _ms(top).tolist(),
-                     "line": {"width": 1, "color": "#bbb"}})  # fmt: skip
-        data.append({"type": "scatter", "mode": "lines", "name": f"mean over {width} steps", "x": x,
-                     "y": _ms(mean).tolist(), "line": {"width": 1.5, "color": "#444"}})  # fmt: skip
-    by_step: dict[int, list[dict]] = {}
-    for e in spikes:
-        by_step.setdefault(int(e["step"]), []).append(e)
-    for cause in sorted({e.get("cause") or "unknown" for e in spikes}):
-        steps = sorted(s for s, es in by_step.items() if (max(es, key=lambda e: e.get("excess_ns") or 0).get("cause") or "unknown") == cause)
-        ys = [None if (v := step_max.at(s)) is None else v / 1e6 for s in steps]
-        text = [", ".join(f"rank {e['rank']} +{(e.get('excess_ns') or 0) / 1e6:.1f} ms" for e in by_step[s][:3]) for s in steps]
-        data.append({"type": "scatter", "mode": "markers", "name": f"spike: {cause}", "x": steps, "y": ys, "text": text,
-                     "hovertemplate": "step %{x}: %{y:.1f} ms<br>%{text}<extra>" + cause + "</extra>",
-                     "marker": {"size": 9, "color": _CAUSE_COLOURS.get(cause, "#000"), "line": {"width": 1, "color": "#000"}}})  # fmt: skip
-    return {"data": data, "layout": _base_layout(xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "ms"}},
-                                                 legend={"orientation": "h", "y": 1.1})}  # fmt: skip
-
-
-def _box(name: str, q, colour: str, n: int) -> dict:
-    lo, q1, med, q3, hi = (float(v) / 1e6 for v in q)
-    return {"type": "box", "name": name, "q1": [q1], "median": [med], "q3": [q3], "lowerfence": [lo],
-            "upperfence": [hi], "x": [name], "marker": {"color": colour}, "line": {"color": colour},
-            "fillcolor": colour + "55", "showlegend": False, "hoverinfo": "y+name", "text": [f"{n} steps"]}  # fmt: skip
-
-
-def _rank_boxes(summaries: list[_RankSummary], flagged, metric_word) -> dict:
-    data = [_box(f"rank {s.rank}", s.q, "#d62728" if s.rank in flagged else "#1f77b4", s.n) for s in summaries]
-    return {"data": data, "layout": _base_layout(yaxis={"title": {"text": f"{metric_word} (ms)"}},
-                                                 xaxis={"type": "category", "tickangle": -60 if len(data) > 24 else 0})}  # fmt: skip
-
-
-def _node_boxes(node_hist, flagged, summaries, metric_word) -> dict:
-    flagged_nodes = {int(s.get("node", -1)) for s in flagged.values()}
-    data = []
-    for node in sorted(node_hist):
-        counts = node_hist[node]
-        if counts.sum() == 0:
-            continue
-        q1, med, q3 = _hist_quantiles(counts, (0.25, 0.5, 0.75))
-        lo_q, hi_q = _hist_quantiles(counts, (0.01, 0.99))
-        colour = "#d62728" if node in flagged_nodes else "#2ca02c"
-        data.append(_box(f"node {node}", (lo_q, q1, med, q3, hi_q), colour, int(counts.sum())))
-    return {"data": data, "layout": _base_layout(height=360, yaxis={"title": {"text": f"{metric_word} (ms)"}},
-                                                 xaxis={"type": "category"})}  # fmt: skip
-
-
-def _causes(diag) -> dict:
-    causes = diag.get("causes") or []
-    x = [c["cause"] for c in causes]
-    return {
-        "data": [{"type": "bar", "x": x, "y": [c["time_lost_ns"] / 1e6 for c in causes],
-                  "text": [f"{c['spikes']} spikes, {100 * c['share']:.0f} %" for c in causes], "textposition": "auto",
-                  "marker": {"color": [_CAUSE_COLOURS.get(c, "#7f7f7f") for c in x]}}],
-        "layout": _base_layout(height=340, yaxis={"title": {"text": "time lost (ms)"}}),
-    }  # fmt: skip
-
-
-def _projection(diag, summaries, step_max) -> tuple[dict, str] | None:
-    proj = diag.get("projection") or {}
-    p_rank = proj.get("p_rank")
-    if p_rank is None:
-        return None
-    rpn = int(proj.get("ranks_per_node") or 1)
-    p_node = float(proj.get("p_node") or 0.0)
-    target = float(proj.get("target") or theory.DEFAULT_TARGET)
-    nodes = np.unique(np.round(np.geomspace(1, 4096, 60)).astype(int))
-    p = [theory.cluster_spike_probability(p_rank, ranks_per_node=rpn, nodes=int(n), p_node=p_node) for n in nodes]
-    data: list[dict] = [
-        {"type": "scatter", "mode": "lines", "name": "P(cluster step spikes)", "x": nodes.tolist(), "y": p,
-         "line": {"color": "#d62728"}},
-        {"type": "scatter", "mode": "lines", "name": f"target {100 * target:.0f} %", "x": [1, 4096], "y": [target, target],
-         "line": {"dash": "dot", "color": "#555"}},
-    ]  # fmt: skip
-    cur = proj.get("current") or {}
-    if cur.get("measured") is not None:
-        data.append({"type": "scatter", "mode": "markers", "name": "measured here", "x": [cur.get("nodes")],
-                     "y": [cur["measured"]], "marker": {"size": 11, "color": "#000", "symbol": "diamond"}})  # fmt: skip
-    note = (f"per-rank spike rate {100 * p_rank:.3g} %, {rpn} ranks per node"
-            + (f", per-node rate {100 * p_node:.3g} %" if p_node else ""))  # fmt: skip
-    # Expected cluster step time: the theory's order-statistics model, anchored at the measured median.
-    finite = step_max.values[np.isfinite(step_max.values)]
-    spikes = (diag.get("spikes") or {}).get("events") or []
-    if summaries and finite.size:
-        noise_ns = MAD_TO_SIGMA * float(np.median([s.mad for s in summaries]))
-        size_ns = float(np.mean([e.get("excess_ns") or 0 for e in spikes])) if spikes else 0.0
-        try:
-            model = theory.ClusterStepModel(base=0.0, noise=noise_ns / 1e6, p_rank=float(p_rank), spike_size=size_ns / 1e6,
-                                            ranks_per_node=rpn, p_node=p_node, grid_points=4001)  # fmt: skip
-            cur_nodes = int(cur.get("nodes") or diag.get("nodes") or 1)
-            offset = float(np.median(finite)) / 1e6 - model.stats(cur_nodes).p50
-            sizes = [int(n) for n in np.unique(np.round(np.geomspace(1, 4096, 14)).astype(int))]
-            stats = [model.stats(n) for n in sizes]
-            data.append({"type": "scatter", "mode": "lines+markers", "name": "expected step time (ms)", "x": sizes,
-                         "y": [offset + s.mean for s in stats], "yaxis": "y2", "line": {"color": "#1f77b4"}})  # fmt: skip
-            data.append({"type": "scatter", "mode": "lines", "name": "p99 step time (ms)", "x": sizes,
-                         "y": [offset + s.p99 for s in stats], "yaxis": "y2", "line": {"color": "#1f77b4", "dash": "dash"}})  # fmt: skip
-            note += (f"; step time: median {np.median(finite) / 1e6:.3g} ms here, rank noise {noise_ns / 1e6:.3g} ms, "
-                     f"spike size {size_ns / 1e6:.3g} ms (hyperacc.theory.ClusterStepModel)")  # fmt: skip
-        except theory.TheoryError:
-            pass
-    layout = _base_layout(
-        xaxis={"type": "log", "title": {"text": "nodes"}},
-        yaxis={"title": {"text": "P(cluster step spikes)"}, "range": [0, 1.02]},
-        yaxis2={"title": {"text": "step time (ms)"}, "overlaying": "y", "side": "right"},
-        legend={"orientation": "h", "y": 1.12},
-    )
-    return {"data": data, "layout": layout}, note
-
-
-def _pacing(pace_bins, x_bins) -> dict | None:
-    have = pace_bins[1] > 0
-    if not have.any():
-        return None
-    with np.errstate(invalid="ignore", divide="ignore"):
-        share = np.where(have, pace_bins[0] / pace_bins[1], np.nan)
-        delay = np.where(have, pace_bins[2] / pace_bins[1] / 1e6, np.nan)
-    return {
-        "data": [
-            {"type": "scatter", "mode": "lines", "name": "share of ranks pacing", "x": x_bins.tolist(),
-             "y": np.round(share, 4).tolist(), "line": {"color": "#9467bd"}},
-            {"type": "scatter", "mode": "lines", "name": "mean pacing delay (ms)", "x": x_bins.tolist(),
-             "y": np.round(delay, 4).tolist(), "yaxis": "y2", "line": {"color": "#ff7f0e"}},
-        ],
-        "layout": _base_layout(height=320, xaxis={"title": {"text": "step"}}, yaxis={"range": [0, 1.02]},
-                               yaxis2={"overlaying": "y", "side": "right", "title": {"text": "ms"}},
-                               legend={"orientation": "h", "y": 1.15}),
-    }  # fmt: skip
-
-
-def _event_timeline(events: pa.Table, first: int, width: int) -> dict:
-    kinds = events.column("kind").to_numpy(zero_copy_only=False)
-    steps = events.column("step").cast(pa.float64()).to_numpy(zero_copy_only=False)
-    durs = events.column("duration_ns").cast(pa.float64()).to_numpy(zero_copy_only=False)
-    data = []
-    for kind in sorted(set(kinds.tolist())):
-        sel = (kinds == kind) & np.isfinite(steps)
-        if not sel.any():
-            continue
-        s = steps[sel].astype(np.int64)
-        b = (s - first) // width
-        uniq, counts = np.unique(b, return_counts=True)
-        cost = np.bincount(np.searchsorted(uniq, b), weights=np.nan_to_num(durs[sel]), minlength=uniq.size)
-        data.append({"type": "scatter", "mode": "markers", "name": kind, "x": (first + uniq * width).tolist(),
-                     "y": [kind] * uniq.size, "text": [f"{c} events, {t / 1e6:.2f} ms" for c, t in zip(counts, cost, strict=True)],
-                     "hovertemplate": "step %{x}: %{text}<extra>%{y}</extra>",
-                     "marker": {"size": (4 + 6 * np.log10(counts.clip(1))).round(1).tolist()}})  # fmt: skip
-    return {"data": data, "layout": _base_layout(height=max(220, 60 + 40 * len(data)), showlegend=False,
-                                                 xaxis={"title": {"text": "step"}}, yaxis={"type": "category"})}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ the page
@@ -554,16 +224,6 @@ def _fmt_pct(p) -> str:
     if p is None:
         return "-"
     return f"{100 * p:.2f} %" if p >= 1e-4 or p == 0 else f"{100 * p:.1e} %"
-
-
-def _table(headers: list[str], rows: list[list[Any]], flag_rows: set[int] | None = None) -> str:
-    flag_rows = flag_rows or set()
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = []
-    for i, row in enumerate(rows):
-        cls = ' class="flag"' if i in flag_rows else ""
-        body.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 def _second_view(layout, diag, baseline, figs: list, max_ranks: int) -> dict[str, str]:

@@ -28,13 +28,13 @@ _VERDICT_COLOURS = {"likely": "#b00", "no": "#2a7", "not enough evidence": "#888
 
 
 def _layout(**kw: Any) -> dict:
-    from hyperacc.present.report import _base_layout
+    from hyperacc.present.report_figures import _base_layout
 
     return _base_layout(**kw)
 
 
 def _table(headers: list[str], rows: list[list[Any]], flag_rows: set[int] | None = None) -> str:
-    from hyperacc.present.report import _table as table
+    from hyperacc.present.report_figures import _table as table
 
     return table(headers, rows, flag_rows)
 

@@ -170,7 +170,7 @@ class LiveRemediation:
         if self._store is None:
             import torch.distributed as dist
 
-            from hyperacc.trace.aggregate import connect_store
+            from hyperacc.analysis.live_aggregate import connect_store
 
             base = connect_store()
             if base is None:

@@ -4,6 +4,53 @@ and wait at the gradient all-reduce, and live per-window aggregation (docs/traci
 - ``Tracer(run_dir)``: explicit ``step()`` / ``phase(name)`` context managers and decorators;
 - ``install_auto(run_dir)``: the same tracer driven by global hooks, for an unmodified script;
 - ``trace_from_env()``: a tracer configured by ``HYPERACC_RUN_DIR`` and ``HYPERACC_TRACE``.
+
+This package measures and stores; it imports nothing from ``hyperacc.analysis``. What analyses while
+the job runs (rank 0's live window aggregation, ``analysis/live_aggregate.py``) attaches itself to
+every new tracer through ``tracer.on_tracer_start``, registered by ``hyperacc run`` (bootstrap) and the
+framework callbacks.
+
+One step, in automatic mode, and on which thread it runs (read in this order):
+
+========================  ====================================================  ======================
+where                     what                                                  thread
+========================  ====================================================  ======================
+``auto.py``               hooks: DataLoader ``__next__``, outermost modules'    training thread
+                          ``forward``, ``autograd.backward``, optimizer
+                          pre/post hooks, ``GradScaler.step``; each calls
+                          ``clock.enter``/``exit`` and, at the optimizer's
+                          end, asks for the step boundary
+``step_clock.py``         ``StepClock``: the stack of open phases, exclusive    training thread
+                          time per phase; a boundary requested inside a phase
+                          waits for the outermost one to close, then calls
+                          ``Tracer._boundary``
+``inband.py``             ``GradientRounds.run``: DDP's comm hook per bucket:   autograd thread
+                          launch times, the all-reduce (+ in-band slots,        (launch); the process
+                          ``inband_slots.py``); completion callbacks stamp the  group's thread
+                          round's end; ``collect()`` hands the clock the wait   (completion)
+                          when backward returns                                 training (collect)
+``collectives.py``        the script's own collectives and ``Work.wait``:       training thread only
+                          time blocked, charged as wait
+``signals.py``            ``StepSignals.begin``/``end``: counter deltas (GC     training thread; GC
+                          by ``gc.callbacks``, CPU time, faults, CUDA           callbacks on the
+                          allocator)                                            collecting thread
+``tracer.py``             ``end_step``: the clock, the hook and the signals     training thread
+                          fill one preallocated int64 row; ``StepRing.commit``
+                          (``ring.py``) publishes it by advancing a counter;
+                          ``begin_step`` opens the next (probe, device events)
+``tracer.py``             ``_flush_loop``/``flush``: take committed rows, a     flusher thread
+                          Parquet segment (``hyperacc.store``), sinks (live     (``hyperacc-trace-
+                          aggregation, metrics), events, resource samples       flush``)
+                          (``resources.py``)
+``device.py``             CUDA events recorded around phases; read back only    training thread
+                          once complete, never waited for                       (no sync)
+``tracer.py``             SIGTERM handler: ``close(stopping=True)`` flushes     main thread (signal)
+                          every row, then the previous handler runs
+========================  ====================================================  ======================
+
+Nothing on the training thread allocates per step, takes a lock the flusher holds, or synchronises a
+device; the flusher never blocks the training thread (docs/tracing.md, "No synchronisation, no
+allocation, no lock on the hot path").
 """
 
 from __future__ import annotations

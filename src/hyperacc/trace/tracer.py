@@ -9,6 +9,11 @@ The finished row is committed to a ring (``ring.StepRing``) by advancing a count
 flusher thread copies committed rows out, converts them to STEP_SCHEMA and writes one segment through
 ``hyperacc.store`` every few seconds. The training thread never waits for the flusher. docs/tracing.md
 describes what is recorded and how.
+
+Why this module is over 500 lines: it is the per-step path's one file (the row that every step fills,
+``begin_step``/``end_step``), kept beside the thread that drains it and the shutdown that must see
+both, so that one step can be read in one sitting; the parts it drives live in their own modules (map:
+``hyperacc/trace/__init__.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +70,21 @@ _CPU = torch.device("cpu")
 def current() -> Tracer | None:
     """The tracer most recently started in this process (None if none, or it was closed)."""
     return _current
+
+
+_start_hooks: list[Callable[[Tracer], None]] = []
+
+
+def on_tracer_start(fn: Callable[[Tracer], None]) -> None:
+    """Call ``fn(tracer)`` at the end of every later ``Tracer(...)`` in this process (once per ``fn``).
+
+    The extension point for the layers above trace/: the live window aggregation
+    (``hyperacc.analysis.live_aggregate.install``) attaches itself here, so that the measuring layer
+    never imports the analysing one. ``fn`` runs on the creating thread; an exception switches that
+    extension off with one log line.
+    """
+    if fn not in _start_hooks:
+        _start_hooks.append(fn)
 
 
 class _Phase:
@@ -236,23 +256,11 @@ class Tracer:
         self._stop = threading.Event()
         self._flusher = threading.Thread(target=self._flush_loop, name="hyperacc-trace-flush", daemon=True)
         self._flusher.start()
-        if options.window > 0 and self.world_size > 0:
+        for start in tuple(_start_hooks):  # e.g. the live window aggregation, registered from above trace/
             try:
-                from hyperacc.trace.aggregate import WindowAggregator
-
-                self.aggregator = WindowAggregator(
-                    self.rank,
-                    self.node,
-                    self.world_size,
-                    window=options.window,
-                    grace_s=options.grace_s,
-                    on_finding=self._on_finding,
-                    on_window=self._on_window,
-                    run_dir=self.run_dir if self.rank == 0 else None,
-                )
-                self.add_sink(self.aggregator.on_steps)
+                start(self)
             except Exception as exc:  # noqa: BLE001
-                switch_off("window aggregation", exc)
+                switch_off(f"tracer extension {getattr(start, '__qualname__', start)!s}", exc)
         process.at_exit(self.close)
         if options.handle_sigterm:
             self._install_sigterm()
@@ -363,6 +371,11 @@ class Tracer:
         """
         self._sinks.append([fn, True])
 
+    def attach_aggregator(self, aggregator: Any) -> None:
+        """Feed ``aggregator.on_steps`` every new table of step records and close it with the tracer."""
+        self.aggregator = aggregator
+        self.add_sink(aggregator.on_steps)
+
     def attach_ddp(self, model: Any) -> Exchange:
         """Time this DDP model's gradient collectives (and exchange in-band when asked and agreed)."""
         before = len(self.inband.models)
@@ -447,10 +460,12 @@ class Tracer:
         pending = self._dev.oldest_pending_row()
         ring.ready = ring.head if pending is None else pending
 
-    def _on_finding(self, step: int, message: str) -> None:
+    def live_finding(self, step: int, message: str) -> None:
+        """A live detector's finding, kept as a ``live_finding`` event (the aggregator's thread)."""
         self.record_event("live_finding", step, detail=message)
 
-    def _on_window(self, window: int, received: list[int], missing: list[int]) -> None:
+    def window_gathered(self, window: int, received: list[int], missing: list[int]) -> None:
+        """Rank 0 processed a window: who reported and who did not (``window_gathered`` event)."""
         detail = json.dumps({"received": received, "missing": missing})
         self.record_event("window_gathered", window * self.options.window, value=len(received), detail=detail)
 

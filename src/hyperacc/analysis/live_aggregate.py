@@ -10,7 +10,8 @@ processed once every rank has reported, or ``grace_s`` after its first report, i
 ranks still absent are reported as missing. Nothing here can block training: a dead or slow store
 only delays or (after one log line) stops the summaries. Rank 0 hands each window's table to
 ``hyperacc.analysis.live.LiveDetector`` (when that module is present) and logs every line it returns.
-docs/tracing.md, "Live aggregation".
+``install()`` makes every later tracer of the process start one (the tracer itself never imports
+this layer). docs/tracing.md, "Live aggregation".
 """
 
 from __future__ import annotations
@@ -296,6 +297,38 @@ class WindowAggregator:
         self._write_gathered()
         if not self._store_given and self._store is not None:
             self._store = None
+
+
+def start_window_aggregation(tracer: Any) -> None:
+    """Attach a ``WindowAggregator`` to a new tracer whose ``window`` option asks for one."""
+    options = tracer.options
+    if options.window <= 0 or tracer.world_size <= 0:
+        return
+    try:
+        aggregator = WindowAggregator(
+            tracer.rank,
+            tracer.node,
+            tracer.world_size,
+            window=options.window,
+            grace_s=options.grace_s,
+            on_finding=tracer.live_finding,
+            on_window=tracer.window_gathered,
+            run_dir=tracer.run_dir if tracer.rank == 0 else None,
+        )
+        tracer.attach_aggregator(aggregator)
+    except Exception as exc:  # noqa: BLE001
+        switch_off("window aggregation", exc)
+
+
+def install() -> None:
+    """Every ``Tracer`` created in this process from now on aggregates windows live (its ``window`` option).
+
+    ``hyperacc run`` (bootstrap) and the framework callbacks call this before they start the tracer; a
+    script that builds its own ``Tracer`` calls it first to get live windows. Idempotent.
+    """
+    from hyperacc.trace.tracer import on_tracer_start
+
+    on_tracer_start(start_window_aggregation)
 
 
 def _node_count(world_size: int) -> int:

@@ -1,0 +1,179 @@
+"""One rank's steps reduced to findings (``reduce_rank``) and the cluster's running reduction of every
+rank (``_Cluster``): what ``run_dir.diagnose`` reads the run into, one rank at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.spikes import judge_spikes
+from hyperacc.analysis.windows import summarize_windows
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+_EMPTY_F = np.zeros(0)
+
+_EVENT = tuple[float, int, int, int, "str | None", str]  # (excess_ns, rank, node, step, phase, cause)
+
+
+@dataclasses.dataclass
+class RankFindings:
+    """What one rank contributes to the diagnosis (small: no per-step arrays beyond a few int columns)."""
+
+    rank: int
+    node: int
+    steps: np.ndarray  # every recorded step (warm-up included)
+    judged: np.ndarray  # steps judged for spikes
+    spikes: np.ndarray  # steps that spiked
+    comm_steps: np.ndarray  # steps with a measured wait in the collective ...
+    comm_wait: np.ndarray  # ... and that wait
+    windows: dict[str, np.ndarray]  # window summaries of the rank's typical (non-spike) steps
+    counts: dict[str, int]  # spikes per cause
+    time_lost: dict[str, float]  # excess ns per cause
+    events: list[_EVENT]  # the rank's largest spikes
+    judged_count: int = 0  # steps judged for spikes (kept when the arrays are dropped)
+    steps_seen: int = 0  # steps recorded, warm-up included (kept when the arrays are dropped)
+    cpu_measured: bool = False  # the rank's records carry CPU time (cpu_ns)
+    comm_clock: str = "host"  # the clock of comm_wait: host, or device where the rank measured it
+    # For the coordination view (analysis.coordination); steps after the warm-up:
+    timed_steps: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # steps with a step time ...
+    step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # ... and that step time
+    comm_step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # step time at comm_steps
+    self_median_ns: float = float("nan")  # median self-time (busy time where self-time was not measured)
+    step_total_ns: float = 0.0  # summed step time
+
+    @property
+    def main_cause(self) -> str | None:
+        return max(self.time_lost.items(), key=lambda kv: kv[1])[0] if self.time_lost else None
+
+
+def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: DetectionOptions) -> RankFindings:
+    """Pure reduction of one rank's columns (``columns.read_rank``) to its findings."""
+    all_steps = cols["step"]
+    keep = all_steps >= all_steps[0] + opts.warmup_steps if all_steps.size else np.zeros(0, dtype=bool)
+    cols = {k: v[keep] for k, v in cols.items()}
+    cols["node"] = np.full(cols["step"].size, node, dtype=np.int64)
+    cols["rank"] = np.full(cols["step"].size, rank, dtype=np.int64)
+    judged = judge_spikes(cols, opts)
+    sp, idx, causes, phases = judged.series, judged.idx, judged.causes, judged.phases
+    # Stragglers are judged on typical steps: a spike is a transient, counted in the spike rates. The
+    # same summary the live aggregation makes (warm-up already left out here).
+    windows = summarize_windows(cols, opts, first_step=int(cols["step"][0]) - opts.warmup_steps
+                                if cols["step"].size else None, spikes=judged)  # fmt: skip
+    excess = sp.excess[idx]
+    counts: dict[str, int] = {}
+    lost: dict[str, float] = {}
+    for cause in np.unique(causes) if idx.size else []:
+        sel = causes == cause
+        counts[str(cause)] = int(sel.sum())
+        lost[str(cause)] = float(excess[sel].sum())
+    steps = cols["step"]
+    events = [
+        (float(excess[i]), rank, node, int(steps[idx[i]]), phases[i], str(causes[i]))
+        for i in np.argsort(-excess)[: opts.top_events]
+    ]
+    # The wait in collectives on the device clock where the rank measured it (on NCCL the host wait is
+    # microseconds: the work completes when it is enqueued), else on the host clock.
+    comm, clock = cols["comm_wait_ns"], "host"
+    dev = cols.get("dev_comm_wait_ns")
+    if dev is not None and np.isfinite(dev).any():
+        comm, clock = dev, "device"
+    ok = ~np.isnan(comm)
+    step_ns = cols["step_ns"]
+    timed = ~np.isnan(step_ns)
+    return RankFindings(
+        rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
+        judged_count=int(sp.judged.sum()), steps_seen=int(all_steps.size),
+        cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
+        timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
+        self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
+    )  # fmt: skip
+
+
+def _self_median(cols: dict[str, np.ndarray]) -> float:
+    """A rank's typical work per step: median self-time, else median step time less the wait."""
+    for name in ("self_ns", "dev_self_ns"):
+        v = cols.get(name)
+        if v is not None and np.isfinite(v).any():
+            return float(np.nanmedian(v))
+    return float("nan")
+
+
+class _Cluster:
+    """Per-step facts merged over ranks: who reported, who spiked, who waited least.
+
+    Indexed sparsely: the arrays hold one entry per step some rank recorded (``steps``, sorted), so
+    memory follows the records, not the step numbers (a step numbered 10**12 costs one entry).
+    """
+
+    _FILL = {"present": False, "judged": False, "self_spike": False, "comm_min": np.inf, "comm_rank": -1,
+             "step_max": np.nan, "comm_max": -np.inf, "comm_sum": 0.0, "comm_step_sum": 0.0, "comm_ranks": 0}
+
+    def __init__(self) -> None:
+        self.steps = np.zeros(0, dtype=np.int64)  # every step any rank recorded, sorted
+        self.present = np.zeros(0, dtype=bool)  # any record (warm-up included)
+        self.judged = np.zeros(0, dtype=bool)  # any judged record
+        self.self_spike = np.zeros(0, dtype=bool)
+        self.comm_min = np.zeros(0)
+        self.comm_rank = np.zeros(0, dtype=np.int64)
+        # For the coordination view only (no detection rule reads them), after the warm-up:
+        self.step_max = np.zeros(0)  # the cluster's step time (the slowest rank's), NaN: not measured
+        self.comm_max = np.zeros(0)  # the largest wait
+        self.comm_sum = np.zeros(0)  # summed wait of the ranks that measured one ...
+        self.comm_step_sum = np.zeros(0)  # ... their summed step time ...
+        self.comm_ranks = np.zeros(0, dtype=np.int64)  # ... and how many they are
+
+    def cover(self, steps: np.ndarray) -> None:
+        """Make room for ``steps`` (sorted); existing facts keep their steps."""
+        pos = np.searchsorted(self.steps, steps)
+        inside = pos < self.steps.size
+        if inside.all() and np.array_equal(self.steps[pos], steps):
+            return
+        merged = np.union1d(self.steps, steps)
+        where = np.searchsorted(merged, self.steps)
+        for name, fill in self._FILL.items():
+            old = getattr(self, name)
+            new = np.full(merged.size, fill, dtype=old.dtype)
+            new[where] = old
+            setattr(self, name, new)
+        self.steps = merged
+
+    def index(self, steps: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.steps, steps)
+
+    def add(self, f: RankFindings) -> None:
+        self.cover(f.steps)
+        self.present[self.index(f.steps)] = True
+        self.judged[self.index(f.judged)] = True
+        self.self_spike[self.index(f.spikes)] = True
+        pos = self.index(f.comm_steps)
+        better = f.comm_wait < self.comm_min[pos]
+        self.comm_min[pos[better]] = f.comm_wait[better]
+        self.comm_rank[pos[better]] = f.rank
+        self._add_coordination(f, pos)
+
+    def _add_coordination(self, f: RankFindings, comm_pos: np.ndarray) -> None:
+        """Per-step step time and waits for ``analysis.coordination`` (each step once per rank)."""
+        tpos = self.index(f.timed_steps)
+        np.fmax.at(self.step_max, tpos, f.step_ns)
+        timed = ~np.isnan(f.comm_step_ns)
+        np.maximum.at(self.comm_max, comm_pos, f.comm_wait)
+        np.add.at(self.comm_sum, comm_pos[timed], f.comm_wait[timed])
+        np.add.at(self.comm_step_sum, comm_pos[timed], f.comm_step_ns[timed])
+        np.add.at(self.comm_ranks, comm_pos[timed], 1)
+
+    def culprits(self, window_steps: int) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
+        """The per-step culprit record by window: ({(rank, window): steps it waited least}, {window:
+        steps with a known culprit})."""
+        valid = self.comm_rank >= 0
+        steps = self.steps[valid]
+        win = steps // window_steps
+        rank = self.comm_rank[valid]
+        pairs, counts = np.unique(np.stack([rank, win]), axis=1, return_counts=True) if rank.size else (
+            np.zeros((2, 0), dtype=np.int64), np.zeros(0, dtype=np.int64))  # fmt: skip
+        known_w, known_n = np.unique(win, return_counts=True)
+        return (
+            {(int(r), int(w)): int(c) for (r, w), c in zip(pairs.T, counts, strict=True)},
+            dict(zip(known_w.tolist(), known_n.tolist(), strict=True)),
+        )
