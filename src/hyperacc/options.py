@@ -188,7 +188,7 @@ def load(
 ) -> T:
     """The dataclass ``cls`` from ``values``: unknown keys refused, each value checked against its
     field's annotation, then constructed (``__post_init__`` checks the ranges). ``prefix`` names a
-    nested part (``"gc."``: ``unknown gc option(s)``, ``stabilize.gc.interval``); ``source`` (a file,
+    nested part (``"faults[0]."``: ``unknown chaos.faults[0] option(s)``, ``chaos.faults[0].rate``); ``source`` (a file,
     an environment variable) starts the message when given."""
     try:
         if not isinstance(values, Mapping):
@@ -196,7 +196,7 @@ def load(
         known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         extra = set(values) - set(known)
         if extra:
-            raise unknown(prefix.rstrip(".") or section, extra, known)
+            raise unknown(f"{section}.{prefix.rstrip('.')}" if prefix else section, extra, known)
         hints = _hints(cls)
         checked = {}
         for name, value in values.items():  # types first, so that no range check compares a mistyped value
