@@ -76,16 +76,20 @@ def check(section: str, name: str, value: Any, ok: bool, allowed: str) -> None:
         raise invalid(section, name, value, allowed)
 
 
-def unknown(section: str | None, names: Any, known: Any, what: str = "option") -> OptionsError:
-    """``unknown <section> option(s) [...]; known: ...``."""
+def unknown(section: str | None, names: Any, known: Any, what: str = "option", plain: bool = False) -> OptionsError:
+    """``unknown <section> option(s) ['x']; known: ...``. The unknown names are quoted, so that a stray
+    space or an odd character shows; ``plain`` lists them bare (the tracer's message as it always was)."""
     label = f"{section} {what}" if section else what
-    return OptionsError(f"unknown {label}(s) {sorted(names)}; known: {', '.join(sorted(known))}")
+    listed = ", ".join(sorted(names)) if plain else str(sorted(names))
+    return OptionsError(f"unknown {label}(s) {listed}; known: {', '.join(sorted(known))}")
 
 
-def refuse_unknown(section: str | None, values: Mapping[str, Any], known: Any, what: str = "option") -> None:
+def refuse_unknown(
+    section: str | None, values: Mapping[str, Any], known: Any, what: str = "option", plain: bool = False
+) -> None:
     extra = set(values) - set(known)
     if extra:
-        raise unknown(section, extra, known, what)
+        raise unknown(section, extra, known, what, plain)
 
 
 # ---------------------------------------------------------------------- types from annotations
@@ -184,7 +188,13 @@ def check_fields(obj: Any, section: str, prefix: str = "") -> None:
 
 
 def load(
-    cls: type[T], values: Mapping[str, Any], section: str, *, source: str | None = None, prefix: str = ""
+    cls: type[T],
+    values: Mapping[str, Any],
+    section: str,
+    *,
+    source: str | None = None,
+    prefix: str = "",
+    plain: bool = False,
 ) -> T:
     """The dataclass ``cls`` from ``values``: unknown keys refused, each value checked against its
     field's annotation, then constructed (``__post_init__`` checks the ranges). ``prefix`` names a
@@ -196,7 +206,7 @@ def load(
         known = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
         extra = set(values) - set(known)
         if extra:
-            raise unknown(f"{section}.{prefix.rstrip('.')}" if prefix else section, extra, known)
+            raise unknown(f"{section}.{prefix.rstrip('.')}" if prefix else section, extra, known, plain=plain)
         hints = _hints(cls)
         checked = {}
         for name, value in values.items():  # types first, so that no range check compares a mistyped value

@@ -55,7 +55,7 @@ class TraceOptions:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> TraceOptions:
-        return load(cls, raw, SECTION) if raw else cls()
+        return load(cls, raw, SECTION, plain=True) if raw else cls()
 
     @classmethod
     def from_json(cls, text: str | None) -> TraceOptions:
