@@ -158,7 +158,7 @@ def main() -> None:
                 try:
                     import duckdb  # noqa: F401
                 except ImportError:
-                    rows.append((label, {"error": "duckdb not installed (pip install 'hyperacc[analysis]')"}))
+                    rows.append((label, {"error": "duckdb not installed (pip install 'hyperacc[bench]')"}))
                     continue
             if label.startswith("load-all") and load_all_mb > ram_mb / 2:
                 rows.append(

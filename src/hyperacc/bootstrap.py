@@ -53,23 +53,24 @@ def _optional(module: str, function: str) -> Any:
 
 def install() -> list[Any]:
     """Install chaos, tracing and stabilizers from the environment; returns what must be closed."""
-    from hyperacc.trace import ENV_RUN_DIR, TraceConfigError, install_auto
+    from hyperacc.options import OptionsError, env_text
+    from hyperacc.trace import ENV_RUN_DIR, install_auto
 
     closers: list[Any] = []
-    if os.environ.get("HYPERACC_CHAOS", "").strip():
+    if env_text("HYPERACC_CHAOS"):
         chaos = _optional("hyperacc.chaos", "install_from_env")
         if chaos is not None:
             closers.append(chaos)
-    pace = os.environ.get("HYPERACC_PACE", "").strip()
+    pace = env_text("HYPERACC_PACE")
     pacing = bool(pace) and pace != "0"
-    if os.environ.get(ENV_RUN_DIR, "").strip():
+    if env_text(ENV_RUN_DIR):
         from hyperacc.analysis import live_aggregate
 
         live_aggregate.install()  # rank 0 gathers every rank's window summaries (trace/ does not import it)
         try:
             # pacing reads every rank's arrival from the in-band exchange: it asks for it
             closers.append(install_auto(**({"inband": True} if pacing else {})))
-        except TraceConfigError as exc:
+        except OptionsError as exc:
             raise BootstrapError(f"hyperacc: {exc}") from None
     else:
         log.warning("hyperacc: %s is not set; the script runs without tracing", ENV_RUN_DIR)
@@ -78,14 +79,13 @@ def install() -> list[Any]:
         if auto is None:
             log.warning("hyperacc: pacing needs the tracer's in-band exchange (set %s); pacing is off", ENV_RUN_DIR)
         else:
-            from hyperacc.pacing.controller import PacingConfigError
             from hyperacc.pacing.runtime import PacingHook, config_from_json
 
             try:
                 PacingHook(config_from_json(pace)).attach(auto.tracer.inband)
-            except PacingConfigError as exc:
+            except OptionsError as exc:
                 raise BootstrapError(f"hyperacc: {exc}") from None
-    if os.environ.get("HYPERACC_STABILIZE", "").strip():
+    if env_text("HYPERACC_STABILIZE"):
         stabilizer = _optional("hyperacc.stabilize", "from_env")
         # Consumed here: a script that also starts stabilizers from the environment (as
         # examples/train_ddp.py does) must not start a second set.
@@ -95,7 +95,7 @@ def install() -> list[Any]:
             auto = closers[-1] if closers and hasattr(closers[-1], "add_step_callback") else None
             if auto is not None and hasattr(stabilizer, "step"):
                 auto.add_step_callback(stabilizer.step)  # the script does not call step(): the tracer does
-    remediate = os.environ.get("HYPERACC_REMEDIATE", "").strip()
+    remediate = env_text("HYPERACC_REMEDIATE")
     if remediate and remediate != "off":  # off: nothing is installed, nothing runs in the step
         from hyperacc.remediation.live import install as install_remediation
 
@@ -113,18 +113,18 @@ def install() -> list[Any]:
 
 def _metrics_endpoint() -> Any:
     """Rank 0 serves every rank's Prometheus metrics when ``hyperacc run --metrics-port`` asked for it."""
+    from hyperacc import process
+    from hyperacc.options import env_text
     from hyperacc.supervisor import METRICS_ENV
     from hyperacc.trace import ENV_RUN_DIR
 
-    address = os.environ.get(METRICS_ENV, "").strip()
-    run_dir = os.environ.get(ENV_RUN_DIR, "").strip()
-    if not address or not run_dir or os.environ.get("RANK", "0") != "0":
+    address, run_dir, here = env_text(METRICS_ENV), env_text(ENV_RUN_DIR), process.place()
+    if not address or not run_dir or here.rank != 0:
         return None
     try:
         from hyperacc.present.metrics import RunDirEndpoint
 
-        world = os.environ.get("WORLD_SIZE", "")
-        return RunDirEndpoint(run_dir, address, world_size=int(world) if world.isdigit() else None)
+        return RunDirEndpoint(run_dir, address, world_size=here.world_size)
     except Exception as exc:  # noqa: BLE001 - the endpoint is a convenience; training goes on
         log.warning("hyperacc: metrics endpoint %s not served: %r", address, exc)
         return None

@@ -55,13 +55,14 @@ import os
 import tempfile
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from hyperacc import process
+from hyperacc.options import OptionsError, check, env_text, invalid, load, parse_json, refuse_unknown
 from hyperacc.schema import chaos_path
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,7 @@ KINDS = ("slowdown", "spike", "data_stall", "gc_pressure", "cold_read", "competi
 _DISTS = ("fixed", "exp", "lognormal")
 
 
-class ChaosConfigError(ValueError):
-    """An impossible or unknown chaos setting; the message names it."""
+ChaosConfigError = OptionsError  # the name before the one options error; public, kept as an alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,44 +96,49 @@ class Fault:
         return self.ranks is None or rank in self.ranks
 
 
-_FAULT_KEYS = {f.name for f in dataclasses.fields(Fault)}
-
-
 def parse_config(config: Mapping[str, Any] | str) -> tuple[int, list[Fault], str | None]:
     """Validate a chaos configuration; returns (seed, faults, run_dir)."""
     if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except ValueError as exc:
-            raise ChaosConfigError(f"{ENV} is not valid JSON ({exc}); see hyperacc.chaos for the format") from None
+        config = parse_json(config, ENV, '{"seed": 1, "faults": [{"kind": "spike", "rate": 0.01, "ms": 40}]}')
     if not isinstance(config, Mapping):
-        raise ChaosConfigError("chaos configuration must be a JSON object with 'seed' and 'faults'")
-    unknown = set(config) - {"seed", "faults", "run_dir"}
-    if unknown:
-        raise ChaosConfigError(f"unknown chaos option(s) {sorted(unknown)}; allowed: seed, faults, run_dir")
-    seed = int(config.get("seed", 0))
+        raise OptionsError("chaos configuration must be a JSON object with 'seed' and 'faults'")
+    refuse_unknown("chaos", config, ("seed", "faults", "run_dir"))
+    seed = config.get("seed", 0)
+    check("chaos", "seed", seed, isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0,
+          "an integer >= 0")  # fmt: skip
+    run_dir = config.get("run_dir")
+    check("chaos", "run_dir", run_dir, run_dir is None or isinstance(run_dir, str), "a path or null")
+    raws = config.get("faults", [])
+    check("chaos", "faults", raws, isinstance(raws, (list, tuple)), "a list of faults")
     faults = []
-    for i, raw in enumerate(config.get("faults", [])):
+    for i, raw in enumerate(raws):
+        where = f"faults[{i}]"
         if not isinstance(raw, Mapping) or raw.get("kind") not in KINDS:
-            raise ChaosConfigError(f"fault #{i}: 'kind' must be one of {', '.join(KINDS)} (got {raw!r})")
-        bad = set(raw) - _FAULT_KEYS
-        if bad:
-            raise ChaosConfigError(f"fault #{i} ({raw['kind']}): unknown option(s) {sorted(bad)}")
+            kind = raw.get("kind") if isinstance(raw, Mapping) else raw
+            raise invalid("chaos", f"{where}.kind", kind, f"one of {', '.join(KINDS)}")
         ranks = raw.get("ranks", "all")
-        ranks_t = None if ranks == "all" else tuple(int(r) for r in (ranks if isinstance(ranks, Sequence) else [ranks]))
-        fault = Fault(**{**raw, "ranks": ranks_t})
-        if not 0.0 <= fault.rate <= 1.0:
-            raise ChaosConfigError(f"fault #{i} ({fault.kind}): rate must be in [0, 1] (got {fault.rate})")
-        if fault.procs < 1 or fault.cpu < -1:
-            raise ChaosConfigError(f"fault #{i} ({fault.kind}): procs must be >= 1 and cpu >= -1")
-        if fault.ms < 0 or fault.factor < 0 or fault.mb <= 0 or fault.live < 0 or fault.garbage < 0:
-            raise ChaosConfigError(f"fault #{i} ({fault.kind}): sizes and durations must be non-negative")
-        if fault.work not in ("spin", "matmul"):
-            raise ChaosConfigError(f"fault #{i}: work must be 'spin' or 'matmul' (got {fault.work!r})")
-        if fault.dist not in _DISTS:
-            raise ChaosConfigError(f"fault #{i}: dist must be one of {', '.join(_DISTS)} (got {fault.dist!r})")
+        if ranks == "all":
+            ranks = None
+        elif isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = (ranks,)
+        elif not isinstance(ranks, (list, tuple)):
+            raise invalid("chaos", f"{where}.ranks", ranks, "'all', a rank or a list of ranks")
+        fault = load(Fault, {**raw, "ranks": ranks}, "chaos", prefix=f"{where}.")
+        for name, ok, allowed in (
+            ("rate", 0.0 <= fault.rate <= 1.0, "in [0, 1]"),
+            ("procs", fault.procs >= 1, ">= 1"),
+            ("cpu", fault.cpu >= -1, ">= -1 (-1: the rank's own CPUs)"),
+            ("ms", fault.ms >= 0, ">= 0"),
+            ("factor", fault.factor >= 0, ">= 0"),
+            ("mb", fault.mb > 0, "> 0"),
+            ("live", fault.live >= 0, ">= 0"),
+            ("garbage", fault.garbage >= 0, ">= 0"),
+            ("work", fault.work in ("spin", "matmul"), "'spin' or 'matmul'"),
+            ("dist", fault.dist in _DISTS, f"one of {', '.join(_DISTS)}"),
+        ):
+            check("chaos", f"{where}.{name}", getattr(fault, name), ok, allowed)
         faults.append(fault)
-    return seed, faults, config.get("run_dir")
+    return seed, faults, run_dir
 
 
 def burn_ns(duration_ns: int) -> None:
@@ -182,10 +187,11 @@ class Chaos:
         run_dir: str | os.PathLike | None = None,
     ) -> None:
         self.seed, faults, cfg_run_dir = parse_config(config)
-        self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
-        self.node = int(os.environ.get("GROUP_RANK", "0")) if node is None else node
+        place = process.place()
+        self.rank = place.rank if rank is None else rank
+        self.node = place.node if node is None else node
         self.faults = [(i, f) for i, f in enumerate(faults) if f.applies_to(self.rank)]
-        run_dir = run_dir or cfg_run_dir or os.environ.get("HYPERACC_RUN_DIR")
+        run_dir = run_dir or cfg_run_dir or env_text("HYPERACC_RUN_DIR") or None
         self.truth_path = chaos_path(run_dir, self.rank) if run_dir else None
         self._pending: list[str] = []
         self._step = 0
@@ -521,7 +527,7 @@ _installed: Chaos | None = None
 
 def from_env(**kwargs: Any) -> Chaos | None:
     """The Chaos configured by ``HYPERACC_CHAOS``, or None when it is unset or empty."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = env_text(ENV)
     return Chaos(raw, **kwargs) if raw else None
 
 

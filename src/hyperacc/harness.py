@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +74,6 @@ class JobResult:
                 lines.append(f"--- rank {r} wrote no result; stderr tail:\n{rr.stderr[-3000:]}")
         lines.append(f"--- launcher output tail:\n{self.launcher_output[-3000:]}")
         return "\n".join(lines)
-
-
-class HarnessError(RuntimeError):
-    pass
 
 
 def free_port() -> int:
@@ -232,7 +228,7 @@ def write_result(obj: Mapping[str, Any], rank: int | None = None) -> Path | None
     directory = os.environ.get(RESULT_DIR_ENV)
     if not directory:
         return None
-    rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+    rank = process.place().rank if rank is None else rank
     path = Path(directory) / f"rank-{rank}.json"
     tmp = path.with_suffix(".tmp")
     with tmp.open("w") as fh:
@@ -241,14 +237,6 @@ def write_result(obj: Mapping[str, Any], rank: int | None = None) -> Path | None
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return path
-
-
-def at_finish(fn: Callable[[], None]) -> None:
-    """Run ``fn`` in ``finish()`` before the process exits (``os._exit`` skips ``atexit``).
-
-    The same registry as ``hyperacc.process.at_exit``, kept under this name for scripts that use it.
-    """
-    process.at_exit(fn)
 
 
 def finish(code: int = 0) -> None:

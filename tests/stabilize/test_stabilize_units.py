@@ -166,7 +166,11 @@ def test_host_allocator_detection() -> None:
     libc = ctypes.CDLL(None)
     if hasattr(libc, "gnu_get_libc_version") and not os.environ.get("LD_PRELOAD"):
         assert alloc.name == "glibc"
-    assert memory.release(alloc) >= 0
+    # release() calls the allocator's release function and returns how long the call took: a real call
+    # takes time (the return of freed memory itself is measured in RSS by the probes below); an
+    # allocator with nothing to call gives 0.
+    ns = memory.release(alloc)
+    assert ns > 0 if alloc.can_release else ns == 0, (alloc.name, ns)
     none = memory.detect_host_allocator(types.SimpleNamespace())  # a symbol table without any allocator
     assert none.name == "none" and memory.release(none) == 0
     assert memory.hold_freed_memory(none).startswith("no known allocator")

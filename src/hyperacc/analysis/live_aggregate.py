@@ -19,7 +19,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from hyperacc import process
 from hyperacc.analysis.columns import ANALYSIS_COLUMNS
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.windows import WindowStream, rows_table
@@ -46,19 +46,19 @@ def connect_store(timeout_s: float = 10.0) -> Any:
     """
     import torch.distributed as dist
 
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    here = process.place()
+    addr, port = here.master_addr, here.master_port
     timeout = datetime.timedelta(seconds=timeout_s)
     if addr and port:
-        return dist.TCPStore(addr, int(port), None, False, timeout=timeout, wait_for_workers=False)
+        return dist.TCPStore(addr, port, None, False, timeout=timeout, wait_for_workers=False)
     if dist.is_available() and dist.is_initialized():
         return dist.distributed_c10d._get_default_store()
     return None
 
 
 def _prefix() -> str:
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"hyperacc/windows/{run}/{restart}/"
+    here = process.place()
+    return f"hyperacc/windows/{here.run_id}/{here.restart_count}/"
 
 
 def step_columns(table: pa.Table, rank: int, node: int) -> dict[str, np.ndarray]:
@@ -332,11 +332,7 @@ def install() -> None:
 
 
 def _node_count(world_size: int) -> int:
-    try:
-        return int(os.environ["GROUP_WORLD_SIZE"])
-    except (KeyError, ValueError):
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-        return max(math.ceil(world_size / max(local, 1)), 1)
+    return process.place().node_count(world_size)
 
 
 def _ranges(ranks: list[int]) -> str:

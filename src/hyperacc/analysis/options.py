@@ -7,9 +7,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
+from hyperacc.options import check, check_fields, load
 from hyperacc.theory import DEFAULT_TARGET
+
+SECTION = "detection"
 
 # Window metrics judged for stragglers, and the straggler kind each one names. Forward and backward
 # are judged where the summaries carry them: a slow forward stands out more clearly than the whole
@@ -55,7 +56,8 @@ class DetectionOptions:
     """Thresholds of the detection rules (docs/detection.md names each one).
 
     Validated on construction: a value that is not a finite number of the right kind and range raises
-    ``ValueError`` with a message that names the option and what is allowed.
+    ``hyperacc.options.OptionsError`` (a ``ValueError``) with a message that names the option and what
+    is allowed.
     """
 
     # -- eligibility
@@ -98,43 +100,31 @@ class DetectionOptions:
     ranks_per_node: int | None = None  # None: measured (ranks of the largest node)
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in _INT_BOUNDS:
-                if value is None and f.name == "ranks_per_node":
-                    continue
-                _check_int(f.name, value, _INT_BOUNDS[f.name])
-            elif f.name in _FLOAT_BOUNDS:
-                _check_float(f.name, value, *_FLOAT_BOUNDS[f.name])
-        if self.target >= 1.0:
-            raise ValueError(f"target must be a probability > 0 and < 1 (got {self.target!r})")
-        if self.outlier_rule not in ("and", "or"):
-            raise ValueError(f"outlier_rule must be 'and' or 'or' (got {self.outlier_rule!r})")
-        if self.spike_metric not in ("self_ns", "busy_ns"):
-            raise ValueError(f"spike_metric must be 'self_ns' or 'busy_ns' (got {self.spike_metric!r})")
-        if self.persist_k > self.persist_n:
-            raise ValueError(
-                f"persist_k must be <= persist_n (got persist_k={self.persist_k}, persist_n={self.persist_n})"
-            )
-        if self.min_ranks < 3:
-            raise ValueError(
-                f"min_ranks must be >= 3 (got {self.min_ranks}): with two ranks no robust test can tell "
-                "which one is slow"
-            )
+        check_fields(self, SECTION)
+        for name, least in _INT_BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                check(SECTION, name, value, value >= least, f">= {least}")
+        for name, (least, most, closed) in _FLOAT_BOUNDS.items():
+            v = getattr(self, name)
+            lo = f">= {least:g}" if closed else f"> {least:g}"
+            hi = "" if most == math.inf else f" and <= {most:g}"
+            check(SECTION, name, v, (v >= least if closed else v > least) and v <= most, lo + hi)
+        check(SECTION, "target", self.target, self.target < 1.0, "a probability > 0 and < 1")
+        check(SECTION, "outlier_rule", self.outlier_rule, self.outlier_rule in ("and", "or"), "'and' or 'or'")
+        check(SECTION, "spike_metric", self.spike_metric, self.spike_metric in ("self_ns", "busy_ns"),
+              "'self_ns' or 'busy_ns'")  # fmt: skip
+        check(SECTION, "persist_k", self.persist_k, self.persist_k <= self.persist_n,
+              f"<= persist_n ({self.persist_n})")  # fmt: skip
+        check(SECTION, "min_ranks", self.min_ranks, self.min_ranks >= 3,
+              ">= 3: with two ranks no robust test can tell which one is slow")  # fmt: skip
         nodes = self.projection_nodes
-        if isinstance(nodes, (str, bytes)) or not isinstance(nodes, (tuple, list)):
-            raise ValueError(f"projection_nodes must be a list of node counts >= 1 (got {nodes!r})")
-        for n in nodes:
-            _check_int("projection_nodes", n, 1)
-        object.__setattr__(self, "projection_nodes", tuple(int(n) for n in nodes))
+        check(SECTION, "projection_nodes", nodes, all(n >= 1 for n in nodes), ">= 1 (every node count)")
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> DetectionOptions:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown detection option(s) {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in options.items() if v is not None})
+        """Unset options (None) keep their defaults."""
+        return load(cls, {k: v for k, v in options.items() if v is not None}, SECTION)
 
     @property
     def steps_to_confirm(self) -> int:
@@ -177,22 +167,3 @@ _FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "target": (0.0, 1.0, False),
 }
 
-
-def _check_int(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer >= {least} (got {value!r})")
-    if value < least:
-        raise ValueError(f"{name} must be >= {least} (got {value})")
-
-
-def _check_float(name: str, value: Any, least: float, most: float, closed: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{name} must be a number (got {value!r})")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be a finite number (got {value!r})")
-    low_ok = v >= least if closed else v > least
-    if not low_ok or v > most:
-        lo = f">= {least:g}" if closed else f"> {least:g}"
-        hi = "" if most == math.inf else f" and <= {most:g}"
-        raise ValueError(f"{name} must be {lo}{hi} (got {value!r})")

@@ -6,10 +6,6 @@ left out of every median, quantile and count, never read as zero. Rules and defa
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from collections.abc import Iterator
-
 import numpy as np
 from scipy.ndimage import median_filter
 
@@ -156,11 +152,3 @@ def _binom_sf_one(k: float, n: float, p: float) -> float:
     logpmf = log_c + jj * math.log(p) + (n - jj) * math.log1p(-p)
     top = float(logpmf.max())
     return float(min(1.0, math.exp(top) * np.exp(logpmf - top).sum()))
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Silence numpy's 'All-NaN slice' RuntimeWarnings: an all-missing slice is an answer (NaN)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield

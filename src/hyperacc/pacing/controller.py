@@ -17,6 +17,7 @@ import math
 
 import numpy as np
 
+from hyperacc.options import OptionsError, check, check_fields
 from hyperacc.stats import median_inplace
 
 _SQRT_HALF_PI = math.sqrt(math.pi / 2)  # standard deviation / mean absolute deviation of a normal
@@ -32,8 +33,7 @@ def noise_range_factor(ranks: int) -> float:
     return 2.0 * expected_max_normal(ranks)
 
 
-class PacingConfigError(ValueError):
-    """An impossible pacing setting; the message names it and its allowed range."""
+PacingConfigError = OptionsError  # the name before the one options error; public, kept as an alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,8 @@ class PacingConfig:
     arrivals_include_delay: bool = True  # the measured arrival/wait contain the delay this controller set
 
     def __post_init__(self) -> None:
-        checks = [
+        check_fields(self, "pacing")
+        for name, ok, allowed in (
             ("alpha", 0.0 < self.alpha <= 1.0, "in (0, 1]"),
             ("clip", self.clip > 0, "> 0"),
             ("clip_floor", self.clip_floor >= 0, ">= 0"),
@@ -74,12 +75,8 @@ class PacingConfig:
             ("max_delay_ns", self.max_delay_ns >= 0, ">= 0"),
             ("max_delay_frac", 0.0 <= self.max_delay_frac < 1.0, "in [0, 1)"),
             ("signal", self.signal in ("arrival", "wait"), "'arrival' or 'wait'"),
-        ]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise PacingConfigError(
-                    f"pacing {name}={getattr(self, name)!r} is invalid: it must be {allowed}"
-                )
+        ):
+            check("pacing", name, getattr(self, name), ok, allowed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +132,7 @@ class PacingController:
 
     def _allocate(self, ranks: int) -> None:
         if ranks < 1:
-            raise PacingConfigError(f"pacing needs at least one rank (got {ranks})")
+            raise OptionsError(f"pacing needs at least one rank (got {ranks})")
         self.ranks = ranks
         f = np.float64
         self._mean = np.zeros(ranks, f)  # robust EWMA of each rank's natural arrival

@@ -36,8 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from hyperacc.pacing.controller import PacingConfig, PacingConfigError, PacingController
-from hyperacc.process import env_int
+from hyperacc.options import load, parse_json
+from hyperacc.pacing.controller import PacingConfig, PacingController
+from hyperacc.process import place
 
 log = logging.getLogger("hyperacc.pacing")
 
@@ -62,7 +63,7 @@ class PacingHook:
         world_size: int | None = None,
     ) -> None:
         self.config = config or PacingConfig()
-        self.rank = env_int("RANK", 0) if rank is None else rank
+        self.rank = place().rank if rank is None else rank
         self.world_size = world_size
         self.controller = PacingController(self.config, ranks=world_size)
         self.enabled = True
@@ -362,20 +363,7 @@ ENV = "HYPERACC_PACE"
 
 def config_from_json(text: str) -> PacingConfig:
     """``HYPERACC_PACE``: ``1`` for the defaults, or a JSON object of ``PacingConfig`` fields."""
-    import dataclasses
-    import json
-
     text = text.strip()
     if text in ("1", "true", "on", ""):
         return PacingConfig()
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise PacingConfigError(f"{ENV} must be 1 or a JSON object of pacing settings ({exc})") from None
-    if not isinstance(raw, dict):
-        raise PacingConfigError(f"{ENV} must be 1 or a JSON object of pacing settings (got {text!r})")
-    known = {f.name for f in dataclasses.fields(PacingConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise PacingConfigError(f"unknown pacing setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return PacingConfig(**raw)
+    return load(PacingConfig, parse_json(text, ENV, '{"gain": 0.5}, or 1 for the defaults'), "pacing")

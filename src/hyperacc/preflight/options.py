@@ -12,14 +12,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.options import OptionsError, check, check_fields, load, parse_json
 
 ENV = "HYPERACC_DOCTOR"  # the options as JSON, for the ranks
 ENV_OUT = "HYPERACC_DOCTOR_OUT"  # where each node's local rank 0 writes the gathered measurements
 _RULE = DetectionOptions()  # the cross-rank outlier rule's defaults, defined once (docs/detection.md)
+SECTION = "doctor"
 
-
-class DoctorConfigError(ValueError):
-    """An impossible doctor setting; the message names it."""
+DoctorConfigError = OptionsError  # the name before the one options error; public, kept as an alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,20 +40,18 @@ class DoctorOptions:
     iqr_k: float = _RULE.iqr_k
 
     def __post_init__(self) -> None:
-        if not self.seconds > 0:
-            raise DoctorConfigError(f"--seconds must be > 0 (got {self.seconds})")
-        if self.rounds < 1:
-            raise DoctorConfigError(f"rounds must be >= 1 (got {self.rounds})")
-        if not 1 <= self.persist_k <= self.rounds:
-            raise DoctorConfigError(
-                f"persist_k must be between 1 and rounds={self.rounds} (got {self.persist_k})"
-            )
-        if self.read_bytes < 512 or self.memory_mb < 1 or self.exchange_mb < 1:
-            raise DoctorConfigError("read_bytes must be >= 512, memory_mb and exchange_mb >= 1")
-        if self.matmul_n is not None and self.matmul_n < 16:
-            raise DoctorConfigError(f"matmul_n must be >= 16 (got {self.matmul_n})")
-        if self.min_slowdown < 0:
-            raise DoctorConfigError(f"min_slowdown must be >= 0 (got {self.min_slowdown})")
+        check_fields(self, SECTION)
+        for name, ok, allowed in (
+            ("seconds", self.seconds > 0, "> 0"),
+            ("rounds", self.rounds >= 1, ">= 1"),
+            ("persist_k", 1 <= self.persist_k <= self.rounds, f"between 1 and rounds ({self.rounds})"),
+            ("read_bytes", self.read_bytes >= 512, ">= 512"),
+            ("memory_mb", self.memory_mb >= 1, ">= 1"),
+            ("exchange_mb", self.exchange_mb >= 1, ">= 1"),
+            ("matmul_n", self.matmul_n is None or self.matmul_n >= 16, ">= 16 or null"),
+            ("min_slowdown", self.min_slowdown >= 0, ">= 0"),
+        ):
+            check(SECTION, name, getattr(self, name), ok, allowed)
         self.detection()  # the shared rules validate the rest
 
     def detection(self) -> DetectionOptions:
@@ -67,26 +65,16 @@ class DoctorOptions:
                 z_threshold=self.z_threshold,
                 iqr_k=self.iqr_k,
             )
-        except ValueError as exc:
-            raise DoctorConfigError(str(exc)) from None
+        except OptionsError as exc:
+            raise exc.within(SECTION) from None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> DoctorOptions:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise DoctorConfigError(f"unknown doctor option(s) {unknown}; known: {', '.join(sorted(known))}")
-        return cls(**values)
+        return load(cls, values, SECTION)
 
     @classmethod
     def from_json(cls, text: str) -> DoctorOptions:
-        try:
-            values = json.loads(text)
-        except ValueError as exc:
-            raise DoctorConfigError(f"{ENV} is not valid JSON ({exc})") from None
-        if not isinstance(values, dict):
-            raise DoctorConfigError(f"{ENV} must be a JSON object")
-        return cls.from_mapping(values)
+        return cls.from_mapping(parse_json(text, ENV))

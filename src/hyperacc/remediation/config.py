@@ -14,13 +14,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hyperacc import options
+from hyperacc.options import OptionsError, check, check_fields
+
 ENV = "HYPERACC_REMEDIATE"
 MODES = ("off", "dry-run", "auto")
 EXCLUDE_FILE = "hosts.exclude"  # default name of the exclusion file in the run directory
+SECTION = "remediation"
 
-
-class RemediationConfigError(ValueError):
-    """An impossible remediation setting; the message names it."""
+RemediationConfigError = OptionsError  # the name before the one options error; public, kept as an alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,21 +47,23 @@ class RemediationConfig:
     memory_min_spikes: int = 3
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise RemediationConfigError(f"remediation mode must be one of {', '.join(MODES)} (got {self.mode!r})")
-        if self.min_nodes is not None and self.min_nodes < 1:
-            raise RemediationConfigError(f"min_nodes must be >= 1 (got {self.min_nodes})")
-        if self.max_drains < 0:
-            raise RemediationConfigError(f"max_drains must be >= 0 (got {self.max_drains})")
-        if self.drain_hold_windows < 0 or self.drain_cooldown_steps < 0 or self.gc_lead_steps < 1:
-            raise RemediationConfigError("drain_hold_windows, drain_cooldown_steps must be >= 0, gc_lead_steps >= 1")
-        if not self.drain_min_slowdown >= 0 or not self.signal_timeout_s > 0 or not self.switch_lead_s >= 0:
-            raise RemediationConfigError("drain_min_slowdown, switch_lead_s must be >= 0 and signal_timeout_s > 0")
-        if not isinstance(self.drain_kinds, tuple) or not all(isinstance(k, str) for k in self.drain_kinds):
-            raise RemediationConfigError(f"drain_kinds must be a list of kinds (got {self.drain_kinds!r})")
-        for name in ("gc_min_share", "memory_min_share"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise RemediationConfigError(f"{name} must be a share in [0, 1] (got {getattr(self, name)})")
+        check_fields(self, SECTION)
+        for name, ok, allowed in (
+            ("mode", self.mode in MODES, f"one of {', '.join(MODES)}"),
+            ("min_nodes", self.min_nodes is None or self.min_nodes >= 1, ">= 1 or null"),
+            ("max_drains", self.max_drains >= 0, ">= 0"),
+            ("drain_min_slowdown", self.drain_min_slowdown >= 0, ">= 0"),
+            ("drain_hold_windows", self.drain_hold_windows >= 0, ">= 0"),
+            ("drain_cooldown_steps", self.drain_cooldown_steps >= 0, ">= 0"),
+            ("signal_timeout_s", self.signal_timeout_s > 0, "> 0"),
+            ("gc_min_share", 0 <= self.gc_min_share <= 1, "a share in [0, 1]"),
+            ("gc_min_spikes", self.gc_min_spikes >= 0, ">= 0"),
+            ("gc_lead_steps", self.gc_lead_steps >= 1, ">= 1"),
+            ("switch_lead_s", self.switch_lead_s >= 0, ">= 0"),
+            ("memory_min_share", 0 <= self.memory_min_share <= 1, "a share in [0, 1]"),
+            ("memory_min_spikes", self.memory_min_spikes >= 0, ">= 0"),
+        ):
+            check(SECTION, name, getattr(self, name), ok, allowed)
 
     @property
     def acting(self) -> bool:
@@ -79,20 +83,8 @@ class RemediationConfig:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> RemediationConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise RemediationConfigError(
-                f"unknown remediation option(s) {unknown}; known: {', '.join(sorted(known))}"
-            )
-        values = dict(values)
-        if isinstance(values.get("drain_kinds"), list):
-            values["drain_kinds"] = tuple(values["drain_kinds"])
-        try:
-            return cls(**values)
-        except TypeError as exc:
-            raise RemediationConfigError(f"bad remediation option: {exc}") from None
+    def from_mapping(cls, values: Mapping[str, Any], source: str | None = None) -> RemediationConfig:
+        return options.load(cls, values, SECTION, source=source)
 
     @classmethod
     def parse(cls, text: str) -> RemediationConfig:
@@ -102,25 +94,20 @@ class RemediationConfig:
         if text in MODES:
             return cls(mode=text)
         if not text.startswith("{") and Path(text).suffix.lower() == ".toml":
-            from hyperacc.stabilize.config import load_config
-
-            try:
-                values = load_config(text, what="remediation policy")
-            except ValueError as exc:
-                raise RemediationConfigError(str(exc)) from None
-            values = values.get("remediate", values) if isinstance(values.get("remediate"), dict) else values
-            return cls.from_mapping(values)
+            values = options.read_file(text, what="remediation policy")
+            return cls.from_mapping(options.table(values, "remediate"), source=text)
+        source = None
         if not text.startswith("{") and Path(text).is_file():
-            text = Path(text).read_text()
+            source, text = text, Path(text).read_text()
         try:
             values = json.loads(text)
         except ValueError as exc:
-            raise RemediationConfigError(
+            raise OptionsError(
                 f"remediation must be off, dry-run, auto, a JSON object, or a JSON or TOML file (not valid JSON: {exc})"
             ) from None
         if not isinstance(values, dict):
-            raise RemediationConfigError("remediation settings must be a JSON object")
-        return cls.from_mapping(values)
+            raise OptionsError("remediation settings must be a JSON object")
+        return cls.from_mapping(values, source=source)
 
     @classmethod
     def from_env(cls) -> RemediationConfig | None:
@@ -146,13 +133,13 @@ def launch_settings(text: str, *, nnodes: str | None = None, max_restarts: str |
       torchrun's own store, pytorch#135712);
     * in ``auto`` mode an elastic job's ``--max-restarts`` is raised to ``max_drains`` when lower (each
       drain restarts the other nodes once).
-    Raises ``RemediationConfigError`` with one line naming the problem."""
+    Raises ``OptionsError`` with one line naming the problem."""
     try:
         config = RemediationConfig.parse(text)
-    except RemediationConfigError:
+    except OptionsError:
         raise
     except (ValueError, TypeError, OSError, RecursionError) as exc:  # unreadable file, odd bytes, deep JSON
-        raise RemediationConfigError(f"cannot read the remediation settings ({type(exc).__name__}: {exc})") from None
+        raise OptionsError(f"cannot read the remediation settings ({type(exc).__name__}: {exc})") from None
     if config.mode == "off":
         return LaunchSettings(config, {}, None, ())
     notes: list[str] = []

@@ -15,14 +15,14 @@ import os
 
 import numpy as np
 
+from hyperacc.options import OptionsError
 from hyperacc.pacing.controller import PacingConfig
 
 SPIKE_DISTS = ("fixed", "exp", "lognormal")
 COMM_SCALES = ("fabric", "none")
 
 
-class SimConfigError(ValueError):
-    """An impossible simulator setting; the message names it and what is allowed."""
+SimConfigError = OptionsError  # the name before the one options error; public, kept as an alias
 
 
 def _check(name: str, ok: bool, allowed: str, value: object) -> None:

@@ -1,21 +1,24 @@
 """Stabilizer configuration: one frozen dataclass per part, validated on construction, and the readers
 that build them from keyword arguments, a TOML/JSON file or a parsed mapping.
 
-Each part is on (its options), or off (None). Unknown keys and impossible values raise ``ValueError``
-naming the key and the valid ones. Defaults: docs/stabilizers.md.
+Each part is on (its options), or off (None). Unknown keys and mistyped or impossible values raise
+``hyperacc.options.OptionsError`` (a ``ValueError``) naming the key (``memory.interval``) and what is
+allowed. Defaults: docs/stabilizers.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
+from hyperacc import options
+from hyperacc.options import OptionsError, check, check_fields, invalid
 from hyperacc.stabilize.gc_schedule import GCOptions
 from hyperacc.stabilize.sync_audit import AuditOptions
+
+SECTION = "stabilize"
 
 DEFAULT_RELEASE_INTERVAL = 400  # memory release every N steps when there is no GC schedule to follow
 
@@ -27,14 +30,18 @@ class MemoryOptions:
     release_on_valve: bool = True  # also release when the GC safety valve fires
 
     def __post_init__(self) -> None:
-        if self.interval is not None and (isinstance(self.interval, bool) or not isinstance(self.interval, int)
-                                          or self.interval < 1):  # fmt: skip
-            raise ValueError(f"memory.interval must be a whole number of steps >= 1 (got {self.interval!r})")
+        check_fields(self, SECTION, "memory.")
+        interval = self.interval
+        check(SECTION, "memory.interval", interval, interval is None or interval >= 1,
+              "a whole number of steps >= 1 or null")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class AllocatorOptions:
     expandable_segments: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, SECTION, "allocator.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +55,10 @@ class AffinityOptions:
     local_rank: int | None = None  # None: LOCAL_RANK
 
     def __post_init__(self) -> None:
-        if not isinstance(self.workers_per_rank, int) or self.workers_per_rank < 0:
-            raise ValueError(f"affinity.workers_per_rank must be >= 0 (got {self.workers_per_rank!r})")
-        if self.main_cores is not None and (not isinstance(self.main_cores, int) or self.main_cores < 1):
-            raise ValueError(f"affinity.main_cores must be >= 1 or null (got {self.main_cores!r})")
+        check_fields(self, SECTION, "affinity.")
+        check(SECTION, "affinity.workers_per_rank", self.workers_per_rank, self.workers_per_rank >= 0, ">= 0")
+        main = self.main_cores
+        check(SECTION, "affinity.main_cores", main, main is None or main >= 1, ">= 1 or null")
 
 
 PARTS: dict[str, type] = {
@@ -76,10 +83,7 @@ class StabilizeConfig:
     run_dir: str | None = None  # where close() writes the records as events (EVENT_SCHEMA)
 
     def __post_init__(self) -> None:
-        for part, cls in PARTS.items():
-            value = getattr(self, part)
-            if value is not None and not isinstance(value, cls):
-                raise ValueError(f"{part} must be {cls.__name__} or None (got {type(value).__name__})")
+        check_fields(self, SECTION)  # each part its options class or None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -106,18 +110,15 @@ def _part_options(part: str, value: Any, source: str) -> Any:
     if isinstance(value, cls):
         return value
     if not isinstance(value, Mapping):
-        raise ValueError(f"{source}: {part} must be true, false or a table of options (got {value!r})")
+        raise OptionsError(f"{source}: {invalid(SECTION, part, value, 'true, false or a table of options')}")
     value = dict(value)
     if value.pop("enabled", True) is False:
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ValueError(f"{source}: unknown {part} option(s) {unknown}; valid: {sorted(names | {'enabled'})}")
     try:
-        return cls(**value)
-    except (ValueError, TypeError) as exc:
-        raise ValueError(f"{source}: {exc}") from None
+        options.refuse_unknown(part, value, [*(f.name for f in dataclasses.fields(cls)), "enabled"])
+    except OptionsError as exc:
+        raise OptionsError(f"{source}: {exc}") from None
+    return options.load(cls, value, SECTION, source=source, prefix=f"{part}.")
 
 
 def config_from_dict(values: Mapping[str, Any], source: str = "stabilize()") -> StabilizeConfig:
@@ -125,9 +126,10 @@ def config_from_dict(values: Mapping[str, Any], source: str = "stabilize()") -> 
     values = dict(values)
     if "stabilize" in values and isinstance(values["stabilize"], Mapping) and len(values) == 1:
         values = dict(values["stabilize"])
-    unknown = sorted(set(values) - set(PARTS) - {"run_dir"})
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {unknown}; valid: {sorted([*PARTS, 'run_dir'])}")
+    try:
+        options.refuse_unknown(None, values, [*PARTS, "run_dir"], what="key")
+    except OptionsError as exc:
+        raise OptionsError(f"{source}: {exc}") from None
     kwargs = {part: _part_options(part, values.get(part, ON_BY_DEFAULT[part]), source) for part in PARTS}
     run_dir = values.get("run_dir")
     return StabilizeConfig(**kwargs, run_dir=str(run_dir) if run_dir else None)
@@ -136,27 +138,7 @@ def config_from_dict(values: Mapping[str, Any], source: str = "stabilize()") -> 
 def load_config(path: str | os.PathLike, what: str = "stabilizer config") -> dict[str, Any]:
     """Read a TOML or JSON file (a top-level ``[stabilize]`` table or the parts at top level); ``what``
     names the file in errors."""
-    p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as exc:
-        raise ValueError(f"cannot read {what} {p}: {exc.strerror}; pass an existing file") from None
-    if p.suffix.lower() == ".json":
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise ValueError(f"{p} is not valid JSON ({exc}); fix the file") from None
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ImportError:
-            raise ValueError(f"{p}: reading TOML needs Python >= 3.11 or `pip install tomli`; or use JSON") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{p} is not valid TOML ({exc}); fix the file") from None
+    return options.read_file(path, what)
 
 
 def resolve_config(

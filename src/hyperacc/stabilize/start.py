@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hyperacc.options import OptionsError, parse_json
 from hyperacc.stabilize import allocator as _allocator
 from hyperacc.stabilize import memory as _memory
 from hyperacc.stabilize.config import StabilizeConfig, config_from_dict, resolve_config
@@ -57,16 +58,10 @@ def _start_from_env(raw: str) -> Stabilizer:
     if raw.lower() in ("1", "true", "on", "yes"):
         return stabilize()
     if raw.startswith("{"):
-        try:
-            values = json.loads(raw)
-        except ValueError as exc:
-            raise ValueError(
-                f'{ENV_VAR} is not valid JSON ({exc}); set it to e.g. \'{{"gc": {{"interval": 400}}}}\', '
-                "1 for the defaults, or a config file path"
-            ) from None
-        return stabilize(config_from_dict(values, ENV_VAR))
+        example = '{"gc": {"interval": 400}} (1 for the defaults, or a config file path)'
+        return stabilize(config_from_dict(parse_json(raw, ENV_VAR, example), ENV_VAR))
     if not Path(raw).is_file():
-        raise ValueError(f"{ENV_VAR}={raw!r} is neither JSON, 1/0, nor an existing config file")
+        raise OptionsError(f"{ENV_VAR}={raw!r} is neither JSON, 1/0, nor an existing config file")
     return stabilize(raw)
 
 

@@ -6,17 +6,16 @@ Every setting and its default is described in docs/tracing.md, "Settings".
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from hyperacc.options import OptionsError, check, check_fields, load, parse_json
+
 ENV_OPTIONS = "HYPERACC_TRACE"
 ENV_RUN_DIR = "HYPERACC_RUN_DIR"
+SECTION = "trace"
 
-
-class TraceConfigError(ValueError):
-    """An unknown or impossible tracer setting; the message names it and what is allowed."""
+TraceConfigError = OptionsError  # the name before the one options error; public, kept as an alias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +39,8 @@ class TraceOptions:
     resources_every_s: float = 1.0  # sample memory and CPU this often, off the training thread (0: off)
 
     def __post_init__(self) -> None:
-        checks = [
+        check_fields(self, SECTION)
+        for name, ok, allowed in (
             ("capacity", self.capacity >= 16, ">= 16"),
             ("flush_every_s", self.flush_every_s > 0, "> 0"),
             ("probe_every", self.probe_every >= 0, ">= 0 (0 switches the probe off)"),
@@ -50,57 +50,18 @@ class TraceOptions:
             ("agree_timeout_s", self.agree_timeout_s >= 0, ">= 0"),
             ("resources_every_s", self.resources_every_s >= 0, ">= 0 (0 switches resource sampling off)"),
             ("alloc_every", self.alloc_every >= 1, ">= 1"),
-        ]
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise TraceConfigError(f"trace option {f.name}={value!r} is invalid: it must be a finite number")
-        for name, ok, allowed in checks:
-            if not ok:
-                raise TraceConfigError(
-                    f"trace option {name}={getattr(self, name)!r} is invalid: it must be {allowed}"
-                )
+        ):
+            check(SECTION, name, getattr(self, name), ok, allowed)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> TraceOptions:
-        if not raw:
-            return cls()
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - set(fields))
-        if unknown:
-            raise TraceConfigError(
-                f"unknown trace option(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}"
-            )
-        values: dict[str, Any] = {}
-        for name, value in raw.items():
-            kind = type(cls.__dataclass_fields__[name].default)
-            if kind is bool:
-                if not isinstance(value, bool):
-                    raise TraceConfigError(f"trace option {name} must be true or false (got {value!r})")
-            elif kind is int:
-                if isinstance(value, bool) or not isinstance(value, int):
-                    raise TraceConfigError(f"trace option {name} must be an integer (got {value!r})")
-            elif kind is float:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise TraceConfigError(f"trace option {name} must be a number (got {value!r})")
-                value = float(value)
-            values[name] = value
-        return cls(**values)
+        return load(cls, raw, SECTION, plain=True) if raw else cls()
 
     @classmethod
     def from_json(cls, text: str | None) -> TraceOptions:
         if text is None or not text.strip():
             return cls()
-        try:
-            raw = json.loads(text)
-        except ValueError as exc:
-            raise TraceConfigError(
-                f"{ENV_OPTIONS} is not valid JSON ({exc}); pass an object such as "
-                '{"window": 50, "probe_every": 100}'
-            ) from None
-        if not isinstance(raw, dict):
-            raise TraceConfigError(f"{ENV_OPTIONS} must be a JSON object (got {type(raw).__name__})")
-        return cls.from_mapping(raw)
+        return cls.from_mapping(parse_json(text, ENV_OPTIONS, '{"window": 50, "probe_every": 100}'))
 
     def replace(self, **changes: Any) -> TraceOptions:
         return self.from_mapping({**dataclasses.asdict(self), **changes})

@@ -233,9 +233,6 @@ class StepClock:
         if kind == DATA:
             self.fetches += 1
 
-    def in_phase(self, kind: int) -> bool:
-        return self.open_by_kind[kind] > 0
-
     def _collect(self) -> tuple[int, int, int]:
         """(exposed wait, pacing delay, rounds) of the gradient collectives finished since the last call.
 
