@@ -43,6 +43,10 @@ Randomness is counter-based (seed, rank, fault index, step), so the same configu
 the same faults whatever else the job does. Every injection is appended to the ground-truth file
 ``RUN_DIR/chaos/rank-XXXXX.jsonl`` (one JSON object per line: rank, node, step, kind, magnitude_ms,
 detail), which detection benchmarks score against.
+
+Why this module is over 500 lines: a seventh of it is the description above, which is the fault
+catalogue users read; the code is one ``Chaos`` class whose hooks share the per-step state of every
+fault kind.
 """
 
 from __future__ import annotations

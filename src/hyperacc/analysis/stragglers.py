@@ -24,6 +24,10 @@ short:
   being slow breaks every per-rank test);
 * the kind of a slow self-time comes from where the time went: CPU time grew with it (compute) or not
   (host: preempted or blocked).
+
+Why this module is about 500 lines: the rank rule and the node rule share the straggler record and its
+evidence (``Straggler``, ``_compute_or_host``, ``_culprit_evidence``); the window grid and the outlier
+test they both judge with live in ``outliers.py``.
 """
 
 from __future__ import annotations
