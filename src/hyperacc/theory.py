@@ -27,11 +27,24 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import special, stats
 
 # The cluster spike probability the seed's "0.5 % at 64 nodes, 0.1-0.3 % at 256 nodes" corresponds to:
 # a quarter of steps. docs/theory.md shows the arithmetic.
 DEFAULT_TARGET = 0.25
+
+
+def _scipy_special():  # noqa: ANN202
+    """scipy is imported where a distribution is computed, not at import: a training rank imports this
+    module (through the analysis options) but never computes one."""
+    from scipy import special
+
+    return special
+
+
+def _scipy_stats():  # noqa: ANN202
+    from scipy import stats
+
+    return stats
 
 
 class TheoryError(ValueError):
@@ -183,12 +196,12 @@ class ClusterStepModel:
             lam = 1.0 / max(s, 1e-300)
             # exponentially modified Gaussian CDF, the correction term kept in log space
             ls = lam * sig
-            tail = np.exp(-lam * t + 0.5 * ls * ls + special.log_ndtr(t / sig - ls))
+            tail = np.exp(-lam * t + 0.5 * ls * ls + _scipy_special().log_ndtr(t / sig - ls))
             return np.clip(self._noise_cdf(t) - tail, 0.0, 1.0)
         # lognormal: midpoint rule over the magnitude's quantiles (K points)
         k = 1000
         q = (np.arange(k) + 0.5) / k
-        mags = s * np.exp(self.spike_sigma * stats.norm.ppf(q))
+        mags = s * np.exp(self.spike_sigma * _scipy_stats().norm.ppf(q))
         out = np.zeros_like(t)
         for chunk in np.array_split(mags, 20):
             out += self._noise_cdf(t[:, None] - chunk[None, :]).sum(axis=1)
@@ -197,7 +210,7 @@ class ClusterStepModel:
     def _noise_cdf(self, t: np.ndarray) -> np.ndarray:
         if self.noise == 0:
             return (t >= 0).astype(float)
-        return special.ndtr(t / self.noise)
+        return _scipy_special().ndtr(t / self.noise)
 
     def _spike_upper(self) -> float:
         if self.spike == "fixed":
@@ -219,7 +232,7 @@ class ClusterStepModel:
         q = (np.arange(400) + 0.5) / 400  # quantile midpoints of the node spike's magnitude
         if self.spike == "exp":
             return -self.spike_size * np.log1p(-q)
-        return self.spike_size * np.exp(self.spike_sigma * stats.norm.ppf(q))
+        return self.spike_size * np.exp(self.spike_sigma * _scipy_stats().norm.ppf(q))
 
     def cluster_cdf(self, x: np.ndarray, nodes: int) -> np.ndarray:
         """CDF of the cluster step (max over ``nodes * ranks_per_node`` ranks) at sorted points ``x``."""

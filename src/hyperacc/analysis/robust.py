@@ -7,7 +7,6 @@ left out of every median, quantile and count, never read as zero. Rules and defa
 from __future__ import annotations
 
 import numpy as np
-from scipy.ndimage import median_filter
 
 from hyperacc.stats import nan_median  # the one median (hyperacc.stats); re-exported here
 
@@ -114,6 +113,8 @@ def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
     window = max(1, min(int(window), values.size))
     if window % 2 == 0:
         window = max(1, window - 1)
+    from scipy.ndimage import median_filter  # scipy only where a rolling median runs (not in a rank)
+
     return median_filter(values, size=window, mode="nearest")
 
 

@@ -37,8 +37,9 @@ MAX_NODE_COUNTS = 32
 
 
 def _as_option(message: str) -> str:
-    """'spike_rate=2 is invalid' -> '--spike-rate 2 is invalid': name the option the user typed."""
-    m = re.match(r"(pacing )?(\w+)=(\S+) (.*)", message)
+    """'spike_rate=2 is invalid' (or 'pacing.gain=3.0 is invalid', the options layer's form) ->
+    '--spike-rate 2 is invalid' / '--pace-gain 3.0 is invalid': name the option the user typed."""
+    m = re.match(r"(pacing[ .])?(\w+)=(\S+) (.*)", message)
     if not m:
         return message
     prefix = "pace-" if m.group(1) else ""
