@@ -105,6 +105,17 @@ def attribute_spikes(
 
     data = explained & (top == 0)
     work = explained & (top > 0)
+    # Without a DataLoader the data wait is the whole gap between the optimizer step and the next forward
+    # (``data_gap``): there it is input only when the rank waited off its CPU (docs/detection.md,
+    # "The work between steps").
+    between = data & _in_gap(cols, idx)
+    at = idx[between]
+    gap_kind = gap_causes(
+        g["data_ns"][between], gc_grew[between], work_time[between], _noise(cols, "gc_ns", at, w, opts),
+        _noise(cols, "cpu_ns", at, w, opts), opts,
+    )  # fmt: skip
+    signal = _elevated(cols, "major_faults", idx, w, opts) | _elevated_rate(cols, "invol_ctx_switches", span, idx, w, opts)
+    gap_kind = np.where((gap_kind == "data") & signal[between], "host", gap_kind)
     # The rest of the step is the rank's own code between the timed phases (a loss, a hook, logging):
     # with no stall signal, that is compute on the host, and the event names the phase.
     causes[work] = "compute"
@@ -112,8 +123,57 @@ def attribute_spikes(
     causes[(work | ~explained) & host] = "host"
     causes[(work | ~explained) & allocator] = "allocator"
     causes[data] = "data"
+    causes[np.flatnonzero(between)] = gap_kind
     causes[gc_explains] = "gc"
     return causes, phases
+
+
+def gap_causes(
+    gap: np.ndarray, gc: np.ndarray, cpu: np.ndarray, gc_noise: np.ndarray, cpu_noise: np.ndarray,
+    opts: DetectionOptions,
+) -> np.ndarray:
+    """The cause of excess time in the input gap of a loop without a DataLoader: gc, host_work or data.
+
+    ``gap``, ``gc``, ``cpu``: the gap's, the GC time's and the training thread's CPU time's excess (over
+    the rank's own rolling median for a spike, over the cluster median for a straggler); ``*_noise``: the
+    least excess of each that is not noise. The rank *worked* in the gap when its CPU time grew with it
+    by ``floor_ns``, by more than preemption itself costs (``preempt_overhead`` of the gap's excess) and
+    by more than its noise; the collector ran longer when GC time grew by ``floor_ns`` and by more than
+    its noise. Then:
+
+    * ``gc`` when GC time grew and either explains ``explain_share`` of the gap or is the only signal;
+    * ``host_work`` when the rank worked (its own code between ``optimizer.step()`` and the next forward);
+    * ``data`` only when neither grew: waiting off the CPU with no other signal.
+
+    docs/detection.md, "The work between steps"."""
+    gap, gc, cpu = (np.asarray(a, dtype=np.float64) for a in (gap, gc, cpu))
+    g = np.nan_to_num(gc, nan=0.0)
+    with np.errstate(invalid="ignore"):
+        worked = (cpu >= opts.floor_ns) & (cpu >= opts.preempt_overhead * gap) & (cpu > np.nan_to_num(cpu_noise))
+        collected = (g >= opts.floor_ns) & (g > np.nan_to_num(gc_noise))
+        by_gc = collected & ((g >= opts.explain_share * gap) | ~worked)
+    out = np.full(gap.shape, "data", dtype=object)
+    out[worked] = "host_work"
+    out[by_gc] = "gc"
+    return out
+
+
+def _in_gap(cols: Mapping[str, np.ndarray], idx: np.ndarray) -> np.ndarray:
+    """Steps whose data wait is the input gap (no DataLoader fetch seen)."""
+    gap = cols.get("data_gap")
+    if gap is None:
+        return np.zeros(idx.size, dtype=bool)
+    return np.nan_to_num(np.asarray(gap, dtype=np.float64)[idx], nan=0.0) > 0.5
+
+
+def _noise(cols: Mapping[str, np.ndarray], name: str, idx: np.ndarray, w: int, opts: DetectionOptions) -> np.ndarray:
+    """The noise bar of a column around each step: ``signal_z`` robust deviations of its rolling window,
+    so that a CPU time that wanders with the host is not taken for work."""
+    values = cols.get(name)
+    if values is None or idx.size == 0:
+        return np.zeros(idx.size)
+    _, mad = window_stats(np.asarray(values, dtype=np.float64), idx, w)
+    return opts.signal_z * MAD_TO_SIGMA * mad
 
 
 def _work_growth(cols: Mapping[str, np.ndarray], idx: np.ndarray, w: int) -> np.ndarray:

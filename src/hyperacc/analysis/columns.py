@@ -39,7 +39,7 @@ ANALYSIS_COLUMNS: tuple[str, ...] = (
     "data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns", "other_ns",
     "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
     "pace_delay_ns", "cpu_ns", "dev_step_ns", "dev_self_ns", "dev_comm_wait_ns", "dev_forward_ns",
-    "dev_backward_ns",
+    "dev_backward_ns", "data_gap",
 )  # fmt: skip
 
 

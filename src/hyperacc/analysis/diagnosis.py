@@ -33,6 +33,9 @@ ADVICE: dict[str, str] = {
     "all ranks at once (hyperacc stabilizers)",
     "host": "another process takes that rank's cores: bind ranks to cores (`hyperacc affinity`) and keep "
     "other work off the node",
+    "host_work": "that rank does CPU work of its own between steps: profile the code between "
+    "`optimizer.step()` and the next forward on that rank (py-spy, torch.profiler), and move or spread "
+    "what it does there (logging, metrics, Python objects built per step)",
     "node": "the whole node is slow: run a pre-flight check on it and drain it from the job",
     "allocator": "the CUDA caching allocator stalls: set PYTORCH_ALLOC_CONF=expandable_segments:True and "
     "release memory at a fixed step (hyperacc stabilizers)",
@@ -160,7 +163,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             "Earlier, "
             + "; ".join(
                 f"rank {e['rank']} was slow from step {e['since_step']} to {e['until_step']} "
-                f"({_metric(e['metric'])} {_ratio(e['slowdown'])})"
+                f"({_metric_of(e)} {_ratio(e['slowdown'])})"
                 for e in d.episodes[:3]
             )
             + (", then recovered." if len(d.episodes) == 1 else ", each then recovered.")
@@ -203,7 +206,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     for s in (d.stragglers + d.episodes)[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
-            f"rank {s['rank']} (node {s['node']}): {_metric(s['metric'])} {_ratio(s['slowdown'])} the cluster "
+            f"rank {s['rank']} (node {s['node']}): {_metric_of(s)} {_ratio(s['slowdown'])} the cluster "
             f"median in {s['windows_flagged']} of {s['windows_seen']} windows, since step {s['since_step']} "
             f"(confirmed at step {s['confirmed_step']} by {_RULE.get(s.get('rule', 'outlier'), 'the outlier rule')}"
             f"{until})"
@@ -298,8 +301,12 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         if s["kind"] == "compute" and s.get("kind_basis") == "wall_time_only":
             key = "compute_or_host"
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
+        if key == "host_work" and _gc_excess(s) >= opts.get("floor_ns", 200_000):
+            steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
+        if any(s["rank"] == e["rank"] and s["kind"] == key for s in ranks_bad[:5]):
+            continue  # the straggler's advice already says it
         steps.append(f"rank {e['rank']}, {e['cause']} spikes: {ADVICE[key]}")
         seen.add(key)
     if too_short:
@@ -329,6 +336,7 @@ _EXCESS_WORDS = {
     "allocator": "stalls in the CUDA allocator",
     "host": "loses its CPU (preempted or blocked)",
     "compute": "has compute spikes",
+    "host_work": "does CPU work of its own between steps (after `optimizer.step()`, before the next forward)",
     "unknown": "spikes with no recorded cause",
     "compute/host": "has spikes in its own work (compute or preemption: CPU time was not measured)",
 }
@@ -336,19 +344,49 @@ _EXCESS_WORDS = {
 
 def _straggler_phrase(s: dict[str, Any]) -> str:
     """"Persistent" only when the rank was slow in nearly every window since it started (80 %)."""
-    what = f"{_metric(s['metric'])} {_ratio(s['slowdown'])}"
+    what = f"{_metric_of(s)} {_ratio(s['slowdown'])}"
     since = s.get("windows_since") or s["windows_seen"]
+    kind = _KIND_WORD.get(s["kind"], s["kind"])
     if s["active"] and s["windows_flagged"] >= 0.8 * since:
-        return f"rank {s['rank']} (node {s['node']}) is a persistent {s['kind']} straggler ({what} since step {s['since_step']})"
-    if s["active"]:
-        return (
-            f"rank {s['rank']} (node {s['node']}) is an intermittent {s['kind']} straggler ({what} in "
+        text = f"rank {s['rank']} (node {s['node']}) is a persistent {kind} straggler ({what} since step {s['since_step']})"
+    elif s["active"]:
+        text = (
+            f"rank {s['rank']} (node {s['node']}) is an intermittent {kind} straggler ({what} in "
             f"{s['windows_flagged']} of {since} windows since step {s['since_step']})"
         )
-    return (
-        f"rank {s['rank']} (node {s['node']}) was a {s['kind']} straggler from step {s['since_step']} to "
-        f"{s['until_step']} ({what})"
-    )
+    else:
+        text = (
+            f"rank {s['rank']} (node {s['node']}) was a {kind} straggler from step {s['since_step']} to "
+            f"{s['until_step']} ({what})"
+        )
+    between = _between_phrase(s)
+    return f"{text}: {between}" if between else text
+
+
+_KIND_WORD = {"host_work": "host-work"}
+
+
+def _gc_excess(s: dict[str, Any]) -> float:
+    gc, med = s.get("gc_ns"), s.get("cluster_gc_ns")
+    return gc - med if gc is not None and med is not None else 0.0
+
+
+def _metric_of(s: dict[str, Any]) -> str:
+    """The judged metric in words; the data wait of a loop without a DataLoader is the time between steps."""
+    return "time between steps" if s.get("between_steps") else _metric(s["metric"])
+
+
+def _between_phrase(s: dict[str, Any]) -> str:
+    """Where the time between steps went (docs/detection.md, "The work between steps"), GC named."""
+    if not s.get("between_steps"):
+        return ""
+    gc, gc_med = s.get("gc_ns"), s.get("cluster_gc_ns")
+    gc_text = f"{_ms(gc)} of GC per step against {_ms(gc_med)} on the median rank" if gc is not None and gc_med is not None else ""
+    if s["kind"] in ("gc", "host_work"):
+        what = "garbage collection" if s["kind"] == "gc" else "its own CPU work"
+        text = f"{what} between `optimizer.step()` and the next forward"
+        return f"{text} ({gc_text})" if gc_text else text
+    return "it waits off the CPU for its input (no DataLoader; its CPU time did not grow with the gap)"
 
 
 def excess_phrase(e: dict[str, Any]) -> str:
@@ -361,6 +399,12 @@ def excess_phrase(e: dict[str, Any]) -> str:
 
 def basis_phrase(s: dict[str, Any]) -> str:
     basis, share = s.get("kind_basis"), s.get("cpu_share")
+    if s.get("between_steps"):
+        if basis == "off_cpu":
+            return "its CPU time did not grow with the gap: it waits for input"
+        if share is not None:
+            return f"its CPU time grew by {percent(max(share, 0.0))} of the gap's excess: it works, it does not wait for input"
+        return ""
     if basis == "cpu_time" and share is not None:
         if s.get("rank_kind", s["kind"]) == "host":
             return (

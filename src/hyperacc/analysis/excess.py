@@ -104,7 +104,7 @@ def rank_excess(
         with np.errstate(invalid="ignore", divide="ignore"):
             rates = np.where(n > 0, k / n, np.nan)
         outlier, _, _, judged = cross_rank_outliers(rates, opts, 0.0)
-        if cause not in (MERGED, *UNSPECIFIC):
+        if cause not in (MERGED, *UNSPECIFIC, "host_work"):
             judged = np.zeros(n.size, dtype=bool)  # a specific signal: the binomial floor holds
         for i in range(n.size):
             if n[i] <= 0 or k[i] < opts.excess_min_spikes or (judged[i] and not outlier[i]):
@@ -127,6 +127,14 @@ def rank_excess(
                 )  # fmt: skip
             )
     return sorted(out, key=lambda e: (-e.time_lost_ns, e.rank))
+
+
+def working_gap_ranks(stragglers: Sequence[Mapping[str, Any]]) -> set[int]:
+    """Ranks found working in their input gap: stragglers (or episodes) of the time between steps of
+    kind gc or host_work. Their gap spikes that neither CPU nor GC time explains are that work preempted
+    on a busy host, not waiting for input, so the diagnosis counts them as ``host_work``, not ``data``
+    (docs/detection.md, "The work between steps")."""
+    return {int(s["rank"]) for s in stragglers if s.get("between_steps") and s["kind"] in ("gc", "host_work")}
 
 
 def grouped(counts: Mapping[str, Sequence[float]], groups: Mapping[str, tuple[str, ...]]) -> dict[str, np.ndarray]:

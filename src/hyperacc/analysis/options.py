@@ -38,7 +38,9 @@ METRIC_WORD: dict[str, str] = {
     "launch_ns": "launch latency",
     "gc_ns": "GC time",
 }
-CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "compute", "unknown")
+# ``host_work``: the rank's own CPU work in the input gap of a loop without a DataLoader (between
+# ``optimizer.step()`` and the next forward; docs/detection.md, "The work between steps").
+CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "compute", "host_work", "unknown")
 
 
 def outlier_rule_text(opts: DetectionOptions, floor_ns: float) -> str:

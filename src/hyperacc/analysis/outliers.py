@@ -67,6 +67,7 @@ class WindowGrid:
     host: dict[str, np.ndarray]  # host signals -> (R, W)
     culprit: np.ndarray  # (R, W) steps the rank waited least (offline)
     culprit_known: np.ndarray  # (R, W) steps of the window with a known culprit (offline)
+    data_gap: np.ndarray | None = None  # (R, W) share of steps whose data wait is the input gap
 
 
 def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -> WindowGrid:
@@ -132,6 +133,7 @@ def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -
     return WindowGrid(
         ranks, nodes, wins, first, last, metrics, device, clocked("comm_wait_ns"), busy, host_self,
         pivot(col("cpu_ns_median"), enough), host, pivot(col("culprit_steps")), pivot(col("culprit_known")),
+        pivot(col("data_gap_share")),
     )  # fmt: skip
 
 

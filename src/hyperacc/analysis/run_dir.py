@@ -25,7 +25,7 @@ import numpy as np
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
-from hyperacc.analysis.excess import cause_groups, grouped, rank_excess
+from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.projection import project
 from hyperacc.analysis.run_reduce import _EMPTY, _EMPTY_F, _EVENT, RankFindings, _Cluster, reduce_rank
@@ -96,6 +96,14 @@ def diagnose(
     episodes = [s.to_dict() for s in found if not s.active]
     windows_judged = judged_windows(summaries, opts)
     del summaries
+    working = working_gap_ranks(stragglers + episodes)
+    for f in findings:
+        if f.rank in working:
+            for tally in (f.counts, f.time_lost):
+                if "data" in tally:
+                    tally["host_work"] = tally.get("host_work", 0) + tally.pop("data")
+    events[:] = [(e, r, n, s, ph, "host_work" if r in working and c == "data" else c) for e, r, n, s, ph, c in events]
+    heapq.heapify(events)
     groups = cause_groups(RANK_CAUSES, cpu_measured=all(f.cpu_measured for f in findings))
     rank_causes = [
         e.to_dict()

@@ -54,7 +54,7 @@ from hyperacc.analysis.outliers import (
     top_confirmation,
     window_grid,
 )
-from hyperacc.analysis.robust import binom_sf, nan_median
+from hyperacc.analysis.robust import MAD_TO_SIGMA, binom_sf, nan_median
 
 # When a rank is slow on several metrics, one names the kind. A slow launch path lengthens everything the
 # host launches (data collation, forward), while a data or compute problem leaves the probe alone, so
@@ -70,7 +70,7 @@ _PARTS: dict[str, str] = {"forward_ns": "self", "backward_ns": "self", "data_ns"
 class Straggler:
     rank: int
     node: int
-    kind: str  # compute | data | launch | gc | host | node
+    kind: str  # compute | data | launch | gc | host | host_work | node
     metric: str  # self_ns | forward_ns | backward_ns | data_ns | launch_ns | gc_ns
     slowdown: float | None  # the metric's ratio to the cluster median (None when that median is 0)
     since_step: int
@@ -95,6 +95,9 @@ class Straggler:
     culprit_expected: float | None = None  # the share an exchangeable rank would have (1 / ranks)
     node_ratio: float | None = None  # slow node: its median self-time / the other nodes', flagged windows
     node_baseline_ratio: float | None = None  # the same in the node's first judged windows (its baseline)
+    gc_ns: float | None = None  # its typical GC time per step over the flagged windows
+    cluster_gc_ns: float | None = None  # the cluster median of the same
+    between_steps: bool = False  # judged on the input gap of a loop without a DataLoader
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -211,6 +214,8 @@ def _straggler(
         basis = "cpu_time"
     elif kind == "compute":
         kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts)
+    elif metric == "data_ns" and _in_gap(grid, r, fw):
+        kind, basis, cpu_share = _between_steps(grid, r, fw, opts)
     judged_since = np.flatnonzero(judged)
     judged_since = judged_since[judged_since >= since_w]
     s = Straggler(
@@ -238,6 +243,11 @@ def _straggler(
         windows_since=int(judged_since.size),
     )
     _culprit_evidence(s, grid, r, fw)
+    gc = grid.metrics["gc_ns"]
+    if fw.size and not np.isnan(gc[r, fw]).all():
+        s.gc_ns = _finite_or_none(nan_median(gc[r, fw]))
+        s.cluster_gc_ns = _finite_or_none(nan_median(nan_median(gc[:, fw], axis=0)))
+    s.between_steps = metric == "data_ns" and _in_gap(grid, r, fw)
     return s
 
 
@@ -295,6 +305,45 @@ def _compute_or_host(
         if seen.sum() and flags[r, fw].sum() > seen.sum() / 2:
             return "host", "major_faults", None
     return "compute", "wall_time_only", None
+
+
+def _in_gap(grid: WindowGrid, r: int, fw: np.ndarray) -> bool:
+    """Most of the rank's flagged windows are of a loop without a DataLoader: its data wait is the gap
+    between the optimizer step and the next forward."""
+    if grid.data_gap is None or fw.size == 0:
+        return False
+    share = grid.data_gap[r, fw]
+    return bool(np.isfinite(share).any() and nan_median(share) > 0.5)
+
+
+def _between_steps(
+    grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions
+) -> tuple[str, str, float | None]:
+    """The kind of a slow input gap (a loop without a DataLoader): gc, host_work or data, by the rule of
+    ``attribution.gap_causes`` on the medians over the flagged windows of the gap's, the GC time's and
+    the CPU time's excess over the cluster median and, as the noise bar, the other ranks' spread of
+    CPU time (docs/detection.md, "The work between steps").
+    Returns (kind, basis, CPU share of the gap's excess)."""
+    from hyperacc.analysis.attribution import gap_causes
+
+    gap = grid.metrics["data_ns"][:, fw]
+    gap_ex = nan_median(gap[r] - nan_median(gap, axis=0))
+    gc = grid.metrics["gc_ns"][:, fw]
+    gc_ex = nan_median(gc[r] - nan_median(gc, axis=0)) if not np.isnan(gc[r]).all() else 0.0
+    cpu = grid.cpu[:, fw]
+    if np.isnan(cpu[r]).all() or not np.isfinite(gap_ex):
+        return "data", "metric", None  # no CPU time: nothing tells work from waiting
+    cpu_ex = nan_median(cpu[r] - nan_median(cpu, axis=0))
+    others = np.delete(np.arange(cpu.shape[0]), r)
+
+    def noise(v: np.ndarray) -> np.ndarray:  # the other ranks' spread, as robust deviations
+        with np.errstate(invalid="ignore"):
+            mad = nan_median(np.abs(v[others] - nan_median(v[others], axis=0)))
+        return np.array([opts.signal_z * MAD_TO_SIGMA * np.nan_to_num(mad)])
+
+    kind = str(gap_causes(np.array([gap_ex]), np.array([gc_ex]), np.array([cpu_ex]), noise(gc), noise(cpu), opts)[0])
+    share = float(cpu_ex / gap_ex) if gap_ex > 0 and np.isfinite(cpu_ex) else None
+    return kind, ("off_cpu" if kind == "data" else "cpu_time"), share
 
 
 def _gc_heavy(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions) -> bool:

@@ -51,7 +51,11 @@ _EXTRA_COUNTS: tuple[str, ...] = (
     *(f"spikes_{c}" for c in RANK_CAUSES),
     *(f"lost_ns_{c}" for c in RANK_CAUSES),
 )
-EXTRA_WINDOW_COLUMNS: tuple[str, ...] = (*_EXTRA_MEDIANS, *_EXTRA_COUNTS, "culprit_steps", "culprit_known")
+# ``data_gap_share``: the share of the window's typical steps whose data wait is the input gap of a loop
+# without a DataLoader (docs/detection.md, "The work between steps"); NaN where not recorded.
+EXTRA_WINDOW_COLUMNS: tuple[str, ...] = (
+    *_EXTRA_MEDIANS, *_EXTRA_COUNTS, "culprit_steps", "culprit_known", "data_gap_share",
+)  # fmt: skip
 
 _MEDIANS: dict[str, str] = {
     "self_ns_median": "self_ns",
@@ -169,6 +173,12 @@ def summarize_windows(
         n_ok = np.bincount(row[ok], minlength=uniq.size)
         total = np.bincount(row[ok], weights=g[ok], minlength=uniq.size)
         out["gc_ns_sum"] = np.where(n_ok >= opts.min_window_samples, total, np.nan)
+    gap = cols.get("data_gap")
+    g = np.full(n, np.nan) if gap is None else np.asarray(_column(gap, n), dtype=np.float64)
+    ok = ~np.isnan(g) & typical
+    n_ok = np.bincount(row[ok], minlength=uniq.size)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["data_gap_share"] = np.where(n_ok > 0, np.bincount(row[ok], weights=g[ok], minlength=uniq.size) / n_ok, np.nan)
     if judge:
         out["judged_steps"] = np.bincount(row[judged_at], minlength=uniq.size).astype(np.float64)
         for i, cause in enumerate(RANK_CAUSES):

@@ -1,0 +1,98 @@
+"""Rank script: a tiny transformer trained nanoGPT-style (batches cut by hand from a tensor, no
+DataLoader, DDP over gloo), with faults the job injects itself (no ``hyperacc.chaos``):
+
+- ``--cycles-rank R --cycles N``: rank R builds N reference cycles after every ``optimizer.step()``
+  (its own host work between steps, and the automatic GC that collects them);
+- ``--slow-rank R --slow-from A --slow-until B --slow-factor F``: on steps [A, B) rank R busy-loops
+  inside its forward for (F - 1) times its own median step of steps 10-59 (a transient fail-slow).
+
+Run under ``hyperacc run`` so the tracer records it without a line of hyperacc in the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hyperacc import harness
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 64, width: int = 32, block: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(block, width)
+        self.layer = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+        self.spin_ns = 0
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.spin_ns:  # the fail-slow: more work on the host, inside the forward
+            end = time.perf_counter_ns() + self.spin_ns
+            while time.perf_counter_ns() < end:
+                pass
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.layer(x))
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--cycles-rank", type=int, default=-1)
+    p.add_argument("--cycles", type=int, default=30_000)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-from", type=int, default=120)
+    p.add_argument("--slow-until", type=int, default=180)
+    p.add_argument("--slow-factor", type=float, default=2.0)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    raw = TinyGPT()
+    model = DDP(raw)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randint(0, 64, (4096, 17), generator=torch.Generator().manual_seed(rank))
+    gen = torch.Generator().manual_seed(100 + rank)
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(0, data.shape[0], (16,), generator=gen)
+        block = data[ix]
+        return block[:, :16], block[:, 1:]
+
+    own: list[int] = []
+    t_prev = time.perf_counter_ns()
+    for it in range(args.steps):
+        if rank == args.slow_rank:
+            if it == 60:
+                raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:60]))
+            raw.spin_ns = raw_spin if args.slow_from <= it < args.slow_until else 0
+        x, y = get_batch()
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if rank == args.cycles_rank:
+            for _ in range(args.cycles):  # garbage only the cyclic collector can free
+                a, b = Node(), Node()
+                a.other, b.other = b, a
+        now = time.perf_counter_ns()
+        own.append(now - t_prev)
+        t_prev = now
+    harness.write_result({"rank": rank, "loss": float(loss)})
+    harness.finish()
+
+
+if __name__ == "__main__":
+    main()

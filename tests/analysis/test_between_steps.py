@@ -1,0 +1,97 @@
+"""The work between steps (docs/detection.md, "The work between steps"): in a loop without a DataLoader
+the input gap is GC, the rank's own host work, or input, by what the step records measure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hyperacc import harness
+from hyperacc.analysis import diagnose
+from hyperacc.analysis.attribution import attribute_spikes, gap_causes
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.stragglers import detect_stragglers
+from hyperacc.analysis.windows import summarize_windows
+
+JOB = Path(__file__).parent / "jobs" / "nanogpt_faults.py"
+MS = 1_000_000
+
+
+def test_gap_causes_split_by_cpu_and_gc_time():
+    o = DetectionOptions()
+    gap = np.array([40, 40, 40, 40, 60]) * MS
+    gc = np.array([22, 2, 0, 6, 0]) * MS
+    cpu = np.array([16, 16, 0.1, 0.2, 0.5]) * MS
+    zero = np.zeros(5)
+    # GC explains half or is the only signal -> gc; CPU grew -> host_work; neither -> data (input)
+    assert list(gap_causes(gap, gc, cpu, zero, zero, o)) == ["gc", "host_work", "data", "gc", "data"]
+    # CPU growth within its noise is no work
+    assert list(gap_causes(gap[:2], np.zeros(2), cpu[:2], zero[:2], np.full(2, 20 * MS), o)) == ["data", "data"]
+
+
+def _rank(rank: int, n: int, gap_ms: float, cpu_ms: float, gc_ms: float, rng: np.random.Generator,
+          stall: np.ndarray | None = None) -> dict[str, np.ndarray]:  # fmt: skip
+    data = gap_ms * MS * (1 + 0.02 * rng.standard_normal(n))
+    if stall is not None:
+        data = data + stall
+    fwd = 2 * MS * (1 + 0.02 * rng.standard_normal(n))
+    self_ns = data + fwd
+    return {
+        "rank": np.full(n, rank), "node": np.zeros(n, dtype=int), "step": np.arange(n),
+        "step_ns": self_ns + 5 * MS, "self_ns": self_ns, "data_ns": data, "forward_ns": fwd,
+        "comm_wait_ns": np.full(n, 5.0 * MS), "gc_ns": gc_ms * MS * (1 + 0.02 * rng.standard_normal(n)),
+        "cpu_ns": (cpu_ms + 2) * MS * (1 + 0.02 * rng.standard_normal(n)), "data_gap": np.ones(n),
+    }  # fmt: skip
+
+
+def _windows(ranks: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    o = DetectionOptions()
+    parts = [summarize_windows(c, o) for c in ranks]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+@pytest.mark.parametrize(
+    ("gap", "cpu", "gc", "kind"),
+    [(10, 6, 1, "host_work"), (10, 6, 6, "gc"), (10, 0.2, 0, "data")],
+)
+def test_a_slow_input_gap_is_named_by_where_the_time_went(gap, cpu, gc, kind):
+    rng = np.random.default_rng(3)
+    ranks = [_rank(r, 400, 0.4, 0.3, 0.0, rng) for r in range(1, 5)] + [_rank(0, 400, gap, cpu, gc, rng)]
+    found = detect_stragglers(_windows(ranks), DetectionOptions())
+    assert [(s.rank, s.metric, s.kind, s.between_steps) for s in found] == [(0, "data_ns", kind, True)]
+
+
+def test_a_gap_spike_without_cpu_growth_is_input_with_cpu_growth_host_work():
+    rng = np.random.default_rng(4)
+    cols = _rank(0, 300, 0.4, 0.3, 0.0, rng)
+    idx = np.array([100, 200])
+    cols["data_ns"][idx] += 60 * MS  # both spikes: 60 ms longer gap
+    cols["cpu_ns"][200] += 40 * MS  # the second one worked for it
+    causes, _ = attribute_spikes(cols, idx, np.full(2, 60.0 * MS), cols["self_ns"], DetectionOptions())
+    assert list(causes) == ["data", "host_work"]
+    cols["data_gap"][:] = 0  # a DataLoader fetch: the data wait is input whatever the CPU did
+    causes, _ = attribute_spikes(cols, idx, np.full(2, 60.0 * MS), cols["self_ns"], DetectionOptions())
+    assert list(causes) == ["data", "data"]
+
+
+@pytest.mark.multirank
+def test_gc_and_host_work_after_optimizer_step_are_never_a_data_straggler(tmp_path: Path) -> None:
+    # rank 0 builds 30,000 reference cycles after every optimizer.step(): its own host work between
+    # steps, and the automatic GC that frees them; the loop reads batches by hand (no DataLoader)
+    run_dir = tmp_path / "run"
+    opts = {"run-dir": str(run_dir), "trace": json.dumps({"flush_every_s": 1.0})}
+    job = harness.launch(JOB, ["--steps", "300", "--cycles-rank", "0", "--cycles", "30000"], nproc=4,
+                         timeout=400, traced=opts)  # fmt: skip
+    assert job.ok, job.explain()
+    d = diagnose(run_dir).to_dict()
+    found = d["stragglers"] + d["episodes"]
+    assert [s["rank"] for s in found] == [0], d["verdict"]
+    s = found[0]
+    assert s["kind"] in ("gc", "host_work") and s["between_steps"], d["verdict"]
+    assert s["gc_ns"] > s["cluster_gc_ns"] + 1e6
+    assert "data straggler" not in d["verdict"] and "loader workers" not in " ".join(d["next_step"]), d
+    assert "of GC per step" in d["verdict"], d["verdict"]
+    assert not [e for e in d["rank_causes"] if e["rank"] == 0 and e["cause"] == "data"], d["rank_causes"]
