@@ -4,8 +4,6 @@ is an error (exit 2, naming what is missing), never a pass (issue 23, item 3; do
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from click.testing import CliRunner
 from reliability_runs import check_cli_result

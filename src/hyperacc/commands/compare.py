@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from hyperacc.commands.params import OneLineCommand, run_dirs_of
+from hyperacc.commands.params import OneLineCommand, existing_run_dirs
 from hyperacc.store import RunDirError
 
 SIM_STEPS = 2000  # simulated steps per world size (the extrapolation beside the measured curve)
@@ -135,14 +135,14 @@ def command(runs: tuple[str, ...], fail_on: str | None, as_json: bool, batch_siz
         parse_limits(fail_on, FIGURE_NAMES)
     except CompareError as exc:
         raise click.BadParameter(str(exc), param_hint="--fail-on") from None
-    dirs = [run_dirs_of(r) for r in runs]
+    dirs = [existing_run_dirs(r, "RUNS") for r in runs]
     docs = []
     for text, d in zip(runs, dirs, strict=True):
         try:
             docs.append(diagnose(d, batch_size=batch_size).to_dict())
         except RunDirError as exc:
             click.echo(f"hyperacc compare: {text}: {exc}", err=True)
-            sys.exit(2)
+            sys.exit(1)
     try:
         doc = comparison(docs, list(runs), fail_on, simulate=not no_simulate, run_dirs=dirs)
     except CompareError as exc:  # a limit on a figure these runs do not have: never a pass

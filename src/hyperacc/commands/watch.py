@@ -147,7 +147,7 @@ def command(run_dirs: tuple[Path, ...], interval: float, window: int, once: bool
     problem = _not_one_job(dirs)
     if problem:
         click.echo(f"hyperacc watch: {problem}", err=True)
-        sys.exit(2)
+        sys.exit(1)
     run_dirs = tuple(dirs)
     live = sys.stdout.isatty() and not as_json
     try:
