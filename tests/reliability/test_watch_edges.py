@@ -69,12 +69,32 @@ def test_a_run_shorter_than_one_window_is_shown_in_a_pipe(tmp_path: Path) -> Non
     assert len(lines) == 1 and "step 19," in lines[0], res.stdout
 
 
-def test_the_last_window_of_a_run_is_shown_in_a_pipe(tmp_path: Path) -> None:
-    run = write_run(tmp_path / "run", SyntheticRun(ranks=2, steps=130, ranks_per_node=2, seed=4, segment_steps=10))
-    res = _watch(str(run), "--idle", "0.5", "--interval", "0.1", "--window", "50")
-    _no_traceback(res)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines()[-1].startswith("hyperacc live: step 129,"), res.stdout
+def test_the_last_window_of_a_live_run_is_shown_in_a_pipe(tmp_path: Path) -> None:
+    """The records arrive while watch runs: steps 0-99 first, then 100-129 (less than a window)."""
+    full = write_run(tmp_path / "full", SyntheticRun(ranks=2, steps=130, ranks_per_node=2, seed=4, segment_steps=10))
+    run = tmp_path / "run"
+    shutil.copytree(full / "meta", run / "meta")
+    segments = sorted(full.glob("steps/rank-*/seg-*.parquet"))
+    late = [p for p in segments if int(p.stem.split("-")[1]) > 10]  # segments 11-13: steps 100-129
+
+    def reveal(paths: list[Path]) -> None:
+        for p in paths:
+            dest = run / p.relative_to(full)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(p, dest.with_suffix(".tmp"))
+            dest.with_suffix(".tmp").rename(dest)  # as the tracer writes: complete, then renamed
+
+    reveal([p for p in segments if p not in late])
+    proc = subprocess.Popen([sys.executable, "-m", "hyperacc", "watch", str(run), "--idle", "3", "--interval", "0.1",
+                             "--window", "50"], env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    assert first.startswith("hyperacc live: step 99,"), first
+    reveal(late)
+    rest, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert rest.strip().splitlines()[-1].startswith("hyperacc live: step 129,"), first + rest
 
 
 def test_an_empty_run_dir_says_what_watch_waits_for(tmp_path: Path) -> None:
