@@ -14,7 +14,14 @@ from typing import Any
 
 import click
 
-from hyperacc.commands.params import FINITE, Number, OneLineCommand, option_error, run_dirs_of, typed_options
+from hyperacc.commands.params import (
+    FINITE,
+    Number,
+    OneLineCommand,
+    existing_run_dirs,
+    option_error,
+    typed_options,
+)
 from hyperacc.store import MAX_RANKS, RunDirError
 
 
@@ -115,15 +122,16 @@ def command(
         options["persist_k"], options["persist_n"] = persist
     if spike_floor_ms is not None:
         options["spike_floor_ns"] = int(spike_floor_ms * 1e6)
+    dirs = existing_run_dirs(run_dir, "RUN_DIR")
     try:  # every threshold is checked before any record is read
         DetectionOptions.from_mapping(options)
     except (ValueError, TypeError) as exc:
         raise option_error(exc, OPTION_OF, typed=typed_options()) from None
     try:
-        diagnosis = diagnose(run_dirs_of(run_dir), workers=workers, batch_size=batch_size, cluster=cluster, **options)
+        diagnosis = diagnose(dirs, workers=workers, batch_size=batch_size, cluster=cluster, **options)
     except RunDirError as exc:
         click.echo(f"hyperacc analyze: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(1)
     doc = diagnosis.to_dict()
     from hyperacc.present.diagnosis import remediation_of
 
