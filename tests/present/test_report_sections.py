@@ -67,7 +67,8 @@ def test_sections_hold_the_distribution_failure_modes_creep_and_the_comparison(r
     assert out.returncode == 0 and "comparison" in (tmp_path / "c.html").read_text()
     bad = subprocess.run([sys.executable, "-m", "hyperacc", "report", str(faulty), "-o", str(tmp_path / "d.html"),
                           "--baseline", str(tmp_path / "nowhere")], capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert bad.returncode == 1 and "--baseline" in bad.stderr and "Traceback" not in bad.stderr
+    # a path that does not exist is bad input: 2 (docs/reliability.md, "Exit status")
+    assert bad.returncode == 2 and "--baseline" in bad.stderr and "Traceback" not in bad.stderr
 
 
 @pytest.mark.browser
