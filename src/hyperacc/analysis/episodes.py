@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.robust import MAD_TO_SIGMA, nan_median
+from hyperacc.analysis.robust import MAD_TO_SIGMA, loo_median, nan_median
 from hyperacc.analysis.stragglers import compute_or_host
 
 
@@ -106,7 +106,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
-    wall_med = nan_median(wall, axis=0)
+    wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
     width = opts.episode_block_steps
     found: list[Episode] = []
     # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
@@ -115,18 +115,26 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
         x = log_ratio(values)
         if not np.isfinite(x).any():
             continue
-        bar = max(math.log(opts.episode_min_effect), opts.z_threshold * level_noise(x))
+        host_bar = opts.z_threshold * level_noise(x)
         for r, b0, b1, confirm, active, sigma in change_points(x, opts):
             seg = np.arange(b0, b1 + 1)
             shift = float(nan_median(x[r, seg]) - nan_median(x[r]))
-            if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not shift >= bar:
+            # the minimum effect within two standard errors of the segment's level (a plateau of exactly
+            # min_effect is measured on either side of it); the host-wide bar without that allowance
+            judged = max(int(np.isfinite(x[r, seg]).sum()), 1)
+            effect = shift + 2.0 * sigma / math.sqrt(judged) >= math.log(opts.episode_min_effect)
+            if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not (effect and shift >= host_bar):
                 continue
-            excess = wall[r, seg] - wall_med[seg]
+            excess = wall[r, seg] - wall_ref[r, seg]
             if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
                 continue
             kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts)
+            if channel == "cpu_ns" and not (share is not None and share >= opts.explain_share):
+                # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
+                # 1.25-1.5x while its wall time grew 3-5x. More work explains most of the wall time lost.
+                continue
             with np.errstate(all="ignore"):
-                slowdown = float(nan_median(wall[r, seg] / wall_med[seg]))
+                slowdown = float(nan_median(wall[r, seg] / wall_ref[r, seg]))
             found.append(Episode(
                 rank=ranks[r].rank, node=ranks[r].node, kind=kind, metric=channel,
                 slowdown=_finite_or_none(slowdown),
@@ -172,9 +180,10 @@ def _merged(found: list[Episode]) -> list[Episode]:
 
 
 def log_ratio(values: np.ndarray) -> np.ndarray:
-    """(rank x block) log of each value over the cluster median of its block; NaN where not judged."""
+    """(rank x block) log of each value over the median of the other ranks in its block (the cluster
+    median without the rank itself); NaN where not judged."""
     with np.errstate(all="ignore"):
-        x = np.log(values / nan_median(values, axis=0)[None, :])
+        x = np.log(values / loo_median(values))
     x[~np.isfinite(x)] = np.nan
     return x
 
