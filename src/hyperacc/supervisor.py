@@ -7,9 +7,13 @@ the run directory, and ends with torchrun's own exit status.
   descriptors, untouched, and one line per completed window of steps (``present.live_view.line``).
 - ``--quiet``: the job's output untouched, no view.
 
-Signals: Ctrl-C in the terminal reaches torchrun and the ranks directly (one process group, as when
-torchrun is started by hand); this process waits for them. SIGTERM, SIGHUP and a SIGINT that did not
-come from the terminal, sent to this process, are passed to torchrun, which stops its workers. The exit status is torchrun's (128 + N when it died of
+Signals: torchrun runs in its own process group, so every signal meant for the job reaches this process
+alone and is passed on exactly once: the terminal's Ctrl-C and Ctrl-\\ (which go to the terminal's
+foreground group, this process), and SIGINT, SIGTERM, SIGHUP and SIGQUIT sent with ``kill`` to this
+process or to its process group (a scheduler, ``timeout``). torchrun then stops its workers as it does
+when started by hand (its workers run in sessions of their own either way). Should this process be
+killed outright (SIGKILL), torchrun gets SIGKILL too (``PR_SET_PDEATHSIG``), as torchrun started by hand
+and killed would. The exit status is torchrun's (128 + N when it died of
 signal N). The view reads only what the ranks already write; it never touches the job, and a failure in
 it switches the view off with one line while the job goes on. docs/presentation.md, "Live view".
 """
@@ -50,16 +54,31 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _terminal_foreground() -> bool:
-    """Whether this process group is the foreground group of a terminal (where Ctrl-C comes from)."""
-    for stream in (sys.stdin, sys.stdout, sys.stderr):
+# The signals passed on to torchrun: those it stops its workers on (torch.distributed.elastic).
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _own_group_child(parent: int) -> Any:
+    """The ``preexec_fn`` that puts torchrun in a process group of its own (the terminal's signals then
+    reach this process only, which passes each on once) and has it killed with this process."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        import ctypes
+
         try:
-            fd = stream.fileno()
-            if os.isatty(fd):
-                return os.tcgetpgrp(fd) == os.getpgrp()
-        except (AttributeError, OSError, ValueError):
-            continue
-    return False
+            prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+        except (OSError, AttributeError):
+            prctl = None
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:  # this process died before the prctl: go with it
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return setup
 
 
 class Supervisor:
@@ -87,19 +106,24 @@ class Supervisor:
         self.out = out if out is not None else sys.stdout
         self.proc: subprocess.Popen[bytes] | None = None
         self._previous: dict[int, Any] = {}
+        self._early: list[int] = []  # signals that came before torchrun was started
 
     # ------------------------------------------------------------------ process
 
     def run(self) -> int:
         """Start torchrun, follow it, return its exit status."""
         piped = self.view == "panel"
+        self._forward_signals()  # before the start: a signal in between is passed on once torchrun runs
         self.proc = subprocess.Popen(
             self.cmd,
             env=self.env,
             stdout=subprocess.PIPE if piped else None,
             stderr=subprocess.STDOUT if piped else None,
+            preexec_fn=_own_group_child(os.getpid()),
         )
-        self._forward_signals()
+        for signum in self._early:
+            self._send(signum)
+        self._early.clear()
         try:
             if self.view == "panel":
                 self._panel()
@@ -111,30 +135,23 @@ class Supervisor:
 
     def _wait(self) -> int:
         assert self.proc is not None
-        while True:
-            try:
-                return self.proc.wait()
-            except KeyboardInterrupt:
-                continue  # torchrun got the same Ctrl-C from the terminal; it stops the ranks
+        return self.proc.wait()
+
+    def _send(self, signum: int) -> None:
+        if self.proc is None:
+            self._early.append(signum)
+        elif self.proc.poll() is None:
+            self.proc.send_signal(signum)
 
     def _forward_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
 
         def forward(signum: int, _frame: Any) -> None:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.send_signal(signum)
+            self._send(signum)
 
-        def interrupt(signum: int, frame: Any) -> None:
-            # Ctrl-C in a terminal reaches torchrun and the ranks directly (one process group): passing
-            # it on would give torchrun a second one in the middle of stopping its workers. A SIGINT
-            # sent to this process alone (kill -INT, a scheduler) is passed on like SIGTERM.
-            if not _terminal_foreground():
-                forward(signum, frame)
-
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in FORWARDED:
             self._previous[sig] = signal.signal(sig, forward)
-        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
 
     def _restore_signals(self) -> None:
         for sig, handler in self._previous.items():

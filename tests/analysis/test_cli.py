@@ -43,4 +43,6 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path):
         assert result.exit_code != 0
         assert "Traceback" not in result.output and len(result.output.strip().splitlines()) <= 3
     result = runner.invoke(cli, ["analyze", str(tmp_path / "missing")])
-    assert result.output.startswith("hyperacc analyze: run directory") and result.exit_code == 2
+    assert "does not exist" in result.output and result.exit_code == 2  # a mistyped path: bad input
+    result = runner.invoke(cli, ["analyze", str(tmp_path)])
+    assert "not a hyperacc run directory" in result.output and result.exit_code == 1  # nothing to analyse

@@ -214,7 +214,7 @@ def test_config_parsing(tmp_path: Path):
 def test_exclusion_file_is_append_only_and_deduplicated(tmp_path: Path):
     path = tmp_path / "sub" / "hosts.exclude"
     assert add_exclusions(path, []) == [] and path.exists() and read_exclusions(path) == []
-    assert add_exclusions(path, ["n1", "n2", "n1"], comment="doctor") == ["n1", "n2"]
+    assert add_exclusions(path, ["n1", "n2", "n1"]) == ["n1", "n2"]
     path.write_text(path.read_text() + "# a person's note\nn3\n")
     assert add_exclusions(path, ["n2", "n4"]) == ["n4"]
     assert read_exclusions(path) == ["n1", "n2", "n3", "n4"]

@@ -49,11 +49,18 @@ class Limit:
 
 
 def parse_limits(text: str | None, known: Sequence[str]) -> list[Limit]:
-    """``'p99=+10%,spike_rate=+2pp'`` -> limits; names must be figures of the comparison."""
-    if not text or not text.strip():
+    """``'p99=+10%,spike_rate=+2pp'`` -> limits; names must be figures of the comparison. None is no
+    gate; an empty text or an empty limit between commas is refused (a gate that checks nothing would
+    pass every run)."""
+    if text is None:
         return []
+    if not text.strip():
+        raise CompareError("--fail-on is empty: give limits such as 'p99=+10%', or leave the option out")
     out = []
     for part in text.split(","):
+        if not part.strip():
+            raise CompareError(f"--fail-on {text!r} holds an empty limit: write NAME=+10% limits joined by "
+                               "single commas")  # fmt: skip
         m = _LIMIT.match(part)
         if not m:
             raise CompareError(
@@ -66,6 +73,22 @@ def parse_limits(text: str | None, known: Sequence[str]) -> list[Limit]:
         value = float(amount)
         kind = "relative" if unit == "%" else "points" if unit == "pp" else "absolute"
         out.append(Limit(name, 1 if sign == "+" else -1, value / 100 if kind != "absolute" else value, kind))
+    return out
+
+
+def uncomputable(runs: Sequence[Mapping[str, Figure]], limits: Sequence[Limit]) -> list[tuple[Limit, list[int]]]:
+    """The limits whose figure is missing (None, not finite, absent) in some run, with those runs'
+    indices (0 the baseline). Such a limit can be neither kept nor broken: a gate on it is an error,
+    never a pass."""
+    out = []
+    for lim in limits:
+        missing = []
+        for i, run in enumerate(runs):
+            fig = run.get(lim.name)
+            if fig is None or fig.value is None or not math.isfinite(fig.value):
+                missing.append(i)
+        if missing:
+            out.append((lim, missing))
     return out
 
 

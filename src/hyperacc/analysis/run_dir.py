@@ -23,13 +23,14 @@ from typing import Any
 import numpy as np
 
 from hyperacc import store, theory
+from hyperacc.analysis.cluster import reduce_source
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import RankBlocks, detect_episodes, merge_episodes
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.projection import project
-from hyperacc.analysis.run_reduce import _EMPTY, _EMPTY_F, _EVENT, RankFindings, _Cluster, reduce_rank
+from hyperacc.analysis.run_reduce import _EMPTY, _EMPTY_F, _EVENT, RankFindings, _Cluster
 from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
 from hyperacc.analysis.spikes import communication_spikes
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
@@ -38,18 +39,21 @@ from hyperacc.analysis.windows import RANK_CAUSES, concat_windows
 
 def diagnose(
     run_dir: str | os.PathLike | Sequence[str | os.PathLike], workers: int | None = None,
-    batch_size: int | None = None, **options: Any,
+    batch_size: int | None = None, cluster: str | None = None, **options: Any,
 ) -> Diagnosis:  # fmt: skip
     """Stragglers, spikes, causes and projection of a run directory (docs/detection.md).
 
     ``run_dir``: one run directory, or the run directories of one job's agents (merged after checking
     that they belong together, ``columns.merge_layouts``). ``batch_size``: samples per rank and step,
     for the throughput in samples/s. ``workers``: threads reading and reducing ranks (default: up to 2,
-    bounded by the CPUs). Raises
+    bounded by the CPUs). ``cluster``: the address of a Dask scheduler (``tcp://host:8786``) whose workers
+    read and reduce the ranks instead, from the shared file system the run directory is on
+    (``analysis.cluster``; same result). Raises
     ``store.RunDirError`` when the directory is not a run directory or holds no step records; ranks
     that wrote nothing readable are reported in ``missing_ranks``.
     """
     opts = DetectionOptions.from_mapping(options)
+    scheduler = cluster  # ``cluster`` names the cross-rank tallies below
     layout = discover(run_dir)
     if not layout.sources:
         raise store.RunDirError(
@@ -67,7 +71,13 @@ def diagnose(
     events: list[_EVENT] = []
     nodes = _Nodes(opts)
     unread: list[int] = []
-    for (node, src), f in zip(order, _reduced(order, opts, workers), strict=True):
+    if scheduler:
+        from hyperacc.analysis.cluster import reduced_on_cluster
+
+        reduced = reduced_on_cluster(order, opts, scheduler)
+    else:
+        reduced = _reduced(order, opts, workers)
+    for (node, src), f in zip(order, reduced, strict=True):
         if f is None:
             unread.append(src.rank)
             continue
@@ -191,10 +201,7 @@ def _reduced(
     """Findings of each rank in ``order``, computed ``workers`` at a time, yielded in order."""
 
     def one(node: int, src: RankSource) -> RankFindings | None:
-        cols = read_rank(src.segments)
-        if cols["step"].size == 0:
-            return None
-        return reduce_rank(src.rank, node, cols, opts)
+        return reduce_source(node, src, opts)
 
     if workers <= 1:
         for node, src in order:

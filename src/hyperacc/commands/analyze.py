@@ -14,7 +14,14 @@ from typing import Any
 
 import click
 
-from hyperacc.commands.params import FINITE, Number, OneLineCommand, option_error, run_dirs_of, typed_options
+from hyperacc.commands.params import (
+    FINITE,
+    Number,
+    OneLineCommand,
+    existing_run_dirs,
+    option_error,
+    typed_options,
+)
 from hyperacc.store import MAX_RANKS, RunDirError
 
 
@@ -94,9 +101,12 @@ def _persist(ctx: click.Context, param: click.Parameter, text: str | None) -> tu
               help="Threads reading ranks [2, at most the CPUs].")  # fmt: skip
 @click.option("--batch-size", type=click.IntRange(1, 1 << 40), default=None,
               help="Samples per rank and step, for the throughput in samples/s.")  # fmt: skip
+@click.option("--cluster", default=None, metavar="ADDRESS",
+              help="Reduce the ranks on a Dask cluster (tcp://scheduler:8786) that reads RUN_DIR from a shared "
+                   "file system; needs hyperacc[cluster].")  # fmt: skip
 def command(
     as_json: bool, run_dir: str, persist: tuple[int, int] | None, spike_floor_ms: float | None,
-    workers: int | None, batch_size: int | None, **opts: Any,
+    workers: int | None, batch_size: int | None, cluster: str | None, **opts: Any,
 ) -> None:  # fmt: skip
     """Diagnose RUN_DIR: stragglers, spike rates, causes, the step-time distribution, the cost of
     coordination and its failure modes, resources, and what it means at scale.
@@ -112,15 +122,16 @@ def command(
         options["persist_k"], options["persist_n"] = persist
     if spike_floor_ms is not None:
         options["spike_floor_ns"] = int(spike_floor_ms * 1e6)
+    dirs = existing_run_dirs(run_dir, "RUN_DIR")
     try:  # every threshold is checked before any record is read
         DetectionOptions.from_mapping(options)
     except (ValueError, TypeError) as exc:
         raise option_error(exc, OPTION_OF, typed=typed_options()) from None
     try:
-        diagnosis = diagnose(run_dirs_of(run_dir), workers=workers, batch_size=batch_size, **options)
+        diagnosis = diagnose(dirs, workers=workers, batch_size=batch_size, cluster=cluster, **options)
     except RunDirError as exc:
         click.echo(f"hyperacc analyze: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(1)
     doc = diagnosis.to_dict()
     from hyperacc.present.diagnosis import remediation_of
 

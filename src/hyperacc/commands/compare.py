@@ -18,10 +18,16 @@ from typing import Any
 
 import click
 
-from hyperacc.commands.params import OneLineCommand, run_dirs_of
+from hyperacc.commands.params import OneLineCommand, existing_run_dirs
 from hyperacc.store import RunDirError
 
 SIM_STEPS = 2000  # simulated steps per world size (the extrapolation beside the measured curve)
+# What a figure needs when a run has none (the limit on it is then an error, exit status 2).
+_MISSING = {
+    "samples_per_s": "give --batch-size (samples per rank and step)",
+    "spike_rate": "the run has no steps after the warm-up",
+    "creep_ranks": "the run recorded no resource samples",
+}
 
 
 def comparison(
@@ -29,11 +35,23 @@ def comparison(
     run_dirs: Sequence[Any] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """The comparison document of diagnosis documents (the first is the baseline). Raises
-    ``CompareError`` for a limit that cannot be read."""
-    from hyperacc.analysis.compare import FIGURE_NAMES, compare, figures_of, parse_limits, scaling
+    ``CompareError`` for a limit that cannot be read or whose figure some run lacks."""
+    from hyperacc.analysis.compare import (
+        FIGURE_NAMES,
+        CompareError,
+        compare,
+        figures_of,
+        parse_limits,
+        scaling,
+        uncomputable,
+    )
 
     limits = parse_limits(limits_text, FIGURE_NAMES)
     figs = [figures_of(d) for d in docs]
+    for lim, missing in uncomputable(figs, limits)[:1]:
+        where = ", ".join(f"{names[i]}{' (the baseline)' if i == 0 else ''}" for i in missing)
+        raise CompareError(f"the limit {lim.text()} cannot be checked: {lim.name} could not be computed for "
+                           f"{where}; {_MISSING.get(lim.name, 'that run did not measure it')}")  # fmt: skip
     changes = compare(figs, limits)
     out: dict[str, Any] = {
         "runs": [
@@ -117,15 +135,18 @@ def command(runs: tuple[str, ...], fail_on: str | None, as_json: bool, batch_siz
         parse_limits(fail_on, FIGURE_NAMES)
     except CompareError as exc:
         raise click.BadParameter(str(exc), param_hint="--fail-on") from None
-    dirs = [run_dirs_of(r) for r in runs]
+    dirs = [existing_run_dirs(r, "RUNS") for r in runs]
     docs = []
     for text, d in zip(runs, dirs, strict=True):
         try:
             docs.append(diagnose(d, batch_size=batch_size).to_dict())
         except RunDirError as exc:
             click.echo(f"hyperacc compare: {text}: {exc}", err=True)
-            sys.exit(2)
-    doc = comparison(docs, list(runs), fail_on, simulate=not no_simulate, run_dirs=dirs)
+            sys.exit(1)
+    try:
+        doc = comparison(docs, list(runs), fail_on, simulate=not no_simulate, run_dirs=dirs)
+    except CompareError as exc:  # a limit on a figure these runs do not have: never a pass
+        raise click.BadParameter(str(exc), param_hint="--fail-on") from None
     if as_json:
         click.echo(json.dumps(doc, indent=2, allow_nan=False))
     else:

@@ -7,7 +7,8 @@ starts one short process per rank through torchrun (the launch of ``hyperacc run
 measures compute, memory, dispatch, jitter, host-device copies, data reads, all-reduce and node-to-node
 exchanges on every rank, judges each figure across ranks and nodes with the rules of ``hyperacc
 analyze``, and prints verdict - evidence - next step (``--json``: the document). Hosts to leave out go
-to ``--exclude-file``. Exit status: 0 healthy, 1 hosts to leave out, 2 the check could not run.
+to ``--exclude-file``. Exit status: 0 healthy, 1 hosts to leave out, 2 bad input, the check could not run,
+or the exclusion file could not be written (the findings are printed all the same).
 Rules and defaults: docs/doctor.md.
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 import click
 
 from hyperacc.commands import run as _run
-from hyperacc.commands.params import OneLineCommand
+from hyperacc.commands.params import OneLineCommand, OutputFile
 
 # The launch options of `hyperacc run`, reused as they are (torchrun's own options).
 _LAUNCH = {"nproc_per_node", "standalone", "extra", "chaos_json",
@@ -52,7 +53,7 @@ def _fail(message: str) -> None:
 @click.option("--persist", type=click.IntRange(min=1, max=1000), default=None, help="... in at least this many rounds [3].")
 @click.option("--timeout", type=click.FloatRange(min=1.0, max=10 * 86_400.0), default=None,
               help="Give up after this many seconds [10 x --seconds + 300].")  # fmt: skip
-@click.option("--save", "save_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--save", "save_path", type=OutputFile(), default=None,
               help="Also write the raw measurements of every rank here (JSON), to judge them again later.")  # fmt: skip
 @click.option("--load", "load_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Judge measurements saved with --save (start no ranks); the rule options still apply.")  # fmt: skip
@@ -66,7 +67,7 @@ def command(
     min_slowdown: float | None,
     persist: int | None,
     timeout: float | None,
-    save_path: Path | None,
+    save_path: str | None,
     load_path: Path | None,
     dry_run: bool,
     nproc_per_node: str,
@@ -79,6 +80,12 @@ def command(
     from hyperacc.preflight.judge import judge
     from hyperacc.preflight.options import ENV, ENV_OUT, DoctorConfigError, DoctorOptions
 
+    if exclude_file is not None:  # before anything is measured: a finding must have somewhere to go
+        from hyperacc.remediation.exclusion import writable_problem
+
+        problem = writable_problem(exclude_file)
+        if problem is not None:
+            raise click.BadParameter(f"{problem}; give a file in a writable folder", param_hint="'--exclude-file'")
     settings: dict[str, Any] = {"seconds": seconds}
     if load_path is not None:
         try:
@@ -157,26 +164,34 @@ def command(
         raw = json.loads(out.read_text())
         if save_path is not None:
             try:
-                save_path.write_text(json.dumps(raw))
+                Path(save_path).write_text(json.dumps(raw))
             except OSError as exc:
                 _fail(f"cannot write --save {save_path}: {exc.strerror}")
     _finish(judge(raw, opts), as_json, exclude_file)
 
 
 def _finish(doc: dict[str, Any], as_json: bool, exclude_file: Path | None) -> None:
-    """Exclusion file, output, exit status (0 healthy, 1 hosts to leave out)."""
+    """Exclusion file, output, exit status (0 healthy, 1 hosts to leave out, 2 the exclusion file could
+    not be written). The findings are printed even when the file cannot be written: they are the
+    measurement's result, and the hosts are named there."""
+    failed = None
     if exclude_file is not None:
         from hyperacc.remediation.exclusion import add_exclusions
 
         try:
-            added = add_exclusions(exclude_file, doc["exclude_hosts"], comment="hyperacc doctor")
-        except OSError as exc:
-            _fail(f"cannot write --exclude-file {exclude_file}: {exc.strerror}")
-        doc["exclude_file"] = {"path": str(exclude_file), "added": added}
+            added = add_exclusions(exclude_file, doc["exclude_hosts"])
+        except (OSError, ValueError) as exc:
+            failed = f"cannot write --exclude-file {exclude_file}: {getattr(exc, 'strerror', None) or exc}"
+            doc["exclude_file"] = {"path": str(exclude_file), "added": [], "error": failed}
+        else:
+            doc["exclude_file"] = {"path": str(exclude_file), "added": added}
     if as_json:
         click.echo(json.dumps(doc, indent=2, allow_nan=False))
     else:
         _render(doc)
+    if failed is not None:
+        hosts = ", ".join(doc["exclude_hosts"]) or "none"
+        _fail(f"{failed}; hosts to leave out: {hosts}")
     sys.exit(1 if doc["exclude_hosts"] else 0)
 
 
@@ -257,8 +272,11 @@ def _render(doc: dict[str, Any]) -> None:
         con.print(t)
     if doc.get("exclude_file"):
         ex = doc["exclude_file"]
-        added = ", ".join(ex["added"]) if ex["added"] else "nothing new"
-        con.print(f"Exclusion file {ex['path']}: added {added}.")
+        if ex.get("error"):
+            con.print(f"[red]Exclusion file {ex['path']}: not written[/red] ({ex['error']}).")
+        else:
+            added = ", ".join(ex["added"]) if ex["added"] else "nothing new"
+            con.print(f"Exclusion file {ex['path']}: added {added}.")
 
 
 # The launch options come from `hyperacc run`, so both commands take the same torchrun options.

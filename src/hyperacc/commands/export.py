@@ -6,7 +6,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from hyperacc.commands.params import OneLineCommand, OutputFile, run_dirs_of
+from hyperacc.commands.params import OneLineCommand, OutputFile, existing_run_dirs
 from hyperacc.store import RunDirError
 
 
@@ -39,7 +39,7 @@ def command(run_dir: str, chrome_out: str, steps: tuple[int | None, int | None],
 
     console = Console(stderr=True)
     window = steps
-    run_dir = run_dirs_of(run_dir)  # the run directories of one job's agents may be joined by commas
+    run_dir = existing_run_dirs(run_dir, "RUN_DIR")  # the run directories of one job's agents may be joined by commas
     try:
         ranks = len(discover(run_dir).sources)
         diagnosis = None if no_diagnosis else diagnosis_of(run_dir)

@@ -165,6 +165,21 @@ def option_error(
     return click.BadParameter(message, param_hint=f"'{default}'" if default else None)
 
 
+def existing_run_dirs(text: str, param_hint: str) -> str | list[str]:
+    """``run_dirs_of(text)``, each directory checked to exist (exit status 2 naming it when one does not:
+    a path mistyped is bad input). What a run directory holds is the reader's to judge: a directory
+    without records the command can use is exit status 1 (docs/reliability.md, "Exit status")."""
+    dirs = run_dirs_of(text)
+    for d in [dirs] if isinstance(dirs, str) else dirs:
+        if not str(d).strip():
+            raise click.BadParameter("the run directory is empty; pass the --run-dir of a traced job",
+                                     param_hint=param_hint)  # fmt: skip
+        if not Path(d).is_dir():
+            raise click.BadParameter(f"{d} does not exist or is not a directory; pass the --run-dir of a traced job",
+                                     param_hint=param_hint)  # fmt: skip
+    return dirs
+
+
 def run_dirs_of(text: str) -> str | list[str]:
     """One job's run directories from one argument: a directory, or several joined by commas (one per
     agent on nodes with local disks; docs/presentation.md, "Several run directories of one job"). A

@@ -6,7 +6,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from hyperacc.commands.params import OneLineCommand, OutputFile, run_dirs_of
+from hyperacc.commands.params import OneLineCommand, OutputFile, existing_run_dirs, run_dirs_of
 from hyperacc.store import MAX_RANKS, RunDirError
 
 
@@ -34,6 +34,9 @@ def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int, ba
     from hyperacc.present.diagnosis import diagnosis_of
     from hyperacc.present.report import ReportError, build_report
 
+    dirs = existing_run_dirs(run_dir, "RUN_DIR")
+    if baseline is not None:
+        existing_run_dirs(baseline, "--baseline")
     console = Console(stderr=True)
     try:
         with Progress(
@@ -41,7 +44,6 @@ def command(run_dir: str, output: str | None, max_ranks: int, step_bins: int, ba
             console=console, transient=True,
         ) as bar:  # fmt: skip
             task = bar.add_task("analysing", total=1.0)
-            dirs = run_dirs_of(run_dir)
             diagnosis = diagnosis_of(dirs, batch_size=batch_size)
             base = None
             if baseline is not None:

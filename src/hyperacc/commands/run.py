@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -245,6 +247,8 @@ def build_command(
     default=None,
     help="Act on confirmed verdicts: off, dry-run, auto, or a JSON policy / JSON file (docs/remediation.md).",
 )
+@click.option("--overwrite", is_flag=True,
+              help="--run-dir holds another run's records: remove them first (otherwise the run is refused).")  # fmt: skip
 @click.option("--quiet", is_flag=True, help="No live view: torchrun runs in this process, its output untouched.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus metrics of every rank from rank 0 on this port (docs/presentation.md).")  # fmt: skip
@@ -262,6 +266,7 @@ def command(
     stabilize_json: str | None,
     pace_json: str | None,
     remediate_text: str | None,
+    overwrite: bool,
     quiet: bool,
     metrics_port: int | None,
     metrics_host: str,
@@ -343,6 +348,8 @@ def command(
         env.update(remediate.env)
     if metrics_port is not None:
         env[METRICS_ENV] = f"{metrics_host}:{metrics_port}"
+    rdzv_id = None if standalone else options.get("rdzv-id")
+    _check_reuse(run_dir, rdzv_id, overwrite, dry_run)
     if dry_run:
         for note in remediate.notes if remediate is not None else ():
             click.echo(f"# --remediate: {note}")
@@ -355,9 +362,13 @@ def command(
         click.echo(shlex.join(cmd))
         return
     try:
+        if overwrite:
+            _remove_records(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / JOB_FILE).write_text(json.dumps({"rdzv_id": rdzv_id, "host": platform.node(),
+                                                    "started_unix": time.time()}) + "\n")  # fmt: skip
     except OSError as exc:
-        raise click.BadParameter(f"cannot create {run_dir}: {exc.strerror}", param_hint="'--run-dir'") from None
+        raise click.BadParameter(f"cannot write in {run_dir}: {exc.strerror}", param_hint="'--run-dir'") from None
     sys.stdout.flush()
     sys.stderr.flush()
     view = choose_view(quiet)
@@ -367,6 +378,53 @@ def command(
         env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks' output reaches the terminal as it is written
     window = _live_window(trace_json)
     sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window).run())
+
+
+# Reusing a run directory (docs/reliability.md, "Run directories"): a second job's rows would be mixed
+# with the first's (steps 0-19 twice). `hyperacc run` refuses a directory that holds another job's
+# records; restarts inside one torchrun (elastic restarts, --max-restarts, a drain) never come back
+# here, and the nodes of one multi-node job are one job when they share --rdzv-id.
+JOB_FILE = "job.json"  # written by the launcher: the rendezvous id of the job that owns the directory
+RECORDS = ("steps", "meta", "events", "resources", "live", "chaos", "remediation")  # what ranks write
+
+
+def _has_records(run_dir: Path) -> bool:
+    for name in RECORDS:
+        folder = run_dir / name
+        try:
+            if folder.is_dir() and any(p.is_file() for p in folder.rglob("*")):
+                return True
+        except OSError:
+            return True
+    return False
+
+
+def _check_reuse(run_dir: Path, rdzv_id: str | None, overwrite: bool, dry_run: bool) -> None:
+    """Refuse a run directory that holds another job's records, unless ``--overwrite``."""
+    if overwrite or not run_dir.is_dir() or not _has_records(run_dir):
+        return
+    try:
+        owner = json.loads((run_dir / JOB_FILE).read_text()).get("rdzv_id")
+    except (OSError, ValueError, AttributeError):
+        owner = None
+    if rdzv_id and rdzv_id != "none" and owner == rdzv_id:
+        return  # another node of the same job (same --rdzv-id), or the same job started again
+    raise click.BadParameter(
+        f"{run_dir} already holds the records of another run; give a new directory, or pass --overwrite "
+        "to remove them first (the nodes of one multi-node job share a directory when they share --rdzv-id)",
+        param_hint="'--run-dir'",
+    )
+
+
+def _remove_records(run_dir: Path) -> None:
+    """What ranks write in ``run_dir``, removed; anything else there (an exclusion file, a checkpoint, a
+    report) is kept."""
+    import shutil
+
+    for name in RECORDS:
+        if (run_dir / name).is_dir():
+            shutil.rmtree(run_dir / name)
+    (run_dir / JOB_FILE).unlink(missing_ok=True)
 
 
 def _live_window(trace_json: str | None) -> int:

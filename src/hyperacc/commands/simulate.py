@@ -206,6 +206,10 @@ def command(ctx: click.Context, nodes_text: str, gpus_per_node: int, from_run: P
     from hyperacc.sim.simulate import simulate, sweep
     from hyperacc.store import RunDirError
 
+    if from_run is not None:
+        from hyperacc.commands.params import existing_run_dirs
+
+        existing_run_dirs(str(from_run), "--from-run")
     _check_replay_options(ctx, from_run, comm_scale)
     counts = _node_counts(nodes_text, gpus_per_node)
     if write_run is not None and len(counts) != 1:

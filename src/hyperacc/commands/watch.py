@@ -8,21 +8,39 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    from hyperacc.present.live_view import RunFollower, Snapshot
+
+# A window still open is shown once the records have stopped for this long (the job ended, or stalls):
+# ranks flush every 5 s by default, so a live job keeps the idle time below it.
+SETTLED_S = 12.0
 
 
 def follow(run_dirs: list[Path], *, interval: float, window: int, live: bool, once: bool, idle: float | None,
            as_json: bool = False) -> int:  # fmt: skip
     """Refresh the view every ``interval`` seconds until Ctrl-C, ``once``, or ``idle`` seconds without news.
 
-    ``live``: a rich live panel (a terminal); otherwise one line each time a window of steps completes.
+    ``live``: a rich live panel (a terminal); otherwise one line each time a window of steps completes,
+    and the latest steps once more when the records stop (a run shorter than a window, the last window of
+    a run) or when watching ends (``--idle``, Ctrl-C).
     """
-    from hyperacc.present.live_view import RunFollower, line, render
+    from hyperacc.present.live_view import RunFollower, render
 
     follower = RunFollower(run_dirs, keep=max(4 * window, 200))
-    printed = -1
+    where = ", ".join(str(d) for d in run_dirs)
+    follower.poll()
+    if follower.snapshot(window) is None:
+        if once:
+            click.echo(f"hyperacc watch: no step records in {where} yet; is the job traced into it "
+                       "(hyperacc run --run-dir)?", err=True)  # fmt: skip
+            return 1
+        click.echo(f"hyperacc watch: waiting for the first step records in {where} (Ctrl-C to stop)", err=True)
     if live and not once:
         from rich.console import Console
         from rich.live import Live
@@ -37,25 +55,50 @@ def follow(run_dirs: list[Path], *, interval: float, window: int, live: bool, on
                 if idle is not None and follower_idle(follower) > idle:
                     return 0
                 time.sleep(interval)
-    while True:
-        follower.poll()
-        snap = follower.snapshot(window)
-        if snap is not None and (once or snap.step >= printed + window):
-            printed = snap.step
-            if as_json:
-                click.echo(json.dumps(snap.to_dict()))
-            elif once and live:
-                from rich.console import Console
+    printed = -1
 
-                Console().print(render(snap))
-            else:
-                click.echo(line(snap))
-            sys.stdout.flush()
-        if once:
-            return 0 if snap is not None else 1
-        if idle is not None and follower_idle(follower) > idle:
-            return 0
-        time.sleep(interval)
+    def show(snap: Snapshot) -> None:
+        nonlocal printed
+        printed = snap.step
+        _print(snap, live=live, once=once, as_json=as_json)
+
+    try:
+        while True:
+            follower.poll()
+            snap = follower.snapshot(window)
+            quiet = follower_idle(follower)
+            if snap is not None and (once or snap.step >= printed + window or (quiet >= SETTLED_S and snap.step > printed)):
+                show(snap)
+            if once:
+                return 0
+            if idle is not None and quiet > idle:
+                return _last(follower, window, printed, show)
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        _last(follower, window, printed, show)
+        raise
+
+
+def _last(follower: RunFollower, window: int, printed: int, show: Callable[[Snapshot], None]) -> int:
+    """The steps not shown yet, when watching ends."""
+    snap = follower.snapshot(window)
+    if snap is not None and snap.step > printed:
+        show(snap)
+    return 0
+
+
+def _print(snap: Snapshot, *, live: bool, once: bool, as_json: bool) -> None:
+    from hyperacc.present.live_view import line, render
+
+    if as_json:
+        click.echo(json.dumps(snap.to_dict()))
+    elif once and live:
+        from rich.console import Console
+
+        Console().print(render(snap))
+    else:
+        click.echo(line(snap))
+    sys.stdout.flush()
 
 
 def _not_one_job(dirs: list[Path]) -> str | None:
@@ -104,7 +147,7 @@ def command(run_dirs: tuple[Path, ...], interval: float, window: int, once: bool
     problem = _not_one_job(dirs)
     if problem:
         click.echo(f"hyperacc watch: {problem}", err=True)
-        sys.exit(2)
+        sys.exit(1)
     run_dirs = tuple(dirs)
     live = sys.stdout.isatty() and not as_json
     try:

@@ -15,8 +15,8 @@ each rank was it, and every rank's self-time, wait, CPU time and memory. ``rende
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,10 +24,13 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from hyperacc import store
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.schema import EVENT_SCHEMA, RESOURCE_SCHEMA, STEP_SCHEMA
 from hyperacc.stats import nan_median
+
+_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 
 _COLUMNS = (
     "step", "t_start_ns", "step_ns", "self_ns", "comm_wait_ns", "dev_comm_wait_ns", "cpu_ns", "data_ns",
@@ -101,21 +104,17 @@ class RunFollower:
         """Read what appeared since the last call; True when there was anything new."""
         new = False
         for run_dir in self.run_dirs:
-            for meta in sorted(run_dir.glob("meta/rank-*.json")):
-                try:
-                    m = json.loads(meta.read_text())
-                    self._node[int(m["rank"])] = int(m.get("node", 0))
-                    self.world_size = max(self.world_size, int(m.get("world_size", 0)))
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue
-            for path in sorted(run_dir.glob("steps/rank-*/seg-*.parquet")):
+            for rank, m in store.read_meta(run_dir).items():  # checked as analyze checks it
+                self._node[rank] = m.node
+                self.world_size = max(self.world_size, m.world_size)
+            for path in _segments(run_dir, "steps"):
                 if path in self._seen:
                     continue
                 self._seen.add(path)
-                table = _read(path, _COLUMNS)
+                table = store.read_segment(path, STEP_SCHEMA, _COLUMNS)  # a segment that does not fit: skipped
                 if table is None or not table.num_rows:
                     continue
-                self._add(int(path.parent.name.split("-")[1]), table)
+                self._add(_folder_rank(path), table)
                 new = True
             new |= self._read_events(run_dir)
             self._read_resources(run_dir)
@@ -138,11 +137,11 @@ class RunFollower:
 
     def _read_events(self, run_dir: Path) -> bool:
         new = False
-        for path in sorted(run_dir.glob("events/rank-*/seg-*.parquet")):
+        for path in _segments(run_dir, "events"):
             if path in self._events_seen:
                 continue
             self._events_seen.add(path)
-            table = _read(path, ("kind", "detail", "rank"))
+            table = store.read_segment(path, EVENT_SCHEMA, ("kind", "detail", "rank"))
             if table is None:
                 continue
             for row in table.to_pylist():
@@ -170,14 +169,14 @@ class RunFollower:
         return new
 
     def _read_resources(self, run_dir: Path) -> None:
-        for path in sorted(run_dir.glob("resources/rank-*/seg-*.parquet")):
+        for path in _segments(run_dir, "resources"):
             if path in self._resources_seen:
                 continue
             self._resources_seen.add(path)
-            table = _read(path, ("rank", "rss_bytes", "t_ns"))
+            table = store.read_segment(path, RESOURCE_SCHEMA, ("rank", "rss_bytes", "t_ns"))
             if table is not None and table.num_rows:
                 rows = table.to_pylist()
-                self._rss[int(rows[-1]["rank"])] = (rows[-1]["rss_bytes"] or 0) / 2**20
+                self._rss[_folder_rank(path)] = (rows[-1]["rss_bytes"] or 0) / 2**20
                 self._keep_rss(table)
 
     def snapshot(self, window: int = 50) -> Snapshot | None:
@@ -352,13 +351,22 @@ def _finding_key(text: str) -> str:
     return " ".join(words[:2]) if len(words) >= 2 else text
 
 
-def _read(path: Path, columns: Sequence[str]) -> pa.Table | None:
+def _segments(run_dir: Path, kind: str) -> list[Path]:
+    """The segments of every rank folder ``rank-<number below MAX_RANKS>`` under ``run_dir/kind``, as
+    ``analysis.columns`` finds them: other folders are not a rank's."""
+    out: list[Path] = []
     try:
-        pf = pq.ParquetFile(path)
-        have = [c for c in columns if c in pf.schema_arrow.names]
-        return pf.read(columns=have)
-    except (OSError, pa.ArrowException):
-        return None  # still being renamed into place, or truncated: skipped (it never comes back)
+        for sub in sorted((run_dir / kind).glob("rank-*")):
+            m = _RANK_DIR.match(sub.name)
+            if m and int(m.group(1)) < store.MAX_RANKS and sub.is_dir():
+                out += sorted(p for p in sub.glob("seg-*.parquet") if p.is_file())
+    except OSError:
+        return out  # a folder that vanished or cannot be listed: read again at the next refresh
+    return out
+
+
+def _folder_rank(path: Path) -> int:
+    return int(path.parent.name.split("-")[1])
 
 
 def _fmt(x: float | None, spec: str = ".3g", unit: str = "") -> str:

@@ -257,7 +257,7 @@ class NodeDrain:
         if self.rank == 0 and self.run_dir is not None:
             request = getattr(self, "_request", {}) or {}
             exclude = self.config.resolved_exclude_file()
-            added = add_exclusions(exclude, [target["name"]], comment=f"drained at step {step}") if exclude else []
+            added = add_exclusions(exclude, [target["name"]]) if exclude else []
             events.append_event(self.run_dir, {
                 "kind": "drain", "action": "drain", "status": "executed", "step": step,
                 "target": target["name"], "rule": request.get("rule"), "mode": self.config.mode,

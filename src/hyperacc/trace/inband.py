@@ -23,6 +23,7 @@ before the first bucket of each round. docs/tracing.md, "Gradient collectives" a
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from time import perf_counter_ns
@@ -90,7 +91,25 @@ def _first_value(fut: torch.futures.Future) -> torch.Tensor:
 
 class GradientRounds:
     """The communication hook of one DDP model: times its rounds, runs DDP's default or the user's hook,
-    and (first model, when agreed) carries the in-band slots on the last bucket."""
+    and (first model, when agreed) carries the in-band slots on the last bucket.
+
+    Three threads touch a round, each owning its fields:
+
+    * the hook thread (autograd's; the training thread on CPU) opens the round and asks the pacer
+      (``round``, ``_launches``, ``_first_launch``, ``_last_launch``, ``_delay``, ``_ev_launch``,
+      ``pace_on``);
+    * completion callbacks (a collective's worker threads, several at once, or the hook thread itself
+      when a future completes before the hook returns) count completions (``_done``, ``_done_at``,
+      ``_ev_done``, ``_failed``);
+    * the training thread collects and closes the round (``_launch_acc`` ... ``_rounds_acc``,
+      ``_prev_done``).
+
+    ``_open`` and the completion fields are read and written under ``_lock``, held only for a few
+    assignments (never while waiting, never around a collective or a device call), so the training thread
+    waits at most for another thread's few assignments. A completion whose collective failed still
+    counts (the round closes, with no wait measured), so one failed bucket does not stop the timing of
+    every later round.
+    """
 
     def __init__(self, model: Any, *, device: Any = None) -> None:
         self.model = model
@@ -114,6 +133,8 @@ class GradientRounds:
         self._delay = -1
         self._ev_launch = -1
         self._ev_done = -1
+        self._failed = False
+        self._lock = threading.Lock()
         self.pace_on = -1
         # collected by the step clock
         self._launch_acc = 0
@@ -204,11 +225,12 @@ class GradientRounds:
         return c10d.all_reduce(buf, group=self.group, async_op=True).get_future().then(_first_value)
 
     def _open_round(self) -> None:
-        self._open = True
+        with self._lock:
+            self._open = True
+            self._done, self._done_at, self._ev_done, self._failed = 0, -1, -1, False
         self.round += 1
-        self._launches = self._done = 0
-        self._done_at = -1
-        self._ev_launch = self._ev_done = -1
+        self._launches = 0
+        self._ev_launch = -1
         self._delay = -1
         if self.inband is not None:
             self.inband.poll()
@@ -227,37 +249,41 @@ class GradientRounds:
 
     # ------------------------------------------------------------------ completion callbacks
 
-    def _mark_done(self, last: bool) -> None:
+    def _mark_done(self, last: bool, ok: bool = True) -> None:
         t = perf_counter_ns()
-        self._done += 1
-        if t > self._done_at:
-            self._done_at = t
-        if last and self.device is not None:
-            self._ev_done = self.device.mark()  # on the callback's stream: after the collective
+        ev = self.device.mark() if ok and last and self.device is not None else -1  # on the callback's stream
+        with self._lock:
+            self._done += 1
+            if t > self._done_at:
+                self._done_at = t
+            if ev != -1:
+                self._ev_done = ev
+            if not ok:
+                self._failed = True
+
+    def _value(self, fut: torch.futures.Future, last: bool) -> Any:
+        try:
+            value = fut.value()  # first: an error of the collective reaches DDP unchanged
+        except BaseException:
+            self._mark_done(last, ok=False)
+            raise
+        self._mark_done(last)
+        return value
 
     def _completed(self, fut: torch.futures.Future) -> torch.Tensor:
-        value = fut.value()[0]  # first: an error of the collective reaches DDP unchanged
-        self._mark_done(False)
-        return value
+        return self._value(fut, False)[0]
 
     def _completed_last(self, fut: torch.futures.Future) -> torch.Tensor:
-        value = fut.value()[0]
-        self._mark_done(True)
-        return value
+        return self._value(fut, True)[0]
 
     def _completed_raw(self, fut: torch.futures.Future) -> Any:
-        value = fut.value()
-        self._mark_done(False)
-        return value
+        return self._value(fut, False)
 
     def _completed_last_raw(self, fut: torch.futures.Future) -> Any:
-        value = fut.value()
-        self._mark_done(True)
-        return value
+        return self._value(fut, True)
 
     def _completed_slots(self, fut: torch.futures.Future) -> torch.Tensor:
-        fut.value()
-        self._mark_done(True)
+        self._value(fut, True)
         inband = self.inband
         assert inband is not None
         try:
@@ -276,15 +302,19 @@ class GradientRounds:
         Called on the training thread when a backward returns (DDP has waited for every bucket by then)
         and at the step's end.
         """
-        if self._open and self._launches and self._done >= self._launches:
-            self._close_round()
+        with self._lock:  # a few reads and one assignment: the callbacks hold it no longer
+            closing = self._open and self._launches > 0 and self._done >= self._launches
+            if closing:
+                self._open = False
+                done, ev_done, failed = self._done_at, self._ev_done, self._failed
+        if closing:
+            self._close_round(-1 if failed else done, ev_done)
         out = (self._launch_acc, self._done_acc, self._delay_acc, self._rounds_acc)
         self._launch_acc, self._done_acc, self._delay_acc, self._rounds_acc = 0, 0, -1, 0
         return out
 
-    def _close_round(self) -> None:
-        self._open = False
-        done = self._done_at
+    def _close_round(self, done: int, ev_done: int) -> None:
+        """The training thread's side of a round the callbacks completed (``done`` -1: one failed)."""
         wait = done - self._last_launch if done > 0 else -1
         arrival = self._first_launch - self._prev_done if self._prev_done > 0 else -1
         self._prev_done = done
@@ -297,7 +327,7 @@ class GradientRounds:
         if self._delay >= 0:
             self._delay_acc = self._delay if self._delay_acc < 0 else self._delay_acc + self._delay
         if self.device is not None:
-            self.device.pair(_DDP_COMM, self._ev_launch, self._ev_done)
+            self.device.pair(_DDP_COMM, self._ev_launch, ev_done)
 
     def fill(self, row: list[int]) -> None:
         """The exchange's columns of the step just ended."""
