@@ -13,7 +13,7 @@ import pytest
 
 from hyperacc import harness
 from hyperacc.analysis import diagnose
-from hyperacc.analysis.episodes import detect_episodes, rank_blocks
+from hyperacc.analysis.episodes import detect_episodes, merge_episodes, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
 
 MS = 1_000_000
@@ -74,6 +74,23 @@ def test_a_rank_still_slow_at_the_end_is_an_open_episode():
     found = detect_episodes(_ranks(noise=0.03, slow={3: (250, 300, 2.0)}), DetectionOptions())
     assert [(e.rank, e.active) for e in found] == [(3, True)]
     assert abs(found[0].since_step - 250) <= 10 and found[0].until_step == 299
+
+
+def test_a_rank_slow_from_its_first_judged_steps_is_no_change_point_episode():
+    """No baseline before the onset, no change point (a warm-up longer on one rank looks the same); the
+    straggler rules judge such a rank, and a straggler of theirs that recovered stays an episode."""
+    opts = DetectionOptions()
+    first = opts.warmup_steps
+    for seed in range(10):
+        ranks = _ranks(seed=seed, noise=0.1, slow={0: (first, first + 50, 2.0)})
+        assert detect_episodes(ranks, opts) == [], seed
+        # the same shift after a baseline of the minimum length is one
+        late = _ranks(seed=seed, noise=0.1, slow={0: (first + 20, first + 70, 2.0)})
+        assert [e.rank for e in detect_episodes(late, opts)] == [0], seed
+    recovered = {"rank": 0, "node": 0, "since_step": 0, "until_step": 99, "excess_ns": 10 * MS, "rule": "window"}
+    merged = merge_episodes(detect_episodes(ranks, opts), [], [recovered])
+    assert [(e["rank"], e["since_step"], e["until_step"], e["rule"]) for e in merged] == [(0, 0, 99, "window")]
+    assert merged[0]["job_time_lost_ns"] == pytest.approx(100 * 10 * MS)
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,11 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
             effect = shift + 2.0 * sigma / math.sqrt(judged) >= math.log(opts.episode_min_effect)
             if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not (effect and shift >= host_bar):
                 continue
+            # A change point needs a "before": a rank slow from its first judged steps has no baseline
+            # to shift from (warm-up that lasts longer on one rank looks the same); it is the straggler
+            # rules' business, which report one that recovers as an episode of their own.
+            if baseline_steps(x[r, :b0], count[r, :b0]) < opts.episode_min_steps:
+                continue
             excess = wall[r, seg] - wall_ref[r, seg]
             if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
                 continue
@@ -177,6 +182,12 @@ def _merged(found: list[Episode]) -> list[Episode]:
             continue
         out.append(e)
     return sorted(out, key=lambda e: (e.rank, e.since_step))
+
+
+def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
+    """The judged steps before a segment (``x``: its rank's log ratios of the blocks before it, NaN: not
+    judged; ``count``: the steps recorded in those blocks)."""
+    return int(count[np.isfinite(x)].sum())
 
 
 def log_ratio(values: np.ndarray) -> np.ndarray:
