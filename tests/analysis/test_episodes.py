@@ -93,6 +93,49 @@ def test_a_rank_slow_from_its_first_judged_steps_is_no_change_point_episode():
     assert merged[0]["job_time_lost_ns"] == pytest.approx(100 * 10 * MS)
 
 
+def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: tuple[int, int, float] | None = None,
+               steps: int = 300, n_ranks: int = 4) -> list:  # fmt: skip
+    """Per-rank columns of a busy 2-core host: every step's wall time is stretched by preemption
+    (lognormal, sigma 1.2: 5-step medians wander 0.3-3x as on the real host), the CPU time by that
+    stretch to the power 0.1 (caches refilled); ``work`` = (from, until, factor) makes rank 2 compute
+    ``factor`` times its CPU time and, a CPU hog on a contended host, get only 20 % of a core for the
+    extra; ``starved`` = (from, until, factor) preempts rank 1 that much more."""
+    rng = np.random.default_rng(seed)
+    opts = DetectionOptions()
+    step = np.arange(steps, dtype=np.int64)
+    out = []
+    for r in range(n_ranks):
+        pre = np.exp(rng.normal(0, 1.2, steps))
+        cpu_ns = 6 * MS * pre ** 0.1 * np.exp(rng.normal(0, 0.05, steps))
+        self_ns = 10 * MS * pre * np.exp(rng.normal(0, 0.05, steps))
+        if work and r == 2:
+            a, b, f = work
+            extra = 6 * MS * (f - 1)
+            cpu_ns[a:b] += extra
+            self_ns[a:b] += extra / 0.2
+        if starved and r == 1:
+            a, b, f = starved
+            self_ns[a:b] *= f
+            cpu_ns[a:b] *= f ** 0.1
+        keep = step >= opts.warmup_steps
+        out.append(rank_blocks(r, 0, {"step": step[keep], "self_ns": self_ns[keep], "cpu_ns": cpu_ns[keep]}, opts))
+    return out
+
+
+def test_more_work_on_a_busy_host_is_an_episode_and_being_starved_is_not():
+    """A rank that computes 3x more is preempted more too (its wall time grows 7x): its CPU time grew by
+    more than the host's own preemption explains. A rank preempted 4x more grew its CPU time by what
+    preemption costs on this host (1.15x): no compute episode (a host one if its wall time stands out)."""
+    opts = DetectionOptions()
+    for seed in range(5):
+        found = detect_episodes(_busy_host(seed, work=(120, 180, 3.0)), opts)
+        assert [(e.rank, e.metric, e.kind) for e in found] == [(2, "cpu_ns", "compute")], (seed, found)
+        assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
+        starved = detect_episodes(_busy_host(seed, starved=(120, 180, 4.0)), opts)
+        assert all(e.metric == "self_ns" and e.kind == "host" for e in starved), (seed, starved)
+        assert detect_episodes(_busy_host(seed), opts) == [], seed
+
+
 @pytest.fixture(scope="module")
 def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     """One recorded job of each kind, shared by the assertions: 4 gloo ranks of the nanoGPT-style job,
@@ -122,6 +165,7 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
     d, _ = faulty_and_clean
     eps = [e for e in d["episodes"] if e["rank"] == 2]
     assert len(eps) == 1 and not d["stragglers"], d["verdict"]
+    assert [e["rank"] for e in d["episodes"]] == [2], d["episodes"]  # no other rank
     e = eps[0]
     assert abs(e["since_step"] - 120) <= 10 and abs(e["until_step"] - 179) <= 10, e
     assert e["kind"] == "compute" and e["job_time_lost_ns"] > 0 and e["node"] == 0
