@@ -93,6 +93,18 @@ def test_a_rank_slow_from_its_first_judged_steps_is_no_change_point_episode():
     assert merged[0]["job_time_lost_ns"] == pytest.approx(100 * 10 * MS)
 
 
+def test_ranks_moving_together_are_no_episode():
+    """A busy loop moving between cores moves several ranks' CPU time at once (one up, another down,
+    observed under load here: 1.6x, 1.5x and 0.6x over the same 20 steps): not one rank's episode. The
+    same 1.6x on rank 1 alone is one."""
+    opts = DetectionOptions()
+    for seed in range(5):
+        moved = {1: (40, 60, 1.6), 2: (40, 60, 1.5), 3: (40, 60, 0.6)}
+        assert detect_episodes(_ranks(seed=seed, noise=0.05, slow=moved), opts) == [], seed
+        alone = detect_episodes(_ranks(seed=seed, noise=0.05, slow={1: (40, 60, 1.6)}), opts)
+        assert [(e.rank, e.since_step, e.until_step) for e in alone] == [(1, 40, 59)], (seed, alone)
+
+
 def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: tuple[int, int, float] | None = None,
                steps: int = 300, n_ranks: int = 4) -> list:  # fmt: skip
     """Per-rank columns of a busy 2-core host: every step's wall time is stretched by preemption

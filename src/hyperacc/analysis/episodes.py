@@ -131,6 +131,10 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
             # rules' business, which report one that recovers as an episode of their own.
             if baseline_steps(x[r, :b0], count[r, :b0]) < opts.episode_min_steps:
                 continue
+            # The rank's own shift, not the host's: when a busy loop moves between cores, several ranks'
+            # ratios move at once (one up, another down) over the same blocks.
+            if not stands_out(x, r, seg, opts):
+                continue
             excess = wall[r, seg] - wall_ref[r, seg]
             if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
                 continue
@@ -187,6 +191,21 @@ def _merged(found: list[Episode]) -> list[Episode]:
             continue
         out.append(e)
     return sorted(out, key=lambda e: (e.rank, e.since_step))
+
+
+def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -> bool:
+    """Row ``r`` shifted over blocks ``seg`` while the other ranks did not: its shift (median over the
+    blocks, less its typical ratio) is a ``z_threshold`` outlier (median/MAD, MAD at least
+    ``min_mad_rel``) above the other ranks' shifts over the same blocks."""
+    with np.errstate(all="ignore"):
+        moved = nan_median(x[:, seg], axis=1) - nan_median(x, axis=1)
+    others = np.delete(moved, r)
+    others = others[np.isfinite(others)]
+    if others.size == 0 or not np.isfinite(moved[r]):
+        return False
+    center = float(np.median(others))
+    spread = max(MAD_TO_SIGMA * float(np.median(np.abs(others - center))), opts.min_mad_rel)
+    return bool(moved[r] - center >= opts.z_threshold * spread)
 
 
 def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
