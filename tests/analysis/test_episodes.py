@@ -136,8 +136,8 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
 
 def test_more_work_on_a_busy_host_is_an_episode_and_being_starved_is_not():
     """A rank that computes 3x more is preempted more too (its wall time grows 7x): its CPU time grew by
-    more than the host's own preemption explains. A rank preempted 4x more grew its CPU time by what
-    preemption costs on this host (1.15x): no compute episode (a host one if its wall time stands out)."""
+    more than preemption costs. A rank preempted 4x more grew its CPU time by what preemption costs
+    (1.15x): no compute episode (a host one if its wall time stands out)."""
     opts = DetectionOptions()
     for seed in range(5):
         found = detect_episodes(_busy_host(seed, work=(120, 180, 3.0)), opts)

@@ -107,7 +107,6 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
-    wall_x = log_ratio(wall)
     width = opts.episode_block_steps
     found: list[Episode] = []
     # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
@@ -141,11 +140,9 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
             kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts)
             if channel == "cpu_ns":
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
-                # 1.25-1.9x while its wall time grew 3-6x. More work is CPU time grown by more than the
-                # host's own starvation explains for the wall time the rank lost.
-                wall_shift = float(nan_median(wall_x[r, seg]) - nan_median(wall_x[r]))
-                beta = starved_cpu_growth(x, wall_x, r, seg, opts)
-                if not shift - beta * max(wall_shift, 0.0) >= host_bar:
+                # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
+                # preemption costs for the wall time the rank lost (the straggler rule's bound).
+                if not more_work(cpu, wall, r, seg, opts) >= host_bar:
                     continue
             with np.errstate(all="ignore"):
                 slowdown = float(nan_median(wall[r, seg] / wall_ref[r, seg]))
@@ -214,17 +211,15 @@ def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
     return int(count[np.isfinite(x)].sum())
 
 
-def starved_cpu_growth(cpu_x: np.ndarray, wall_x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -> float:
-    """How much a rank's CPU time grows, on this host, per unit of wall time it loses to the others:
-    the median of ``log CPU ratio / log wall ratio`` over the blocks in which a rank's wall time was at
-    least ``episode_min_effect`` over the others' (on a busy host: preemption), leaving out row ``r``'s
-    blocks ``seg`` (the stretch being judged). In [0, 1]; 0 where no rank lost that much wall time."""
+def more_work(cpu: np.ndarray, wall: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -> float:
+    """Row ``r``'s CPU time over blocks ``seg`` beyond the other ranks' median and beyond what
+    preemption costs for the wall time it lost (``preempt_overhead`` x its wall-time excess), as the
+    log of its ratio over the others' CPU time (median over the blocks; NaN: not judged)."""
     with np.errstate(all="ignore"):
-        slow = np.isfinite(cpu_x) & (wall_x >= math.log(opts.episode_min_effect))
-    slow[r, seg] = False
-    if not slow.any():
-        return 0.0
-    return float(np.clip(np.median(cpu_x[slow] / wall_x[slow]), 0.0, 1.0))
+        cpu_ref = loo_median(cpu)[r, seg]
+        wall_ex = np.maximum(wall[r, seg] - loo_median(wall)[r, seg], 0.0)
+        grown = nan_median(cpu[r, seg] - cpu_ref - opts.preempt_overhead * wall_ex)
+        return float(np.log((nan_median(cpu_ref) + grown) / nan_median(cpu_ref)))
 
 
 def log_ratio(values: np.ndarray) -> np.ndarray:
