@@ -17,8 +17,9 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -29,6 +30,7 @@ from hyperacc import store
 from hyperacc.schema import STEP_SCHEMA, RankMeta
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 _IDENTITY = ("rank", "node", "step")
@@ -101,7 +103,7 @@ def _discover_one(run_dir: str | os.PathLike) -> RunLayout:
         if not m or int(m.group(1)) >= store.MAX_RANKS or not sub.is_dir():
             continue
         try:
-            segments = sorted(p for p in sub.glob("seg-*.parquet") if p.is_file())
+            segments = store.live_segments(sub)  # a compacted file's segments once, never twice
         except OSError as exc:
             log.warning("cannot list %s (%s); rank %s is left out", sub, exc, m.group(1))
             continue
@@ -196,8 +198,37 @@ def _read(path: Path, pf: pq.ParquetFile, columns: Iterable[str]) -> pa.Table | 
     return store.conform(table, pa.schema([STEP_SCHEMA.field(c) for c in want]), path)
 
 
+def _relisted(paths: Sequence[Path]) -> list[Path]:
+    """The files that hold ``paths``' segments now (a compaction may have rolled them into one)."""
+    out: list[Path] = []
+    for parent in dict.fromkeys(p.parent for p in paths):
+        ranges = [r for p in paths if p.parent == parent and (r := store.segment_range(p)) is not None]
+        if not ranges:
+            continue
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        for p in store.live_segments(parent):
+            r = store.segment_range(p)
+            if r is not None and r[0] <= hi and r[1] >= lo:
+                out.append(p)
+    return out
+
+
+def _retrying(paths: Sequence[Path], read: Callable[[Sequence[Path]], T]) -> T:
+    """``read(paths)``, listed again when a compaction removed one of them while it was being read."""
+    for _ in range(20):
+        try:
+            return read(paths)
+        except store.SegmentGone:
+            paths = _relisted(paths)
+    return read(paths)
+
+
 def step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
     """(first, last) step over some segments, from Parquet statistics when present (no data read)."""
+    return _retrying(paths, _step_bounds)
+
+
+def _step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
     lo: int | None = None
     hi: int | None = None
     for path, pf in _readable(paths):
@@ -233,7 +264,8 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
     unknown = [c for c in columns if STEP_SCHEMA.get_field_index(c) < 0]
     if unknown:
         raise ValueError(f"unknown step column(s) {unknown}; see hyperacc.schema.STEP_SCHEMA")
-    tables = [t for path, pf in _readable(paths) if (t := _read(path, pf, columns)) is not None and t.num_rows]
+    tables = _retrying(paths, lambda ps: [t for path, pf in _readable(ps) if (t := _read(path, pf, columns))
+                                          is not None and t.num_rows])  # fmt: skip
     if not tables:
         return {c: np.empty(0, dtype=np.int64 if c in _IDENTITY else np.float64) for c in columns}
     table = pa.concat_tables(tables)

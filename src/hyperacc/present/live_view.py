@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from hyperacc import store
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
 
@@ -86,13 +86,11 @@ class RunFollower:
     def __init__(self, run_dirs: Sequence[str | Path], keep: int = 400) -> None:
         self.run_dirs = [Path(d) for d in run_dirs]
         self.keep = keep
-        self._seen: set[Path] = set()
-        self._events_seen: set[Path] = set()
+        self._cursors: dict[Path, store.SegmentCursor] = {}  # per rank directory of steps, events, resources
         self._rows: dict[int, dict[str, np.ndarray]] = {}
         self._node: dict[int, int] = {}
         self._rss: dict[int, float] = {}
         self._findings: dict[str, str] = {}
-        self._resources_seen: set[Path] = set()
         self._rss_hist: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (t_ns, rss bytes), bounded
         self._last_new = time.monotonic()
         self.world_size = 0
@@ -108,20 +106,25 @@ class RunFollower:
                     self.world_size = max(self.world_size, int(m.get("world_size", 0)))
                 except (OSError, ValueError, KeyError, TypeError):
                     continue
-            for path in sorted(run_dir.glob("steps/rank-*/seg-*.parquet")):
-                if path in self._seen:
-                    continue
-                self._seen.add(path)
-                table = _read(path, _COLUMNS)
-                if table is None or not table.num_rows:
-                    continue
-                self._add(int(path.parent.name.split("-")[1]), table)
-                new = True
+            for rank_dir in sorted(run_dir.glob("steps/rank-*")):
+                for table in self._new_rows(rank_dir, _COLUMNS):
+                    self._add(int(rank_dir.name.split("-")[1]), table)
+                    new = True
             new |= self._read_events(run_dir)
             self._read_resources(run_dir)
         if new:
             self._last_new = time.monotonic()
         return new
+
+    def _new_tables(self, run_dir: Path, kind: str, columns: Sequence[str]) -> list[pa.Table]:
+        return [t for d in sorted(run_dir.glob(f"{kind}/rank-*")) for t in self._new_rows(d, columns)]
+
+    def _new_rows(self, rank_dir: Path, columns: Sequence[str]) -> list[pa.Table]:
+        """The rows of one rank directory not read yet, each once (across compactions)."""
+        cursor = self._cursors.get(rank_dir)
+        if cursor is None:
+            cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
+        return cursor.read_new(columns)
 
     def _add(self, rank: int, table: pa.Table) -> None:
         cols = {}
@@ -138,13 +141,7 @@ class RunFollower:
 
     def _read_events(self, run_dir: Path) -> bool:
         new = False
-        for path in sorted(run_dir.glob("events/rank-*/seg-*.parquet")):
-            if path in self._events_seen:
-                continue
-            self._events_seen.add(path)
-            table = _read(path, ("kind", "detail", "rank"))
-            if table is None:
-                continue
+        for table in self._new_tables(run_dir, "events", ("kind", "detail", "rank")):
             for row in table.to_pylist():
                 if row.get("kind") == "live_finding" and row.get("detail"):
                     text = str(row["detail"])
@@ -170,12 +167,8 @@ class RunFollower:
         return new
 
     def _read_resources(self, run_dir: Path) -> None:
-        for path in sorted(run_dir.glob("resources/rank-*/seg-*.parquet")):
-            if path in self._resources_seen:
-                continue
-            self._resources_seen.add(path)
-            table = _read(path, ("rank", "rss_bytes", "t_ns"))
-            if table is not None and table.num_rows:
+        for table in self._new_tables(run_dir, "resources", ("rank", "rss_bytes", "t_ns")):
+            if table.num_rows:
                 rows = table.to_pylist()
                 self._rss[int(rows[-1]["rank"])] = (rows[-1]["rss_bytes"] or 0) / 2**20
                 self._keep_rss(table)
@@ -350,15 +343,6 @@ def _coordination_rows(s: Snapshot) -> list[str]:
 def _finding_key(text: str) -> str:
     words = text.split()
     return " ".join(words[:2]) if len(words) >= 2 else text
-
-
-def _read(path: Path, columns: Sequence[str]) -> pa.Table | None:
-    try:
-        pf = pq.ParquetFile(path)
-        have = [c for c in columns if c in pf.schema_arrow.names]
-        return pf.read(columns=have)
-    except (OSError, pa.ArrowException):
-        return None  # still being renamed into place, or truncated: skipped (it never comes back)
 
 
 def _fmt(x: float | None, spec: str = ".3g", unit: str = "") -> str:
