@@ -606,6 +606,12 @@ def read_events(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> pa.
     return _read_segments(lambda: _segments_of(run_dir, "events"), EVENT_SCHEMA, None)
 
 
+def read_rank_events(run_dir: str | os.PathLike, rank: int) -> list[pa.Table]:
+    """One rank's events that fit ``EVENT_SCHEMA`` (an export reads one rank at a time)."""
+    return _read_listed(lambda: live_segments(events_dir(run_dir, rank)),
+                        lambda path: read_segment(path, EVENT_SCHEMA, None))  # fmt: skip
+
+
 def read_resources(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> pa.Table:
     """Every rank's resource samples (RESOURCE_SCHEMA), sorted by (rank, time)."""
     table = _read_segments(lambda: _segments_of(run_dir, "resources"), RESOURCE_SCHEMA, None)
