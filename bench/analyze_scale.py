@@ -15,6 +15,10 @@ A baseline whose estimated memory exceeds half of this machine's RAM is skipped 
     .venv/bin/python bench/analyze_scale.py            # 1,000 ranks x 100,000 steps (~10 GB on disk)
     .venv/bin/python bench/analyze_scale.py --quick    # 100 ranks x 10,000 steps (< 60 s)
     .venv/bin/python bench/analyze_scale.py --keep /tmp/big   # keep (or reuse) the run directory
+
+First, the segment-count case: the same records written as one segment per rank and as ``--segments``
+(2,000) per rank, analysed by ``diagnose`` and by DuckDB in the same run (quick: 2 ranks x 20,000
+steps; full: 32 x 100,000, issue 21's figures), printed as ratios.
 """
 
 from __future__ import annotations
@@ -52,14 +56,15 @@ def _write(rank: int) -> None:
     write_rank(_ROOT, _SPEC, rank, _ARRIVAL)
 
 
-def generate(root: Path, ranks: int, steps: int) -> SyntheticRun:
+def generate(root: Path, ranks: int, steps: int, segment_steps: int | None = None) -> SyntheticRun:
+    segment_steps = segment_steps or min(steps, 10_000)
     spec = SyntheticRun(
-        ranks=ranks, steps=steps, ranks_per_node=8, seed=42, segment_steps=min(steps, 10_000),
+        ranks=ranks, steps=steps, ranks_per_node=8, seed=42, segment_steps=segment_steps,
         faults=(SyntheticFault("slowdown", (ranks // 3,), factor=0.15),
                 SyntheticFault("data_stall", (ranks // 2,), rate=0.02, ms=60)),
     )  # fmt: skip
     stamp = root / "bench-spec.json"
-    key = json.dumps({"ranks": ranks, "steps": steps, "seed": spec.seed})
+    key = json.dumps({"ranks": ranks, "steps": steps, "seed": spec.seed, "segment_steps": segment_steps})
     if stamp.is_file() and stamp.read_text() == key:
         print(f"reusing {root}")
         return spec
@@ -129,12 +134,40 @@ def run_child(label: str, run_dir: Path) -> dict:
     return {"error": f"exit {proc.returncode}: {tail[0][:120]}"}
 
 
+def segment_count(root: Path, ranks: int, steps: int, segments: int) -> None:
+    """The same records as one segment per rank and as ``segments`` per rank: diagnose and DuckDB."""
+    times: dict[tuple[str, int], float] = {}
+    verdicts = set()
+    for n in (1, segments):
+        run_dir = root / f"seg-{n}"
+        generate(run_dir, ranks, steps, segment_steps=-(-steps // n))
+        for label in ("hyperacc diagnose()", "duckdb (window medians in SQL)"):
+            r = run_child(label, run_dir)
+            if "error" in r:
+                print(f"{label}: {r['error']}")
+                return
+            times[(label, n)] = r["seconds"]
+            if "verdict" in r:
+                verdicts.add(json.dumps([r["verdict"], r["stragglers"]]))
+    d1, dn = times[("hyperacc diagnose()", 1)], times[("hyperacc diagnose()", segments)]
+    q1, qn = times[("duckdb (window medians in SQL)", 1)], times[("duckdb (window medians in SQL)", segments)]
+    print(f"\nsegment count: {ranks} ranks x {steps} steps, 1 vs {segments} segments per rank "
+          f"({ranks * segments:,} files)")  # fmt: skip
+    print(f"{'':28s} {'1 segment':>10s} {f'{segments} segments':>14s} {'ratio':>7s}")
+    print(f"{'hyperacc diagnose() s':28s} {d1:10.2f} {dn:14.2f} {dn / d1:6.2f}x")
+    print(f"{'duckdb window medians s':28s} {q1:10.2f} {qn:14.2f} {qn / q1:6.2f}x")
+    print(f"{'diagnose / duckdb':28s} {d1 / q1:9.2f}x {dn / qn:13.2f}x")
+    print(f"same verdict and stragglers for both layouts: {len(verdicts) == 1}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="100 ranks x 10,000 steps")
     ap.add_argument("--ranks", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--keep", type=Path, default=None, help="write (or reuse) the run directory here")
+    ap.add_argument("--segments", type=int, default=2000, help="segments per rank of the segment-count case")
+    ap.add_argument("--no-big", action="store_true", help="only the segment-count case")
     args = ap.parse_args()
     ranks = args.ranks or (100 if args.quick else 1000)
     steps = args.steps or (10_000 if args.quick else 100_000)
@@ -146,6 +179,11 @@ def main() -> None:
     else:
         root = args.keep
     try:
+        # the segment-count case: quick 2 ranks x 20,000 steps, full 32 x 100,000 (issue 21's figures)
+        seg_ranks, seg_steps = (2, 20_000) if args.quick else (32, 100_000)
+        segment_count(root.with_name(root.name + "-segments"), seg_ranks, seg_steps, args.segments)
+        if args.no_big:
+            return
         generate(root, ranks, steps)
         import psutil
 
@@ -181,6 +219,10 @@ def main() -> None:
             if "error" in r:
                 print(f"{label:42s} {r['error']}")
                 continue
+            duck = dict(rows).get("duckdb (window medians in SQL)", {})
+            if "seconds" in duck:
+                print(f"{'':42s} vs duckdb: time {r['seconds'] / duck['seconds']:.2f}x, "
+                      f"RSS {r['peak_rss_mb'] / duck['peak_rss_mb']:.2f}x")  # fmt: skip
             t_ratio = r["seconds"] / base["seconds"] if "seconds" in base else float("nan")
             m_ratio = r["peak_rss_mb"] / base["peak_rss_mb"] if "peak_rss_mb" in base else float("nan")
             print(

@@ -26,6 +26,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,12 @@ from hyperacc.schema import (
 log = logging.getLogger(__name__)
 
 _SEGMENT = re.compile(r"seg-(\d+)\.parquet$")
+# A compacted segment names the range of segment numbers it replaces: seg-000001-000120.parquet.
+_RANGE = re.compile(r"^seg-(\d+)(?:-(\d+))?\.parquet$")
+# Key-value metadata of a compacted segment: when its period opened (wall ns), and for every segment it
+# replaces "number:rows so far", so a follower that has read some of them reads only the rest.
+_OPENED = b"hyperacc.opened_ns"
+_PARTS = b"hyperacc.parts"
 
 # Ranks are numbered below this (a million ranks); larger numbers in a folder name or in a rank's
 # metadata are corrupt, and would make "which ranks are missing" unbounded.
@@ -73,8 +80,9 @@ class SegmentWriter:
         self.directory = Path(directory)
         self.schema = schema
         self.directory.mkdir(parents=True, exist_ok=True)
-        existing = [int(m.group(1)) for p in self.directory.iterdir() if (m := _SEGMENT.search(p.name))]
+        existing = [r[1] for p in self.directory.iterdir() if (r := segment_range(p)) is not None]
         self._next = max(existing, default=0) + 1
+        self.written = 0  # segments this writer wrote (a compactor counts them)
 
     def write(self, table: pa.Table) -> Path | None:
         if table.num_rows == 0:
@@ -84,6 +92,7 @@ class SegmentWriter:
         final = self.directory / f"seg-{self._next:06d}.parquet"
         _write_atomically(final, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
         self._next += 1
+        self.written += 1
         return final
 
 
@@ -106,6 +115,217 @@ def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
         except OSError:
             pass
         raise
+
+
+# ------------------------------------------------------------------ compaction (bounded run directories)
+
+
+class SegmentGone(Exception):
+    """A listed segment was removed before it was read: a compaction replaced it. List again."""
+
+
+def segment_range(path: str | os.PathLike) -> tuple[int, int] | None:
+    """The segment numbers a segment file holds: (n, n) for ``seg-n``, (lo, hi) for a compacted
+    ``seg-lo-hi``; None for any other name."""
+    m = _RANGE.match(Path(path).name)
+    if m is None:
+        return None
+    lo = int(m.group(1))
+    return lo, int(m.group(2)) if m.group(2) is not None else lo
+
+
+def _is_compacted(path: Path) -> bool:
+    return Path(path).name.count("-") == 2
+
+
+def _listing(directory: Path) -> list[tuple[int, int, Path]]:
+    try:
+        paths = list(directory.iterdir()) if directory.is_dir() else []
+    except OSError as exc:
+        log.warning("cannot list %s (%s); its segments are not read", directory, exc)
+        return []
+    out = []
+    for p in paths:
+        r = segment_range(p)
+        if r is not None and r[0] <= r[1]:
+            out.append((r[0], r[1], p))
+    return sorted(out, key=lambda t: (t[0], -t[1]))
+
+
+def _split_live(files: list[tuple[int, int, Path]]) -> tuple[list[tuple[int, int, Path]], list[Path]]:
+    """(the files readers read, the files a compacted file already holds). Sorted by (lo, -hi), a file
+    lies inside another exactly when its hi is at most the largest hi before it."""
+    live: list[tuple[int, int, Path]] = []
+    covered: list[Path] = []
+    top = 0
+    for lo, hi, p in files:
+        if hi <= top:
+            covered.append(p)
+        else:
+            live.append((lo, hi, p))
+            top = hi
+    return live, covered
+
+
+def live_segments(directory: str | os.PathLike) -> list[Path]:
+    """One rank's segment files that hold its records, each record once, in order.
+
+    A compaction writes ``seg-lo-hi`` before it removes the segments ``lo``..``hi``, so for an instant
+    both exist: a segment whose numbers lie inside a compacted file's range is left out here.
+    """
+    return [p for _, _, p in _split_live(_listing(Path(directory)))[0] if p.is_file()]
+
+
+def compact(
+    directory: str | os.PathLike,
+    schema: pa.Schema,
+    *,
+    every: int = 32,
+    period_s: float = 3600.0,
+    min_rows: int = 100_000,
+    final: bool = False,
+) -> Path | None:
+    """Roll one rank directory's small segments into its compacted file of the current period.
+
+    Runs once ``every`` small segments are waiting (any number when ``final``). The period's file
+    ``seg-lo-hi`` is rewritten as ``seg-lo-hi2`` with the new segments appended, until it covers
+    ``period_s`` of wall-clock time and ``min_rows`` rows (whichever is larger); then a new period
+    opens. Atomic at every point: the new file is written to a temporary name and renamed into place,
+    then the files it replaces are removed; readers skip files inside a compacted range
+    (``live_segments``), and the next call removes what an interrupted one left behind. A segment that
+    cannot be read is left where it is (readers skip it with a warning) and ends the period.
+
+    Call it from one process per rank directory (the rank's flusher today, a node agent later).
+    Returns the compacted file written, or None.
+    """
+    directory = Path(directory)
+    files = _listing(directory)
+    live, covered = _split_live(files)
+    for p in covered:  # left by an interrupted compaction: their rows are in a compacted file
+        p.unlink(missing_ok=True)
+    try:
+        for p in directory.glob("seg-*-*.parquet.tmp"):  # only compactions write such names
+            p.unlink(missing_ok=True)
+    except OSError:
+        pass
+    rolled = [t for t in live if _is_compacted(t[2])]
+    base = rolled[-1] if rolled else None  # the latest period's file, open unless full
+    small = [t for t in live if not _is_compacted(t[2]) and (base is None or t[0] > base[1])]
+    if not small or (len(small) < every and not final):
+        return None
+    now = time.time_ns()
+    parts: list[tuple[int, int]] = []
+    tables: list[pa.Table] = []
+    opened = now
+    if base is not None:
+        try:
+            md = pq.read_metadata(base[2])
+            kv = md.metadata or {}
+            opened = int(kv.get(_OPENED, b"0"))
+            parts = _parse_parts(kv.get(_PARTS, b""))
+            rows = md.num_rows
+        except (OSError, pa.ArrowException, ValueError):
+            base, rows = None, 0
+        if base is not None and now - opened >= period_s * 1e9 and rows >= min_rows:
+            base = None  # the period is full: a new one opens
+        if base is not None:
+            table = read_segment(base[2], schema)
+            if table is None:
+                base = None
+            else:
+                tables.append(table)
+        if base is None:
+            opened, parts, tables = now, [], []
+    batch: list[Path] = []
+    total = sum(t.num_rows for t in tables)
+    for _lo, hi, p in small:
+        table = read_segment(p, schema)
+        if table is None:
+            if batch:
+                break  # an unreadable segment ends the batch; the next call starts after it
+            base, opened, parts, tables, total = None, now, [], [], 0
+            continue
+        tables.append(table)
+        batch.append(p)
+        total += table.num_rows
+        parts.append((hi, total))
+    if not batch:
+        return None
+    first = base[0] if base is not None else segment_range(batch[0])[0]  # type: ignore[index]
+    last = segment_range(batch[-1])[1]  # type: ignore[index]
+    merged = pa.concat_tables(tables)
+    meta = {_OPENED: str(opened).encode(), _PARTS: ",".join(f"{n}:{r}" for n, r in parts).encode()}
+    merged = merged.replace_schema_metadata({**(merged.schema.metadata or {}), **meta})
+    final_path = directory / f"seg-{first:06d}-{last:06d}.parquet"
+    _write_atomically(final_path, lambda tmp: pq.write_table(merged, tmp, **_COMPACT_PARQUET))
+    for p in ([base[2]] if base is not None else []) + batch:
+        p.unlink(missing_ok=True)
+    return final_path
+
+
+# Parquet settings of a compacted file: one row group of a period, zstd, dictionaries where they pay.
+_COMPACT_PARQUET: dict[str, Any] = {"compression": "zstd", "row_group_size": 1 << 20}
+
+
+def _parse_parts(raw: bytes) -> list[tuple[int, int]]:
+    out = []
+    for item in raw.decode().split(","):
+        if item:
+            n, _, r = item.partition(":")
+            out.append((int(n), int(r)))
+    return out
+
+
+class SegmentCursor:
+    """Reads one rank directory's records as they appear, each row once, across compactions.
+
+    ``done`` is the highest segment number read. A compacted file that holds some rows already read
+    (the follower read segments 1-40 before they were rolled into ``seg-1-60``) is read from the row
+    after them, found in the file's ``hyperacc.parts`` metadata.
+    """
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.directory = Path(directory)
+        self.done = 0
+
+    def read_new(self, columns: Sequence[str] | None = None, schema: pa.Schema | None = None) -> list[pa.Table]:
+        """The new rows: ``columns`` that each file has, as written; or, given ``schema``, checked and
+        conformed to it as every reader does (``open_segment``, ``conform``)."""
+        out = []
+        for path in live_segments(self.directory):
+            lo, hi = segment_range(path)  # type: ignore[misc]
+            if hi <= self.done:
+                continue
+            try:
+                if schema is not None:
+                    checked = open_segment(path, schema)
+                    if checked is None:
+                        self.done = hi
+                        continue
+                pf = pq.ParquetFile(path)
+                skip = 0
+                if lo <= self.done:
+                    parts = dict(_parse_parts((pf.schema_arrow.metadata or {}).get(_PARTS, b"")))
+                    skip = parts.get(self.done, pf.metadata.num_rows)
+                names = pf.schema_arrow.names
+                wanted = None if columns is None or schema is not None else [c for c in columns if c in names]
+                table = pf.read(columns=wanted)  # checked reads take every column: conform needs the identity
+            except (FileNotFoundError, SegmentGone):
+                break  # compacted while listed: the next call lists again
+            except (OSError, pa.ArrowException, ValueError) as exc:
+                warn_once(path, f"skipping unreadable segment {path} ({exc})")
+                self.done = hi
+                continue
+            self.done = hi
+            if skip:
+                table = table.slice(skip)
+            if schema is not None:
+                table = conform(table, schema, path)
+                if columns is not None:
+                    table = table.select([c for c in columns if c in table.column_names])
+            if table.num_rows:
+                out.append(table)
+        return out
 
 
 _META_INTS = ("rank", "local_rank", "node", "world_size", "local_world_size", "pid")
@@ -212,10 +432,13 @@ def _kind(schema: pa.Schema) -> str:
 
 def open_segment(path: str | os.PathLike, schema: pa.Schema) -> pq.ParquetFile | None:
     """The segment at ``path`` opened (no data read) when its columns fit ``schema``; else None,
-    with one warning naming the file and why."""
+    with one warning naming the file and why. Raises ``SegmentGone`` when the file is gone (a
+    compaction replaced it since it was listed: list again)."""
     try:
         pf = pq.ParquetFile(path, pre_buffer=False)
         problem = segment_problem(pf.schema_arrow, schema, REQUIRED[_kind(schema)])
+    except FileNotFoundError as exc:
+        raise SegmentGone(f"{path} was compacted while it was being read") from exc
     except (OSError, pa.ArrowException, ValueError) as exc:
         warn_once(path, f"skipping unreadable segment {path} ({exc}); the rest of the run is analysed")
         return None
@@ -316,14 +539,26 @@ def _segments(root: Path) -> Iterable[Path]:
     if not root.is_dir():
         return []
     try:
-        return sorted(p for p in root.glob("rank-*/seg-*.parquet") if p.is_file())
+        return [p for d in sorted(root.glob("rank-*")) for p in live_segments(d)]
     except OSError as exc:
         log.warning("cannot list %s (%s); its segments are not read", root, exc)
         return []
 
 
-def _read_segments(paths: Iterable[Path], schema: pa.Schema, columns: list[str] | None) -> pa.Table:
-    tables = [t for path in paths if (t := read_segment(path, schema, columns)) is not None and t.num_rows]
+def _read_listed(
+    list_paths: Callable[[], Iterable[Path]], read: Callable[[Path], pa.Table | None], tries: int = 20
+) -> list[pa.Table]:
+    """``read`` every listed segment; when one was compacted away meanwhile, list again and start over."""
+    for _ in range(tries - 1):
+        try:
+            return [t for path in list_paths() if (t := read(path)) is not None and t.num_rows]
+        except SegmentGone:
+            continue
+    return [t for path in list_paths() if (t := read(path)) is not None and t.num_rows]
+
+
+def _read_segments(paths: Callable[[], Iterable[Path]], schema: pa.Schema, columns: list[str] | None) -> pa.Table:
+    tables = _read_listed(paths, lambda path: read_segment(path, schema, columns))
     if not tables:
         sel = schema if columns is None else pa.schema([schema.field(c) for c in columns])
         return sel.empty_table()
@@ -363,7 +598,7 @@ def read_steps(
     unknown = [c for c in columns or () if STEP_SCHEMA.get_field_index(c) < 0]
     if unknown:
         raise ValueError(f"unknown step column(s) {unknown}; see hyperacc.schema.STEP_SCHEMA")
-    table = _read_segments(_segments_of(run_dir, "steps"), STEP_SCHEMA, columns)
+    table = _read_segments(lambda: _segments_of(run_dir, "steps"), STEP_SCHEMA, columns)
     if table.num_rows and {"rank", "step"} <= set(table.column_names):
         table = table.sort_by([("rank", "ascending"), ("step", "ascending")])
     return table
@@ -371,12 +606,18 @@ def read_steps(
 
 def read_events(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> pa.Table:
     """Every rank's events that fit ``EVENT_SCHEMA`` (of one run directory, or of several of one job)."""
-    return _read_segments(_segments_of(run_dir, "events"), EVENT_SCHEMA, None)
+    return _read_segments(lambda: _segments_of(run_dir, "events"), EVENT_SCHEMA, None)
+
+
+def read_rank_events(run_dir: str | os.PathLike, rank: int) -> list[pa.Table]:
+    """One rank's events that fit ``EVENT_SCHEMA`` (an export reads one rank at a time)."""
+    return _read_listed(lambda: live_segments(events_dir(run_dir, rank)),
+                        lambda path: read_segment(path, EVENT_SCHEMA, None))  # fmt: skip
 
 
 def read_resources(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> pa.Table:
     """Every rank's resource samples (RESOURCE_SCHEMA), sorted by (rank, time)."""
-    table = _read_segments(_segments_of(run_dir, "resources"), RESOURCE_SCHEMA, None)
+    table = _read_segments(lambda: _segments_of(run_dir, "resources"), RESOURCE_SCHEMA, None)
     if table.num_rows:
         table = table.sort_by([("rank", "ascending"), ("t_ns", "ascending")])
     return table

@@ -17,18 +17,22 @@ import logging
 import math
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from hyperacc import store
 from hyperacc.schema import STEP_SCHEMA, RankMeta
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 _IDENTITY = ("rank", "node", "step")
@@ -101,7 +105,7 @@ def _discover_one(run_dir: str | os.PathLike) -> RunLayout:
         if not m or int(m.group(1)) >= store.MAX_RANKS or not sub.is_dir():
             continue
         try:
-            segments = sorted(p for p in sub.glob("seg-*.parquet") if p.is_file())
+            segments = store.live_segments(sub)  # a compacted file's segments once, never twice
         except OSError as exc:
             log.warning("cannot list %s (%s); rank %s is left out", sub, exc, m.group(1))
             continue
@@ -196,8 +200,37 @@ def _read(path: Path, pf: pq.ParquetFile, columns: Iterable[str]) -> pa.Table | 
     return store.conform(table, pa.schema([STEP_SCHEMA.field(c) for c in want]), path)
 
 
+def _relisted(paths: Sequence[Path]) -> list[Path]:
+    """The files that hold ``paths``' segments now (a compaction may have rolled them into one)."""
+    out: list[Path] = []
+    for parent in dict.fromkeys(p.parent for p in paths):
+        ranges = [r for p in paths if p.parent == parent and (r := store.segment_range(p)) is not None]
+        if not ranges:
+            continue
+        lo, hi = min(r[0] for r in ranges), max(r[1] for r in ranges)
+        for p in store.live_segments(parent):
+            r = store.segment_range(p)
+            if r is not None and r[0] <= hi and r[1] >= lo:
+                out.append(p)
+    return out
+
+
+def _retrying(paths: Sequence[Path], read: Callable[[Sequence[Path]], T]) -> T:
+    """``read(paths)``, listed again when a compaction removed one of them while it was being read."""
+    for _ in range(20):
+        try:
+            return read(paths)
+        except store.SegmentGone:
+            paths = _relisted(paths)
+    return read(paths)
+
+
 def step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
     """(first, last) step over some segments, from Parquet statistics when present (no data read)."""
+    return _retrying(paths, _step_bounds)
+
+
+def _step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
     lo: int | None = None
     hi: int | None = None
     for path, pf in _readable(paths):
@@ -222,6 +255,43 @@ def step_bounds(paths: Sequence[Path]) -> tuple[int, int] | None:
     return None if lo is None else (int(lo), int(hi))
 
 
+# Below this many segments the file-by-file path is as fast (docs/detection.md, "Analysis at scale").
+FAST_MIN_SEGMENTS = 4
+_FORMAT = ds.ParquetFileFormat()
+_LOCAL = pafs.LocalFileSystem()
+
+
+def _read_fast(paths: Sequence[Path], columns: Sequence[str]) -> list[pa.Table] | None:
+    """Many segments of one rank as one pyarrow dataset: the footers are read in C++, the columns in
+    parallel, and nothing runs per file in Python. Only when every segment is exactly what the tracer
+    writes (its schema is ``STEP_SCHEMA``), its identity columns hold no null and its steps lie within
+    +-2**53, and the steps come out in order; otherwise None, and ``read_rank`` reads file by file
+    with the checks and warnings of ``store.open_segment``, giving the same rows."""
+    if len(paths) < FAST_MIN_SEGMENTS:
+        return None
+    want = list(dict.fromkeys([*_IDENTITY, *columns]))
+    try:
+        frags = [_FORMAT.make_fragment(str(p), _LOCAL) for p in paths]
+        if not all(f.physical_schema.equals(STEP_SCHEMA) for f in frags):
+            return None
+        table = ds.FileSystemDataset(frags, STEP_SCHEMA, _FORMAT, _LOCAL).to_table(columns=want, use_threads=True)
+    except FileNotFoundError:
+        raise store.SegmentGone("a segment was compacted while it was being read") from None
+    except (OSError, pa.ArrowException, ValueError):
+        return None
+    if any(table.column(c).null_count for c in _IDENTITY):
+        return None
+    step = table.column("step")
+    if len(step) > 1:
+        mm = pc.min_max(step)
+        if not (-store.MAX_STEP <= mm["min"].as_py() and mm["max"].as_py() <= store.MAX_STEP):
+            return None
+        values = step.to_numpy()
+        if not bool(np.all(values[1:] > values[:-1])):
+            return None  # out of order or written twice: the file-by-file path keeps the last record
+    return [table] if table.num_rows else None
+
+
 def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) -> dict[str, np.ndarray]:
     """One rank's step records as numpy columns, sorted by step, one row per step (the last wins).
 
@@ -233,7 +303,8 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
     unknown = [c for c in columns if STEP_SCHEMA.get_field_index(c) < 0]
     if unknown:
         raise ValueError(f"unknown step column(s) {unknown}; see hyperacc.schema.STEP_SCHEMA")
-    tables = [t for path, pf in _readable(paths) if (t := _read(path, pf, columns)) is not None and t.num_rows]
+    tables = _retrying(paths, lambda ps: _read_fast(ps, columns) or [
+        t for path, pf in _readable(ps) if (t := _read(path, pf, columns)) is not None and t.num_rows])  # fmt: skip
     if not tables:
         return {c: np.empty(0, dtype=np.int64 if c in _IDENTITY else np.float64) for c in columns}
     table = pa.concat_tables(tables)

@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -101,42 +101,64 @@ def parse_steps(text: str | None) -> tuple[int | None, int | None]:
     return lo, hi
 
 
+def parse_ranks(text: str | None) -> tuple[int, ...] | None:
+    """``"0-7,12"`` -> (0, 1, ..., 7, 12): the ranks to export (None: every rank)."""
+    if not text or not text.strip():
+        return None
+    out: set[int] = set()
+    try:
+        for part in text.split(","):
+            a, sep, b = part.strip().partition("-")
+            lo, hi = int(a), int(b) if sep else int(a)
+            if not 0 <= lo <= hi < store.MAX_RANKS:
+                raise ValueError
+            out.update(range(lo, hi + 1))
+    except ValueError:
+        raise ExportError(f"--ranks {text!r}: expected ranks and ranges from 0, e.g. 0-7,12") from None
+    return tuple(sorted(out))
+
+
 def export_chrome(
-    run_dir: str | os.PathLike,
+    run_dir: str | os.PathLike | Sequence[str | os.PathLike],
     out: str | os.PathLike,
     *,
     steps: tuple[int | None, int | None] = (None, None),
+    ranks: Sequence[int] | None = None,
     diagnosis: Mapping[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ChromeExport:
-    """Writes the trace of ``run_dir`` (steps ``[A, B)`` when given) to ``out``.
+    """Writes the trace of ``run_dir`` (steps ``[A, B)`` and ``ranks`` when given) to ``out``.
 
     ``diagnosis`` is ``Diagnosis.to_dict()``; its ``spikes.events`` mark spikes with their cause.
-    ``progress(rank)`` is called after each rank.
+    ``progress(rank)`` is called after each rank. Memory is bounded by one rank's records and events:
+    each rank is read, written and dropped before the next. The trace is written to ``out.tmp`` and
+    renamed into place; an error or an interrupt (KeyboardInterrupt, SystemExit) removes it.
     """
     layout = discover(run_dir)
     if not layout.sources:
         raise ExportError(f"{layout.name} holds no step records; nothing to export")
     lo, hi = steps
     spikes = _spikes_by_rank(diagnosis, lo, hi)
-    events = _events_by_rank(run_dir, lo, hi)
+    chosen = sorted(layout.sources) if ranks is None else [r for r in sorted(set(ranks)) if r in layout.sources]
+    if not chosen:
+        raise ExportError(f"--ranks: none of {_ranks_text(ranks or ())} has step records in {layout.name} "
+                          f"(ranks with records: {_ranks_text(sorted(layout.sources))})")  # fmt: skip
 
     # t0: earliest start over the window, from Parquet data of each rank (one rank in memory at a time)
-    ranks = sorted(layout.sources)
     t0 = math.inf
     records = 0
-    for r in ranks:
+    for r in chosen:
         cols = _read_rank(layout.sources[r].segments, ("step", "t_start_ns"))
         records += cols["step"].size
         cols = _window(cols, lo, hi)
         if cols["t_start_ns"].size and np.isfinite(cols["t_start_ns"]).any():
             t0 = min(t0, float(np.nanmin(cols["t_start_ns"])))
-    if not records:  # as analyze and report: a run without one readable record is an error, not a trace
-        raise store.RunDirError(f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above")
-    for table in events.values():  # an event may precede the first exported step
-        t = table.column("t_ns").drop_null()
+        table = _rank_event_table(layout.run_dirs, r, lo, hi)  # an event may precede the first exported step
+        t = table.column("t_ns").drop_null() if table is not None else []
         if len(t):
             t0 = min(t0, float(pc.min(t).as_py()))
+    if not records:  # as analyze and report: a run without one readable record is an error, not a trace
+        raise store.RunDirError(f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above")
     if not math.isfinite(t0):
         t0 = 0.0
 
@@ -152,13 +174,14 @@ def export_chrome(
                                 "steps": [lo, hi]}))  # fmt: skip
             f.write(',"traceEvents":[\n')
             writer = _Writer(f)
-            for r in ranks:
+            for r in chosen:
                 cols = _window(_read_rank(layout.sources[r].segments, _COLUMNS), lo, hi)
                 meta = layout.metas.get(r)
                 node = meta.node if meta else (int(cols["node"][0]) if cols["node"].size else 0)
                 _rank_process(writer, r, node, meta.hostname if meta else None)
                 n_steps += _rank_steps(writer, r, cols, t0, spikes.get(r, {}))
-                _rank_events(writer, r, events.get(r), t0)
+                _rank_events(writer, r, _rank_event_table(layout.run_dirs, r, lo, hi), t0)
+                del cols
                 if progress is not None:
                     progress(r)
             n_events = writer.count
@@ -168,7 +191,7 @@ def export_chrome(
         with contextlib.suppress(OSError):  # a full disk or an interrupt leaves no half-written trace
             tmp.unlink(missing_ok=True)
         raise
-    return ChromeExport(path, len(ranks), n_steps, n_events, path.stat().st_size)
+    return ChromeExport(path, len(chosen), n_steps, n_events, path.stat().st_size)
 
 
 class _Writer:
@@ -288,10 +311,17 @@ def _spikes_by_rank(diagnosis: Mapping[str, Any] | None, lo: int | None, hi: int
     return out
 
 
-def _events_by_rank(run_dir, lo: int | None, hi: int | None) -> dict[int, pa.Table]:
-    table = store.read_events(run_dir)
-    if table.num_rows == 0:
-        return {}
+def _ranks_text(ranks: Sequence[int]) -> str:
+    shown = ", ".join(map(str, list(ranks)[:8]))
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "") if shown else "none"
+
+
+def _rank_event_table(run_dirs: Sequence[Path], rank: int, lo: int | None, hi: int | None) -> pa.Table | None:
+    """One rank's events in the step window (read from whichever run directory holds them)."""
+    tables = [t for d in run_dirs for t in store.read_rank_events(d, rank) if t.num_rows]
+    if not tables:
+        return None
+    table = pa.concat_tables(tables)
     if lo is not None or hi is not None:
         s = table.column("step").cast(pa.float64()).to_numpy(zero_copy_only=False)  # null -> NaN
         keep = np.isfinite(s)
@@ -300,8 +330,7 @@ def _events_by_rank(run_dir, lo: int | None, hi: int | None) -> dict[int, pa.Tab
         if hi is not None:
             keep &= s < hi
         table = table.filter(pa.array(keep))
-    ranks = table.column("rank").to_numpy()
-    return {int(r): table.filter(pa.array(ranks == r)) for r in np.unique(ranks)}
+    return table
 
 
 def _rank_events(emit: _Writer, rank: int, table: pa.Table | None, t0: float) -> None:

@@ -89,13 +89,11 @@ class RunFollower:
     def __init__(self, run_dirs: Sequence[str | Path], keep: int = 400) -> None:
         self.run_dirs = [Path(d) for d in run_dirs]
         self.keep = keep
-        self._seen: set[Path] = set()
-        self._events_seen: set[Path] = set()
+        self._cursors: dict[Path, store.SegmentCursor] = {}  # per rank directory of steps, events, resources
         self._rows: dict[int, dict[str, np.ndarray]] = {}
         self._node: dict[int, int] = {}
         self._rss: dict[int, float] = {}
         self._findings: dict[str, str] = {}
-        self._resources_seen: set[Path] = set()
         self._rss_hist: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (t_ns, rss bytes), bounded
         self._last_new = time.monotonic()
         self.world_size = 0
@@ -107,20 +105,27 @@ class RunFollower:
             for rank, m in store.read_meta(run_dir).items():  # checked as analyze checks it
                 self._node[rank] = m.node
                 self.world_size = max(self.world_size, m.world_size)
-            for path in _segments(run_dir, "steps"):
-                if path in self._seen:
-                    continue
-                self._seen.add(path)
-                table = store.read_segment(path, STEP_SCHEMA, _COLUMNS)  # a segment that does not fit: skipped
-                if table is None or not table.num_rows:
-                    continue
-                self._add(_folder_rank(path), table)
+            for rank, table in self._new_tables(run_dir, "steps", _COLUMNS, STEP_SCHEMA):
+                self._add(rank, table)
                 new = True
             new |= self._read_events(run_dir)
             self._read_resources(run_dir)
         if new:
             self._last_new = time.monotonic()
         return new
+
+    def _new_tables(
+        self, run_dir: Path, kind: str, columns: Sequence[str], schema: pa.Schema
+    ) -> list[tuple[int, pa.Table]]:
+        """The rows of every rank folder of ``kind`` not read yet, each once (across compactions), checked
+        and conformed to ``schema`` as analyze reads them (a segment that does not fit: skipped)."""
+        out = []
+        for rank, rank_dir in _rank_dirs(run_dir, kind):
+            cursor = self._cursors.get(rank_dir)
+            if cursor is None:
+                cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
+            out += [(rank, t) for t in cursor.read_new(columns, schema)]
+        return out
 
     def _add(self, rank: int, table: pa.Table) -> None:
         cols = {}
@@ -137,13 +142,7 @@ class RunFollower:
 
     def _read_events(self, run_dir: Path) -> bool:
         new = False
-        for path in _segments(run_dir, "events"):
-            if path in self._events_seen:
-                continue
-            self._events_seen.add(path)
-            table = store.read_segment(path, EVENT_SCHEMA, ("kind", "detail", "rank"))
-            if table is None:
-                continue
+        for _rank, table in self._new_tables(run_dir, "events", ("kind", "detail", "rank"), EVENT_SCHEMA):
             for row in table.to_pylist():
                 if row.get("kind") == "live_finding" and row.get("detail"):
                     text = str(row["detail"])
@@ -169,14 +168,10 @@ class RunFollower:
         return new
 
     def _read_resources(self, run_dir: Path) -> None:
-        for path in _segments(run_dir, "resources"):
-            if path in self._resources_seen:
-                continue
-            self._resources_seen.add(path)
-            table = store.read_segment(path, RESOURCE_SCHEMA, ("rank", "rss_bytes", "t_ns"))
-            if table is not None and table.num_rows:
+        for rank, table in self._new_tables(run_dir, "resources", ("rank", "rss_bytes", "t_ns"), RESOURCE_SCHEMA):
+            if table.num_rows:
                 rows = table.to_pylist()
-                self._rss[_folder_rank(path)] = (rows[-1]["rss_bytes"] or 0) / 2**20
+                self._rss[rank] = (rows[-1]["rss_bytes"] or 0) / 2**20
                 self._keep_rss(table)
 
     def snapshot(self, window: int = 50) -> Snapshot | None:
@@ -351,22 +346,18 @@ def _finding_key(text: str) -> str:
     return " ".join(words[:2]) if len(words) >= 2 else text
 
 
-def _segments(run_dir: Path, kind: str) -> list[Path]:
-    """The segments of every rank folder ``rank-<number below MAX_RANKS>`` under ``run_dir/kind``, as
-    ``analysis.columns`` finds them: other folders are not a rank's."""
-    out: list[Path] = []
+def _rank_dirs(run_dir: Path, kind: str) -> list[tuple[int, Path]]:
+    """Every rank folder ``rank-<number below MAX_RANKS>`` under ``run_dir/kind``, as ``analysis.columns``
+    finds them: other folders are not a rank's."""
+    out: list[tuple[int, Path]] = []
     try:
         for sub in sorted((run_dir / kind).glob("rank-*")):
             m = _RANK_DIR.match(sub.name)
             if m and int(m.group(1)) < store.MAX_RANKS and sub.is_dir():
-                out += sorted(p for p in sub.glob("seg-*.parquet") if p.is_file())
+                out.append((int(m.group(1)), sub))
     except OSError:
         return out  # a folder that vanished or cannot be listed: read again at the next refresh
     return out
-
-
-def _folder_rank(path: Path) -> int:
-    return int(path.parent.name.split("-")[1])
 
 
 def _fmt(x: float | None, spec: str = ".3g", unit: str = "") -> str:

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from hyperacc import store
@@ -318,18 +317,17 @@ def serve(sink: MetricsSink, port: int, addr: str = "127.0.0.1"):
 class RunDirFollower:
     """Feeds a sink with every rank's new segments from a run directory (aggregation on rank 0).
 
-    A background thread lists ``steps/rank-*/seg-*.parquet`` and ``events/...`` every ``interval``
-    seconds and hands each new segment to the sink once. Segments are checked as every reader checks
-    them (``store.read_segment``): one that does not fit its schema is skipped with one warning;
-    an unreadable one is retried on the next round and skipped after that.
+    A background thread reads every rank's new ``steps`` and ``events`` rows every ``interval`` seconds
+    (``store.SegmentCursor``: each row once, also across compactions) and hands them to the sink.
+    Segments are checked as every reader checks them (``store.open_segment``): one that does not fit its
+    schema or cannot be read is skipped with one warning.
     """
 
     def __init__(self, run_dir: str | Path, sink: MetricsSink, interval: float = 2.0) -> None:
         self.run_dir = Path(run_dir)
         self.sink = sink
         self.interval = interval
-        self._seen: set[Path] = set()
-        self._failed: dict[Path, int] = {}
+        self._cursors: dict[Path, store.SegmentCursor] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hyperacc-metrics-follower", daemon=True)
 
@@ -354,27 +352,18 @@ class RunDirFollower:
         """Reads the segments not seen yet; returns how many were fed."""
         fed = 0
         for kind in ("steps", "events"):
-            for path in sorted(self.run_dir.glob(f"{kind}/rank-*/seg-*.parquet")):
-                if path in self._seen:
-                    continue
-                schema = STEP_SCHEMA if kind == "steps" else EVENT_SCHEMA
-                try:
-                    pq.ParquetFile(path).close()
-                except (OSError, pa.ArrowException, ValueError) as exc:
-                    self._failed[path] = self._failed.get(path, 0) + 1
-                    if self._failed[path] >= 2:
-                        log.warning("metrics: skipping unreadable segment %s (%s)", path, exc)
-                        self._seen.add(path)
-                    continue
-                self._seen.add(path)
-                table = store.read_segment(path, schema)  # None, with one warning, when it does not fit
-                if table is None or table.num_rows == 0:
-                    continue
-                if kind == "steps":
-                    self.sink(table)
-                else:
-                    self.sink.observe_events(table)
-                fed += 1
+            schema = STEP_SCHEMA if kind == "steps" else EVENT_SCHEMA
+            for rank_dir in sorted(self.run_dir.glob(f"{kind}/rank-*")):
+                cursor = self._cursors.get(rank_dir)
+                if cursor is None:
+                    cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
+                # each row once, across compactions; a segment that does not fit is skipped with a warning
+                for table in cursor.read_new(schema=schema):
+                    if kind == "steps":
+                        self.sink(table)
+                    else:
+                        self.sink.observe_events(table)
+                    fed += 1
         return fed
 
 

@@ -37,6 +37,12 @@ class TraceOptions:
     device_phases: bool = False  # on CUDA, forward and backward from CUDA events too (4 events a step)
     handle_sigterm: bool = True  # flush on SIGTERM, then run the previous handler
     resources_every_s: float = 1.0  # sample memory and CPU this often, off the training thread (0: off)
+    # Compaction (docs/tracing.md, "Storage"): once this many small segments wait, the flusher rolls
+    # them into the rank's file of the period (0: off); a period is compact_period_s of wall clock and
+    # at least compact_min_rows rows, whichever is longer.
+    compact_every: int = 32
+    compact_period_s: float = 3600.0
+    compact_min_rows: int = 100_000
 
     def __post_init__(self) -> None:
         check_fields(self, SECTION)
@@ -50,6 +56,9 @@ class TraceOptions:
             ("agree_timeout_s", self.agree_timeout_s >= 0, ">= 0"),
             ("resources_every_s", self.resources_every_s >= 0, ">= 0 (0 switches resource sampling off)"),
             ("alloc_every", self.alloc_every >= 1, ">= 1"),
+            ("compact_every", self.compact_every >= 0, ">= 0 (0 switches compaction off)"),
+            ("compact_period_s", self.compact_period_s >= 0, ">= 0"),
+            ("compact_min_rows", self.compact_min_rows >= 0, ">= 0"),
         ):
             check(SECTION, name, getattr(self, name), ok, allowed)
 

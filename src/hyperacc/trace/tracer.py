@@ -37,7 +37,7 @@ import pyarrow as pa
 import torch
 
 from hyperacc import process, store
-from hyperacc.schema import EVENT_SCHEMA, PHASES, RankMeta
+from hyperacc.schema import EVENT_SCHEMA, PHASES, RESOURCE_SCHEMA, STEP_SCHEMA, RankMeta
 from hyperacc.trace.collectives import CollectiveClock
 from hyperacc.trace.columns import (
     DEV_COMM_WAIT_NS,
@@ -224,6 +224,8 @@ class Tracer:
         self._step_writer: store.SegmentWriter | None = None
         self._event_writer: store.SegmentWriter | None = None
         self._resource_writer: store.SegmentWriter | None = None
+        self._compact_on = True
+        self._compacted: dict[int, int] = {}  # id(writer) -> its segments written at the last compaction
 
         # CUDA is picked up lazily: creating events before the script chose its device would open a
         # context on GPU 0 from every rank.
@@ -532,6 +534,29 @@ class Tracer:
             if now - last >= self.options.flush_every_s or ring.ready - ring.tail >= half:
                 last = now
                 self.flush()
+                self.compact()
+
+    def compact(self, *, final: bool = False) -> None:
+        """Roll this rank's small segments into its file of the period (``store.compact``), once
+        ``compact_every`` of a kind are waiting (all of them when ``final``). Off the training thread:
+        the flusher, and ``close`` after the last step."""
+        every = self.options.compact_every
+        if not every or not self._write_on or not self._compact_on:
+            return
+        with self._flush_lock:
+            for writer, schema in ((self._step_writer, STEP_SCHEMA), (self._event_writer, EVENT_SCHEMA),
+                                   (self._resource_writer, RESOURCE_SCHEMA)):  # fmt: skip
+                if writer is None or (writer.written - self._compacted.get(id(writer), 0) < every and not final):
+                    continue
+                try:
+                    store.compact(writer.directory, schema, every=1 if final else every,
+                                  period_s=self.options.compact_period_s,
+                                  min_rows=self.options.compact_min_rows)  # fmt: skip
+                    self._compacted[id(writer)] = writer.written
+                except Exception as exc:  # noqa: BLE001
+                    self._compact_on = False
+                    switch_off(f"compacting segments in {writer.directory}", exc)
+                    return
 
     def flush(self) -> None:
         """Write the rows and events recorded so far (any thread; serialised with close)."""
@@ -662,6 +687,8 @@ class Tracer:
             if self.signals is not None:
                 self.signals.close()
             self._events_closed = True
+            if not stopping:
+                self.compact(final=True)  # a finished run: one file per rank-period
             if self._ring.dropped:
                 log.warning(
                     "hyperacc trace: %d step records were dropped (the flusher fell behind); "
