@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup system demo test bench lint clean gpu-check
+.PHONY: setup system demo test check soak bench lint clean gpu-check
 
 setup: $(STAMP)
 
@@ -31,8 +31,16 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m hyperacc.demo
 
+# The test tiers (pyproject.toml's markers; README, "Tests"). `test` is the whole suite, what CI runs;
+# `check` is the inner loop: no torchrun jobs, no browser, nothing slow; `soak` is the long repetitions.
 test: setup system
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m 'not soak'
+
+check: setup system
+	$(BIN)/python -m pytest -q -m 'not multirank and not browser and not slow and not soak'
+
+soak: setup system
+	$(BIN)/python -m pytest -q -m soak
 
 bench: setup
 	$(BIN)/python bench/run_all.py

@@ -23,6 +23,9 @@ BASE = SyntheticRun(ranks=8, steps=600, seed=3)
 GC = SyntheticRun(ranks=8, steps=600, seed=4, faults=(SyntheticFault("gc", (1, 2, 3), rate=0.05, ms=30.0),))
 
 
+SUBPROCESS = pytest.mark.slow  # runs the CLI in its own interpreter, as a user does
+
+
 def hyperacc(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hyperacc", *args], capture_output=True, text=True, timeout=300)
 
@@ -38,6 +41,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     }
 
 
+@SUBPROCESS
 def test_a_worse_run_breaks_its_limits_and_exits_1(runs) -> None:
     r = hyperacc("compare", str(runs["base"]), str(runs["gc"]), "--fail-on", "p99=+10%,spike_rate=+2pp", "--json")
     assert r.returncode == 1, r.stderr
@@ -49,12 +53,14 @@ def test_a_worse_run_breaks_its_limits_and_exits_1(runs) -> None:
     assert text.returncode == 1 and "limit broken" in text.stderr and "p99=+10%" in text.stderr
 
 
+@SUBPROCESS
 def test_a_run_like_the_baseline_passes_and_exits_0(runs) -> None:
     r = hyperacc("compare", str(runs["base"]), str(runs["same"]), "--fail-on", "p99=+10%,spike_rate=+2pp,steps_per_s=-10%")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Within limits" in r.stdout
 
 
+@SUBPROCESS
 @pytest.mark.parametrize(
     "limits, message",
     [("p99<10", "cannot read the limit"), ("p98=+1%", "which is no figure"), ("p99=+x%", "cannot read the limit")],
@@ -65,6 +71,7 @@ def test_a_bad_limit_is_one_line_and_exits_2(runs, limits: str, message: str) ->
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
+@SUBPROCESS
 def test_a_missing_run_and_a_single_run_exit_2(runs, tmp_path) -> None:
     r = hyperacc("compare", str(runs["base"]), str(tmp_path / "nowhere"))
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
@@ -72,6 +79,7 @@ def test_a_missing_run_and_a_single_run_exit_2(runs, tmp_path) -> None:
     assert one.returncode == 2 and "at least two runs" in one.stderr
 
 
+@SUBPROCESS
 def test_runs_at_two_world_sizes_get_the_efficiency_curve_and_the_simulation(runs) -> None:
     r = hyperacc("compare", str(runs["small"]), str(runs["base"]), "--json")
     assert r.returncode == 0, r.stderr
@@ -82,6 +90,7 @@ def test_runs_at_two_world_sizes_get_the_efficiency_curve_and_the_simulation(run
     assert [p["world_size"] for p in sc["simulated"]["points"]] == [4, 8]
 
 
+@SUBPROCESS
 def test_analyze_shows_the_distribution_the_coordination_cost_and_the_failure_modes(runs) -> None:
     doc = diagnose(runs["gc"], batch_size=16).to_dict()
     c = doc["coordination"]
@@ -121,6 +130,7 @@ def _resources(run: Path, rank: int, rss_mb: np.ndarray, seconds: float = 60.0, 
     store.resource_writer(run, rank).write(table)
 
 
+@SUBPROCESS
 def test_memory_creep_and_a_rank_out_of_line_are_found(tmp_path) -> None:
     run = write_run(tmp_path / "run", SyntheticRun(ranks=8, steps=300, seed=2))
     rng = np.random.default_rng(0)
@@ -150,6 +160,7 @@ def test_too_few_samples_say_so_instead_of_judging(tmp_path) -> None:
     assert "not enough ranks" in res["judged"]["imbalance"]
 
 
+@SUBPROCESS
 def test_two_run_directories_of_one_job_are_merged_and_others_refused(tmp_path) -> None:
     # The same job written as two agents' local run directories: ranks 0-3 on one, 4-7 on the other.
     whole = write_run(tmp_path / "whole", BASE)

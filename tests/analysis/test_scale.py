@@ -3,6 +3,7 @@
 import tracemalloc
 
 import numpy as np
+import pytest
 
 from hyperacc.analysis import diagnose, run_dir
 from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
@@ -10,6 +11,7 @@ from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
 RANKS, STEPS = 200, 3000
 
 
+@pytest.mark.slow
 def test_many_ranks_are_streamed_not_loaded(tmp_path, monkeypatch):
     spec = SyntheticRun(ranks=RANKS, steps=STEPS, ranks_per_node=8, segment_steps=1500, seed=4,
                         faults=(SyntheticFault("slowdown", (77,), factor=0.15),

@@ -52,6 +52,7 @@ def runs(tmp_path_factory):
     return base, faulty
 
 
+@pytest.mark.slow  # runs the CLI twice in its own interpreter
 def test_sections_hold_the_distribution_failure_modes_creep_and_the_comparison(runs, tmp_path) -> None:
     base, faulty = runs
     page = build_report(faulty, tmp_path / "r.html", diagnosis=diagnosis_of(faulty), baseline=diagnosis_of(base))

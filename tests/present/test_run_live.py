@@ -77,37 +77,21 @@ def test_lines_in_a_pipe_and_the_exit_status_of_torchrun(tmp_path):
     assert ours.returncode == plain.returncode, ours.stdout[-2000:] + ours.stderr[-2000:]
 
 
-def test_sigterm_is_passed_to_torchrun_and_the_ranks_stop(tmp_path):
-    proc = subprocess.Popen(
-        [*HYPERACC, "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2", "--trace", TRACE, "--",
-         str(EXAMPLE), "--steps", "1000000", *SMALL],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while not list((tmp_path / "run").glob("steps/rank-*/seg-*.parquet")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the job never wrote a step"
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode != 0, out[-2000:]
-    # torchrun stopped its workers: no rank of this job is left
-    left = subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True)
-    assert left.stdout.strip() == "", left.stdout
-
-
-def test_metrics_of_every_rank_from_rank_0(tmp_path):
+@pytest.fixture(scope="module")
+def served_then_stopped(tmp_path_factory) -> dict:
+    """One endless job serves two tests: rank 0's Prometheus endpoint is scraped while it trains, then
+    ``hyperacc run`` gets SIGTERM. Returns the last scrape, the exit status, the output and the
+    processes of the job left afterwards."""
+    work = tmp_path_factory.mktemp("served")
+    run_dir, log_path = work / "run", work / "job.log"
     port = _free_port()
-    proc = subprocess.Popen(
-        [*HYPERACC, "run", "--run-dir", str(tmp_path / "run"), "--nproc-per-node", "2", "--quiet",
-         "--metrics-port", str(port), "--trace", TRACE, "--", str(EXAMPLE), "--steps", "1000000", *SMALL],
-        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    body = ""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [*HYPERACC, "run", "--run-dir", str(run_dir), "--nproc-per-node", "2", "--metrics-port", str(port),
+             "--trace", TRACE, "--", str(EXAMPLE), "--steps", "1000000", *SMALL],
+            env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    body, wrote = "", False
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -118,13 +102,31 @@ def test_metrics_of_every_rank_from_rank_0(tmp_path):
             if 'hyperacc_last_step{rank="0"}' in body and 'hyperacc_last_step{rank="1"}' in body:
                 break
             time.sleep(1.0)
+        while time.monotonic() < deadline and proc.poll() is None and not wrote:
+            wrote = bool(list(run_dir.glob("steps/rank-*/seg-*.parquet")))
+            time.sleep(0.5)
+        running = proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
+    return {"body": body, "wrote": wrote, "running": running, "code": proc.returncode,
+            "out": log_path.read_text(errors="replace"), "left": left.stdout.strip()}  # fmt: skip
+
+
+def test_sigterm_is_passed_to_torchrun_and_the_ranks_stop(served_then_stopped):
+    job = served_then_stopped
+    assert job["wrote"] and job["running"], "the job never wrote a step:\n" + job["out"][-2000:]
+    assert job["code"] != 0, job["out"][-2000:]
+    # torchrun stopped its workers: no rank of this job is left
+    assert job["left"] == "", job["left"]
+
+
+def test_metrics_of_every_rank_from_rank_0(served_then_stopped):
+    body = served_then_stopped["body"]
     assert 'hyperacc_last_step{rank="0"}' in body and 'hyperacc_last_step{rank="1"}' in body, body[-2000:]
     assert 'hyperacc_step_seconds_count{rank="1"}' in body
 

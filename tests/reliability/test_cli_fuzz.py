@@ -287,6 +287,7 @@ def _limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
 
 
+@pytest.mark.slow  # ten commands, each in its own interpreter
 @pytest.mark.parametrize("args", SAMPLE, ids=[" ".join(a)[:50] for a in SAMPLE])
 def test_sample_as_subprocesses(run_dir, tmp_path, args):
     """Real processes under a 3 GiB address-space limit and a generous time limit (a hang shows as

@@ -44,9 +44,13 @@ class Fault:
 
 ALL_FAULTS = [Fault(t, s) for t in ("rank", "launcher", "group") for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)]
 # `make test` runs five of the nine (every target and every signal at least once, and the SIGTERM of a
-# rank that closes while its peer is gone); bench/soak.py runs all nine (HYPERACC_FAULTS=all).
+# rank that closes while its peer is gone); the other four are marked soak (`make soak`), unless
+# HYPERACC_FAULTS=all; bench/soak.py runs all nine.
 _QUICK = {"rank SIGKILL", "rank SIGTERM", "launcher SIGKILL", "launcher SIGINT", "group SIGINT"}
-FAULTS = ALL_FAULTS if os.environ.get("HYPERACC_FAULTS") == "all" else [f for f in ALL_FAULTS if f.name in _QUICK]
+_ALL = os.environ.get("HYPERACC_FAULTS") == "all"
+FAULT_PARAMS = [
+    pytest.param(f.name, marks=() if _ALL or f.name in _QUICK else pytest.mark.soak) for f in ALL_FAULTS
+]
 
 
 def _rank_of(p: psutil.Process) -> int:
@@ -110,12 +114,23 @@ def _scenario(fault: Fault, work: Path) -> Observed:
     return Observed(traced_out, plain_out, on_disk, _steps(run_dir), [str(x) for x in run_dir.rglob("*.tmp")])
 
 
+def _selected_faults(session: pytest.Session) -> list[Fault]:
+    """The faults whose tests this session runs (``-m`` and ``-k`` applied): only those jobs are started."""
+    names = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module.__name__ == __name__ and callspec is not None and "fault" in callspec.params:
+            names.add(callspec.params["fault"])
+    return [f for f in ALL_FAULTS if f.name in names]
+
+
 @pytest.fixture(scope="module")
-def observed(tmp_path_factory) -> dict[str, Observed]:
-    """Every fault, traced and untraced side by side, three faults at a time."""
+def observed(request, tmp_path_factory) -> dict[str, Observed]:
+    """Every selected fault, traced and untraced side by side, three faults at a time."""
     work = tmp_path_factory.mktemp("faults")
     with ThreadPoolExecutor(3) as pool:
-        futures = {f.name: pool.submit(_scenario, f, work / f.name.replace(" ", "-")) for f in FAULTS}
+        futures = {f.name: pool.submit(_scenario, f, work / f.name.replace(" ", "-"))
+                   for f in _selected_faults(request.session)}  # fmt: skip
         out = {name: fut.result() for name, fut in futures.items()}
     lines = [f"{n}: exit {o.traced.code} vs {o.plain.code}; {o.traced.exit_s and round(o.traced.exit_s, 1)} s vs "
              f"{o.plain.exit_s and round(o.plain.exit_s, 1)} s; rows {[len(s) for s in o.kept.values()]}"
@@ -124,7 +139,7 @@ def observed(tmp_path_factory) -> dict[str, Observed]:
     return out
 
 
-@pytest.mark.parametrize("fault", [f.name for f in FAULTS])
+@pytest.mark.parametrize("fault", FAULT_PARAMS)
 def test_exit_status_is_what_it_is_without_hyperacc(observed, fault):
     o = observed[fault]
     assert o.traced.code is not None and o.plain.code is not None, (o.traced.log[-3000:], o.plain.log[-3000:])
@@ -132,10 +147,7 @@ def test_exit_status_is_what_it_is_without_hyperacc(observed, fault):
     assert bool(o.traced.ranks_left) == bool(o.plain.ranks_left)  # only a killed launcher leaves them
 
 
-@pytest.mark.parametrize(
-    "fault",
-    [f.name for f in FAULTS],
-)
+@pytest.mark.parametrize("fault", FAULT_PARAMS)
 def test_records_survive_the_fault(observed, fault):
     o = observed[fault]
     assert set(o.kept) == {0, 1}, o.traced.log[-3000:]

@@ -112,6 +112,7 @@ def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Pat
     assert all(r["rss_bytes"] > 0 and r["cpu_ns"] >= 0 and r["cuda_allocated_bytes"] is None for r in resources)
 
 
+@pytest.mark.slow  # a DDP job of one rank through the bootstrap, in its own interpreter
 def test_bootstrap_times_explicit_collectives_and_wraps_the_users_comm_hook(tmp_path: Path) -> None:
     out, run = tmp_path / "out.json", tmp_path / "run"
     proc = subprocess.run(

@@ -12,6 +12,8 @@ import pytest
 
 from hyperacc import store
 
+pytestmark = pytest.mark.slow  # each test starts its own interpreter
+
 LOOP = """
 import signal, sys, time
 from hyperacc.trace import Tracer
