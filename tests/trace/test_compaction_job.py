@@ -19,6 +19,8 @@ import pytest
 from hyperacc import store
 from hyperacc.analysis.columns import discover, read_rank
 
+pytestmark = pytest.mark.multirank  # real torchrun jobs
+
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).resolve().parent / "jobs" / "compact_job.py"
 SECONDS = 12.0  # long enough for a few dozen flushes and several compactions per rank

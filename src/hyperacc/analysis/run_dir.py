@@ -30,7 +30,14 @@ from hyperacc.analysis.episodes import RankBlocks, detect_episodes, merge_episod
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.projection import project
-from hyperacc.analysis.run_reduce import _EMPTY, _EMPTY_F, _EVENT, RankFindings, _Cluster
+from hyperacc.analysis.run_reduce import (
+    _EMPTY,
+    _EMPTY_F,
+    _EVENT,
+    RankFindings,
+    _Cluster,
+    reduce_rank,  # noqa: F401  (re-exported: the reduction of one rank)
+)
 from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
 from hyperacc.analysis.spikes import communication_spikes
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
