@@ -17,6 +17,11 @@ Reading (docs/reliability.md, "Run directories"): every segment is checked again
 
 ``read_steps``/``read_events`` concatenate the segments that fit with pyarrow (no Python objects per
 row); ``hyperacc.analysis.columns`` reads one rank at a time with the same checks.
+
+Why this module is over 500 lines: it is the one place that knows the on-disk layout. Writing,
+compaction (``compact``) and reading (``live_segments``, ``SegmentCursor``, ``read_steps``) share the
+segment names and the rule of which segments a compacted file replaces; a reader and the compactor
+that disagreed would lose or double rows, so they stay side by side.
 """
 
 from __future__ import annotations

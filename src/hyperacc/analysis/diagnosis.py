@@ -3,6 +3,10 @@
 ``Diagnosis.to_dict()`` is what ``hyperacc analyze --json`` prints; its schema is documented in
 docs/detection.md ("The diagnosis document") and shared with the presentation layer (report, export).
 Keys are only ever added, never renamed.
+
+Why this module is over 500 lines: the words of every finding (stragglers, episodes, causes, spikes,
+projection) are here and nowhere else, so that a kind is worded once for the text, the JSON and the
+report.
 """
 
 from __future__ import annotations

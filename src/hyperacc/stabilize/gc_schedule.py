@@ -11,6 +11,10 @@ the interval when ``interval="auto"``; a safety valve collects early, at a step 
 when memory would grow past a bound before the next scheduled collection. Agreement goes through the
 job's c10d store from a background thread (no collective, nothing on the training thread). Rules and
 defaults: docs/stabilizers.md, "Deterministic GC".
+
+Why this module is over 500 lines: ``GCSchedule`` holds the state that the training thread and the
+background agreement thread share (plans, the valve's step, the cost samples); its pure parts (the cost
+model and the plan arithmetic) are the next to move out.
 """
 
 from __future__ import annotations
