@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,19 +38,6 @@ def _doctor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def _paste(path: Path) -> str:
     return subprocess.run(["paste", "-sd,", str(path)], capture_output=True, text=True, check=True).stdout.strip()
-
-
-@pytest.fixture
-def small_fs(tmp_path) -> Iterator[Path]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a 2 MiB tmpfs here ({(res.stderr or res.stdout).strip()}); needs root or CAP_SYS_ADMIN")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
 def test_a_hand_written_file_without_a_final_newline_keeps_its_host(tmp_path: Path) -> None:
