@@ -25,7 +25,11 @@ from typing import Any
 from hyperacc.analysis.columns import RankSource, read_rank
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.run_reduce import RankFindings, reduce_rank
-from hyperacc.store import RunDirError
+
+
+class ClusterError(ValueError):
+    """The cluster named by ``--cluster`` cannot be used (not installed, not reachable): bad input, exit 2."""
+
 
 IN_FLIGHT_PER_WORKER = 4  # ranks submitted ahead per worker: enough to keep workers busy, bounded memory here
 
@@ -43,14 +47,14 @@ def connect(address: str) -> Any:
     try:
         from dask.distributed import Client
     except ModuleNotFoundError:
-        raise RunDirError(
+        raise ClusterError(
             f"--cluster {address}: Dask distributed is not installed; install it with "
             "`pip install 'hyperacc[cluster]'`"
         ) from None
     try:
         return Client(address, timeout="30s")
     except (OSError, TimeoutError) as exc:
-        raise RunDirError(
+        raise ClusterError(
             f"--cluster {address}: could not reach a Dask scheduler there ({exc}); start one with "
             "`dask-scheduler` and workers with `dask-worker ADDRESS` (docs/detection.md, 'Analysis on a cluster')"
         ) from None

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from hyperacc import store, theory
-from hyperacc.analysis.cluster import reduce_source
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import RankBlocks, detect_episodes, merge_episodes
@@ -36,7 +35,7 @@ from hyperacc.analysis.run_reduce import (
     _EVENT,
     RankFindings,
     _Cluster,
-    reduce_rank,  # noqa: F401  (re-exported: the reduction of one rank)
+    reduce_rank,
 )
 from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
 from hyperacc.analysis.spikes import communication_spikes
@@ -208,7 +207,10 @@ def _reduced(
     """Findings of each rank in ``order``, computed ``workers`` at a time, yielded in order."""
 
     def one(node: int, src: RankSource) -> RankFindings | None:
-        return reduce_source(node, src, opts)
+        cols = read_rank(src.segments)
+        if cols["step"].size == 0:
+            return None
+        return reduce_rank(src.rank, node, cols, opts)
 
     if workers <= 1:
         for node, src in order:

@@ -115,6 +115,7 @@ def command(
     hyperacc analyze /data/run-node0,/data/run-node1
     """
     from hyperacc.analysis import diagnose
+    from hyperacc.analysis.cluster import ClusterError
     from hyperacc.analysis.options import DetectionOptions
 
     options = {k: v for k, v in opts.items() if v is not None}
@@ -132,6 +133,9 @@ def command(
     except RunDirError as exc:
         click.echo(f"hyperacc analyze: {exc}", err=True)
         sys.exit(1)
+    except ClusterError as exc:  # --cluster names no usable cluster: bad input
+        click.echo(f"hyperacc analyze: {exc}", err=True)
+        sys.exit(2)
     doc = diagnosis.to_dict()
     from hyperacc.present.diagnosis import remediation_of
 
