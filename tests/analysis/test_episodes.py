@@ -179,10 +179,7 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
     assert len(eps) == 1 and not d["stragglers"], d["verdict"]
     assert [e["rank"] for e in d["episodes"]] == [2], d["episodes"]  # no other rank
     e = eps[0]
-    # The end within 10 steps; the onset no later than 10 steps after the fault's. An onset up to a window
-    # early is the documented limit of 4 ranks split two against two just before the fault
-    # (docs/detection.md, "Episodes", limits); the exact range is asserted on hand-made columns above.
-    assert 120 - 50 <= e["since_step"] <= 130 and abs(e["until_step"] - 179) <= 10, e
+    assert abs(e["since_step"] - 120) <= 10 and abs(e["until_step"] - 179) <= 10, e
     assert e["kind"] == "compute" and e["job_time_lost_ns"] > 0 and e["node"] == 0
     assert f"Rank 2 (node 0) was slow from step {e['since_step']} to {e['until_step']}" in d["verdict"], d["verdict"]
 
