@@ -163,9 +163,15 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"({percent(chance)} by chance)."
             )
     if d.episodes:
-        sentences.append(_sentence("; ".join(_episode_phrase(e) for e in d.episodes[:3])))
-        if len(d.episodes) > 3:
-            sentences.append(f"{len(d.episodes) - 3} more episodes are in the evidence.")
+        sentences.append(
+            "Earlier, "
+            + "; ".join(
+                f"rank {e['rank']} was slow from step {e['since_step']} to {e['until_step']} "
+                f"({_metric_of(e)} {_ratio(e['slowdown'])})"
+                for e in d.episodes[:3]
+            )
+            + (", then recovered." if len(d.episodes) == 1 else ", each then recovered.")
+        )
     too_short = (
         not d.stragglers and not d.episodes and d.ranks_analyzed >= min_ranks
         and d.windows_judged < opts.get("persist_k", 3)
@@ -201,10 +207,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             f"(stragglers are not judged with {d.ranks_analyzed} rank(s))."
         )
 
-    for e in d.episodes[:10]:
-        if e.get("rule") == "change_point":
-            evidence.append(_episode_evidence(e))
-    for s in (d.stragglers + [e for e in d.episodes if e.get("rule") != "change_point"])[:10]:
+    for s in (d.stragglers + d.episodes)[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
             f"rank {s['rank']} (node {s['node']}): {_metric_of(s)} {_ratio(s['slowdown'])} the cluster "
@@ -304,10 +307,6 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
         if key == "host_work" and _gc_excess(s) >= opts.get("floor_ns", 200_000):
             steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")
-    for e in d.episodes[:3]:
-        key = "compute_or_host" if e["kind"] == "compute" and e.get("kind_basis") == "wall_time_only" else e["kind"]
-        if not any(s["rank"] == e["rank"] for s in ranks_bad[:5]):
-            steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
         if any(s["rank"] == e["rank"] and s["kind"] == key for s in ranks_bad[:5]):
@@ -327,32 +326,6 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     if not steps:
         steps.append("nothing to fix; keep tracing to catch regressions")
     d.verdict, d.evidence, d.next_step = verdict, evidence, steps
-
-
-def _episode_phrase(e: dict[str, Any]) -> str:
-    """"Rank 2 (node 0) was slow from step 120 to 179 (...), then recovered" (docs/detection.md, "Episodes")."""
-    kind = _KIND_WORD.get(e["kind"], e["kind"])
-    what = f"{_metric(e['metric']) if e['metric'] != 'cpu_ns' else 'self-time'} {_ratio(e['slowdown'])} the cluster median"
-    lost = e.get("job_time_lost_ns")
-    cost = f", {lost / 1e9:.3g} s of job time lost" if lost else ""
-    if e["active"]:
-        return f"rank {e['rank']} (node {e['node']}) is slow since step {e['since_step']} ({kind}: {what}{cost}), still at the end"
-    return (
-        f"rank {e['rank']} (node {e['node']}) was slow from step {e['since_step']} to {e['until_step']} "
-        f"({kind}: {what}{cost}), then recovered"
-    )
-
-
-def _episode_evidence(e: dict[str, Any]) -> str:
-    channel = "CPU time" if e["metric"] == "cpu_ns" else "self-time"
-    line = (
-        f"rank {e['rank']} (node {e['node']}): an episode of steps {e['since_step']}-{e['until_step']} "
-        f"({e['steps']} steps): its {channel} against the cluster median shifted {e['shift']:.2f}x over its own "
-        f"typical ratio (noise {e['noise']:.3f} per block), confirmed at step {e['confirmed_step']} by the "
-        f"change-point rule; {_ms(e['excess_ns'])} over the median per step, {_ms(e['job_time_lost_ns'])} of job time"
-    )
-    basis = basis_phrase(e)
-    return line + (f"; {basis}" if basis else "")
 
 
 _RULE = {

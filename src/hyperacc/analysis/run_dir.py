@@ -25,7 +25,6 @@ import numpy as np
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
-from hyperacc.analysis.episodes import RankBlocks, detect_episodes, merge_episodes
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.projection import project
@@ -73,7 +72,6 @@ def diagnose(
     cluster = _Cluster()
     windows: list[dict[str, np.ndarray]] = []
     findings: list[RankFindings] = []
-    blocks: list[RankBlocks] = []
     events: list[_EVENT] = []
     nodes = _Nodes(opts)
     unread: list[int] = []
@@ -89,15 +87,13 @@ def diagnose(
             continue
         cluster.add(f)
         windows.append(_held(f.windows))
-        if f.blocks is not None:
-            blocks.append(f.blocks)
         nodes.add(node, f.judged, f.spikes)
         for item in f.events:
             _keep_top(events, item, opts.top_events)
         # Keep the small tallies, drop the per-step arrays.
         findings.append(dataclasses.replace(f, steps=_EMPTY, judged=_EMPTY, spikes=_EMPTY, comm_steps=_EMPTY,
                                             comm_wait=_EMPTY, windows={}, events=[], timed_steps=_EMPTY,
-                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F, blocks=None))  # fmt: skip
+                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F))  # fmt: skip
     if not findings:
         raise store.RunDirError(
             f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
@@ -113,10 +109,7 @@ def diagnose(
     found = detect_stragglers(summaries, opts)
     # A straggler is what is still slow at the end; one that recovered is an episode of the run.
     stragglers = [s.to_dict() for s in found if s.active]
-    # Change points per rank: transient fail-slows too short for the window rules, and the precise
-    # range of a straggler that recovered (docs/detection.md, "Episodes").
-    episodes = merge_episodes(detect_episodes(blocks, opts), stragglers, [s.to_dict() for s in found if not s.active])
-    blocks.clear()
+    episodes = [s.to_dict() for s in found if not s.active]
     windows_judged = judged_windows(summaries, opts)
     del summaries
     working = working_gap_ranks(stragglers + episodes)

@@ -7,7 +7,6 @@ import dataclasses
 
 import numpy as np
 
-from hyperacc.analysis.episodes import RankBlocks, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.spikes import judge_spikes
 from hyperacc.analysis.windows import summarize_windows
@@ -43,7 +42,6 @@ class RankFindings:
     comm_step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # step time at comm_steps
     self_median_ns: float = float("nan")  # median self-time (busy time where self-time was not measured)
     step_total_ns: float = 0.0  # summed step time
-    blocks: RankBlocks | None = None  # per-block medians for the episodes (analysis.episodes)
 
     @property
     def main_cause(self) -> str | None:
@@ -90,7 +88,6 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
         cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
         timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
         self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
-        blocks=rank_blocks(rank, node, cols, opts),
     )  # fmt: skip
 
 

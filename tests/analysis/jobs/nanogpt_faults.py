@@ -71,12 +71,11 @@ def main() -> None:
         return block[:, :16], block[:, 1:]
 
     own: list[int] = []
-    raw_spin = 0
     t_prev = time.perf_counter_ns()
     for it in range(args.steps):
         if rank == args.slow_rank:
-            if it == min(60, args.slow_from):  # the rank's own median step before the fault
-                raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:it] or own or [0]))
+            if it == 60:
+                raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:60]))
             raw.spin_ns = raw_spin if args.slow_from <= it < args.slow_until else 0
         x, y = get_batch()
         logits = model(x)
