@@ -35,6 +35,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
     return proc.returncode, out, err
 
 
+@pytest.mark.soak  # timing-sensitive on 2 cores: the 1.6x rank of 4 was missed in 6 s in one suite run
 def test_a_rank_slowed_by_chaos_is_named_with_its_resource(tmp_path: Path) -> None:
     data = tmp_path / "data.bin"
     data.write_bytes(np.random.default_rng(0).bytes(16 * 2**20))

