@@ -26,7 +26,9 @@ import argparse
 import collections
 import gc
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -92,7 +94,8 @@ class TorchtitanGC:
             gc.collect(1)
 
 
-WORKLOADS = {  # name: (reference cycles per step on rank 0, live objects, steps a cycle stays alive)
+GC_WORKLOADS = ("cycles", "survivors", "nanogpt")
+SYNTHETIC = {  # name: (reference cycles per step, live objects, steps a cycle stays alive)
     "cycles": (20_000, 300_000, 0),
     "survivors": (3_000, 1_000_000, 3),
 }
@@ -100,28 +103,131 @@ WORKLOADS = {  # name: (reference cycles per step on rank 0, live objects, steps
 GC_VARIANTS: dict[str, dict[str, Any] | str | None] = {
     "automatic GC": None,
     "torchtitan gc_freq=50": "torchtitan",
+    "hyperacc default": {"gc": {}, "memory": False, "allocator": False},
     "hyperacc interval 50": {"gc": {"interval": 50}, "memory": False, "allocator": False},
-    "hyperacc auto": {"gc": {"interval": "auto"}, "memory": False, "allocator": False},
 }
+BASE = "automatic GC"
+
+
+class Synthetic:
+    """``cycles`` / ``survivors``: reference cycles beside a live set and a small model's step."""
+
+    def __init__(self, workload: str, rank: int) -> None:
+        import torch
+
+        garbage, live, self.keep = SYNTHETIC[workload]
+        self.live = [{"i": i, "v": [i]} for i in range(live // 2)]  # 2 tracked containers each
+        self.garbage = int(garbage * (1 + 0.1 * rank))  # each rank makes 10 % more: collections drift apart
+        self.alive: collections.deque[list] = collections.deque(maxlen=max(self.keep, 1))
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+        self.x, self.y = torch.randn(BATCH, 256), torch.randint(0, 10, (BATCH,))
+
+    def wrap(self, wrap: Any) -> None:
+        self.model = wrap(self.model)
+        self.opt = __import__("torch").optim.SGD(self.model.parameters(), lr=0.01)
+
+    def step(self) -> None:
+        import torch
+
+        if self.keep:
+            batch = []
+            for _ in range(self.garbage):
+                c: list = []
+                c.append(c)
+                batch.append(c)
+            self.alive.append(batch)  # the cycles outlive this step by a few steps
+            del batch
+        else:
+            for _ in range(self.garbage):  # each cycle is garbage as soon as the next one is made
+                c = []
+                c.append(c)
+        del c
+        loss = torch.nn.functional.cross_entropy(self.model(self.x), self.y)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+
+
+class NanoGPT:
+    """``nanogpt``: a 2-layer GPT (n_embd 64, block 64, batch 8) fed by a DataLoader whose dataset
+    tokenizes text on the fly in the training process (a word-level tokenizer: split, dict lookups, lists
+    of ids and of (start, end) offsets, a dict per sample): the Python garbage a real input pipeline leaves beside autograd's."""
+
+    def __init__(self, workload: str, rank: int) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        words = [f"w{i}" for i in range(2000)]
+        rng = np.random.default_rng(rank)
+        self.lines = [" ".join(words[j] for j in rng.integers(0, 2000, 80)) for _ in range(4000)]
+        self.vocab = {w: i for i, w in enumerate(words)}
+        layer = torch.nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+        self.model = torch.nn.Sequential(torch.nn.Embedding(2000, 64), torch.nn.TransformerEncoder(layer, 2),
+                                         torch.nn.Linear(64, 2000))  # fmt: skip
+        loader = torch.utils.data.DataLoader(self, batch_size=8, shuffle=True, num_workers=0,
+                                             collate_fn=self.collate)  # fmt: skip
+        self.loader = loader
+        self.it = iter(loader)
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        line = self.lines[i]
+        words = line.split()[:65]
+        ids = [self.vocab[w] for w in words]
+        offsets, pos = [], 0
+        for w in words:  # (start, end) of every token in the text, as tokenizers return them
+            offsets.append((pos, pos + len(w)))
+            pos += len(w) + 1
+        return {"ids": ids, "offsets": offsets, "text": line, "meta": {"index": i, "n": len(ids)}}
+
+    @staticmethod
+    def collate(samples: list[dict[str, Any]]) -> Any:
+        import torch
+
+        t = torch.tensor([s["ids"] for s in samples])
+        return t[:, :-1], t[:, 1:]
+
+    def wrap(self, wrap: Any) -> None:
+        import torch
+
+        self.model = wrap(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def step(self) -> None:
+        import torch
+
+        try:
+            x, y = next(self.it)
+        except StopIteration:
+            self.it = iter(self.loader)
+            x, y = next(self.it)
+        logits = self.model(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
 
 
 def gc_worker(args: argparse.Namespace) -> None:
-    """One rank of the GC workload (run through the harness by gc_bench)."""
+    """One process of the GC workload: alone (``--ddp`` off) or one rank of a DDP job (through the harness)."""
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hyperacc.stabilize import stabilize
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    x, y = torch.randn(BATCH, 256), torch.randint(0, 10, (BATCH,))
-    live = [{"i": i, "v": [i]} for i in range(args.live // 2)]  # 2 tracked containers each
-    garbage = int(args.garbage * (1 + 0.1 * rank))
-    alive: collections.deque[list] = collections.deque(maxlen=max(args.keep, 1))
+    rank = 0
+    if args.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+    torch.set_num_threads(1)
+    work = (NanoGPT if args.workload == "nanogpt" else Synthetic)(args.workload, rank)
+    work.wrap(DDP if args.ddp else (lambda m: m))
     pauses: list[float] = []
     t_gc = [0.0]
 
@@ -136,83 +242,89 @@ def gc_worker(args: argparse.Namespace) -> None:
     stab = stabilize(scheme) if isinstance(scheme, dict) else None
     gc.callbacks.append(on_gc)
     step_ms: list[float] = []
-    dist.barrier()
+    if args.ddp:
+        dist.barrier()
     t0 = time.perf_counter()
     for step in range(args.steps):
         a = time.perf_counter()
         if titan is not None:
             titan.run(step + 1)  # torchtitan calls it at the start of each step, counting from 1
-        if args.keep:
-            batch = []
-            for _ in range(garbage):
-                c: list = []
-                c.append(c)
-                batch.append(c)
-            alive.append(batch)  # the cycles outlive this step by a few steps
-            del batch
-        else:
-            for _ in range(garbage):  # each cycle is garbage as soon as the next one is made
-                c = []
-                c.append(c)
-        del c
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        work.step()
         if stab is not None:
             stab.step(step)
         step_ms.append((time.perf_counter() - a) * 1e3)
         if step == WARMUP - 1:
-            pauses.clear()  # GC time counted after warm-up (freeze and calibration start are in it)
+            pauses.clear()  # GC time counted after warm-up (the freeze is in it)
             t0 = time.perf_counter()
     loop_s = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
     summary = stab.close() if stab is not None else None
-    del live
-    harness.write_result({"rank": rank, "step_ms": step_ms, "pauses_ms": [p * 1e3 for p in pauses],
-                          "loop_s": loop_s, "garbage": garbage,
-                          "interval": None if summary is None else summary["gc"].get("interval")})  # fmt: skip
-    harness.finish()
+    result = {"rank": rank, "step_ms": step_ms, "pauses_ms": [p * 1e3 for p in pauses], "loop_s": loop_s,
+              "interval": None if summary is None else summary["gc"].get("interval")}  # fmt: skip
+    if args.ddp:
+        harness.write_result(result)
+        harness.finish()
+    else:
+        Path(args.out).write_text(json.dumps(result))
 
 
-def gc_bench(workload: str, steps: int, nproc: int, repeats: int, timeout: float) -> None:
-    garbage, live, keep = WORKLOADS[workload]
+def run_gc_once(workload: str, variant: str, steps: int, nproc: int, timeout: float) -> list[dict[str, Any]]:
+    args = ["--worker", "--workload", workload, "--variant", variant, "--steps", str(steps)]
+    if nproc > 1:
+        return launch(Path(__file__), [*args, "--ddp"], {}, timeout, nproc=nproc)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        subprocess.run([sys.executable, __file__, *args, "--out", str(out)], check=True, timeout=timeout)
+        return [json.loads(out.read_text())]
+
+
+def ratio_interval(ratios: list[float]) -> str:
+    """Median of the paired ratios and a 90 % interval of their mean (t on the logs): ``1.01 [0.99, 1.03]``."""
+    logs = np.log(np.asarray(ratios))
+    mid = float(np.exp(np.median(logs)))
+    if len(logs) < 2:
+        return f"{mid:.3f}"
+    from scipy import stats
+
+    half = stats.t.ppf(0.95, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+    return f"{mid:.3f} [{np.exp(logs.mean() - half):.3f}, {np.exp(logs.mean() + half):.3f}]"
+
+
+def gc_bench(workload: str, steps: int, nproc: int, repeats: int, timeout: float) -> dict[str, Any]:
     names = list(GC_VARIANTS)
-    alive = f", alive for {keep} steps" if keep else ", dying at once"
-    print(
-        f"\n== deterministic GC, workload '{workload}': a DDP loop, {nproc} ranks, {steps} steps x {repeats} run(s) "
-        f"per scheme; {live:,} live objects, {garbage:,} reference cycles per step on rank 0 (+10 % per rank){alive} =="
-    )
-    per: dict[str, dict[str, list]] = {n: {"step": [], "gc_s": [], "max_ms": [], "thr": [], "wall": [],
-                                           "interval": []} for n in names}  # fmt: skip
-    for name in order(names, repeats):
-        args = ["--worker", "--variant", name, "--steps", str(steps), "--garbage", str(garbage), "--live", str(live),
-                "--keep", str(keep)]
-        t0 = time.monotonic()
-        results = launch(Path(__file__), args, {}, timeout, nproc=nproc)
-        per[name]["wall"].append(time.monotonic() - t0)
-        ms = np.max([np.asarray(r["step_ms"])[WARMUP:] for r in results], axis=0)  # the job's step: slowest rank
-        per[name]["step"].append(ms)
-        per[name]["gc_s"].append(np.mean([sum(r["pauses_ms"]) / 1e3 for r in results]))
-        per[name]["max_ms"].append(max((max(r["pauses_ms"], default=0.0) for r in results), default=0.0))
-        loop = max(r["loop_s"] for r in results)
-        per[name]["thr"].append(nproc * BATCH * (steps - WARMUP) / loop)
-        per[name]["interval"].append(sorted({r["interval"] for r in results}, key=str))
-    base = names[0]
-    rows = []
-    thr_base = float(np.mean(per[base]["thr"]))
+    where = f"a DDP job of {nproc} ranks" if nproc > 1 else "one process"
+    print(f"\n== deterministic GC, workload '{workload}', {where}: {steps} steps x {repeats} rounds, "
+          "the schemes in turn (order reversed every other round) ==")  # fmt: skip
+    per: dict[str, dict[str, list]] = {n: {"step": [], "gc_s": [], "max_ms": [], "total": [], "interval": []}
+                                       for n in names}  # fmt: skip
+    for rnd in range(repeats):
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            results = run_gc_once(workload, name, steps, nproc, timeout)
+            ms = np.max([np.asarray(r["step_ms"])[WARMUP:] for r in results], axis=0)  # the job's step: slowest rank
+            per[name]["step"].append(ms)
+            per[name]["total"].append(max(r["loop_s"] for r in results))
+            per[name]["gc_s"].append(np.mean([sum(r["pauses_ms"]) / 1e3 for r in results]))
+            per[name]["max_ms"].append(max((max(r["pauses_ms"], default=0.0) for r in results), default=0.0))
+            per[name]["interval"].append(results[0]["interval"])
+    rows, out = [], {}
+    base_total = per[BASE]["total"]
+    base_tail = None
     for n in names:
         ms = np.concatenate(per[n]["step"])
-        p50, p99 = np.percentile(ms, [50, 99])
-        thr = float(np.mean(per[n]["thr"]))
-        interval = "-" if n == base else ("50" if "torchtitan" in n else str(per[n]["interval"][-1][0]))
-        rows.append([n, interval, f"{p50:.2f}", f"{p99:.2f}", f"{p99 / p50:.1f}", f"{np.mean(per[n]['gc_s']):.2f}",
-                     f"{np.mean(per[n]['max_ms']):.0f}", f"{thr:.0f}", fmt_ratio(thr, thr_base)])  # fmt: skip
-    print_table(["scheme", "interval", "step p50 ms", "p99 ms", "p99/p50", "GC s per rank", "max pause ms",
-                 "samples/s", "vs automatic"], rows)  # fmt: skip
-    print("step = the slowest rank's step time; GC s = pauses seen by gc.callbacks after warm-up, mean over ranks;")
-    print("interval: what each scheme collected at (auto: the agreed interval); wall per run: "
-          + ", ".join(f"{n} {np.mean(per[n]['wall']):.1f} s" for n in names))
+        tails = [float(np.percentile(m, 99) / np.median(m)) for m in per[n]["step"]]
+        tail = float(np.median(tails))
+        base_tail = tail if n == BASE else base_tail
+        ratios = [t / b for t, b in zip(per[n]["total"], base_total, strict=True)]
+        interval = {"automatic GC": "-", "torchtitan gc_freq=50": "50 (gen 1)"}.get(n, str(per[n]["interval"][-1]))
+        rows.append([n, interval, f"{np.median(per[n]['total']):.2f}", "1" if n == BASE else ratio_interval(ratios),
+                     f"{np.median(ms):.2f}", f"{tail:.1f}", "1" if n == BASE else f"{tail / base_tail:.2f}",
+                     f"{np.mean(per[n]['gc_s']):.2f}", f"{max(per[n]['max_ms']):.0f}"])  # fmt: skip
+        out[n] = {"total_ratio": ratios, "tail": tail}
+    print_table(["scheme", "interval", "total s", "total vs automatic [90% CI]", "step p50 ms", "p99/p50",
+                 "p99/p50 vs automatic", "GC s", "longest pause ms"], rows)  # fmt: skip
+    print("total: the loop's wall time after warm-up (the slowest rank's); p99/p50 of the job's step (the slowest rank's)"
+          ", median over rounds; GC s: pauses gc.callbacks saw, mean over ranks; interval: the agreed one for auto")
+    return out
 
 
 # ------------------------------------------------------------------ 2. memory release
@@ -281,27 +393,30 @@ def memory_bench(steps: int, interval: int, burst_mb: int, repeats: int, timeout
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes (a few minutes on 2 idle cores)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per variant (alternating order)")
+    p.add_argument("--repeats", type=int, default=None, help="rounds per variant (alternating order)")
     p.add_argument("--only", choices=["gc", "memory"], default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ddp", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--garbage", type=int, default=20_000, help=argparse.SUPPRESS)
-    p.add_argument("--live", type=int, default=300_000, help=argparse.SUPPRESS)
-    p.add_argument("--keep", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both", help="GC workload(s)")
-    p.add_argument("--nproc", type=int, default=2, help="ranks of the GC part")
+    p.add_argument("--workload", choices=[*GC_WORKLOADS, "all"], default="all", help="GC workload(s)")
+    p.add_argument("--nproc", type=int, choices=[1, 2], default=None,
+                   help="GC part: 1 (one process) or 2 (DDP); both when not given")  # fmt: skip
     args = p.parse_args()
     if args.worker:
         gc_worker(args)
         return 0
-    repeats = args.repeats or (1 if args.quick else 2)
     print(machine())
     t0 = time.monotonic()
     if args.only in (None, "gc"):
-        for workload in WORKLOADS if args.workload == "both" else [args.workload]:
-            gc_bench(workload, steps=200 if args.quick else 600, nproc=args.nproc, repeats=repeats, timeout=600)
+        for nproc in [args.nproc] if args.nproc else [1, 2]:
+            repeats = args.repeats or ((3 if nproc > 1 else 5) if args.quick else (5 if nproc > 1 else 9))
+            for workload in GC_WORKLOADS if args.workload == "all" else [args.workload]:
+                steps = {"nanogpt": 300, "survivors": 400}.get(workload, 400)
+                gc_bench(workload, steps=steps // 2 if args.quick else steps, nproc=nproc, repeats=repeats, timeout=600)
     if args.only in (None, "memory"):
+        repeats = args.repeats or (1 if args.quick else 2)
         if args.quick:
             memory_bench(steps=150, interval=50, burst_mb=128, repeats=repeats, timeout=300)
         else:

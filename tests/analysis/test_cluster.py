@@ -4,6 +4,7 @@ diagnosis as on one machine (docs/detection.md, "Analysis on a cluster")."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -50,7 +51,8 @@ def test_the_command_line_takes_the_cluster_address(faulty_run, scheduler):
 
 def test_an_unreachable_scheduler_is_one_line_naming_it(faulty_run):
     out = subprocess.run([sys.executable, "-m", "hyperacc", "analyze", str(faulty_run), "--cluster",
-                          "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=120)  # fmt: skip
+                          "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "2s"})  # fmt: skip
     assert out.returncode == 2
     assert "tcp://127.0.0.1:9" in out.stderr and "dask-scheduler" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hyperacc import stabilize as S
 from hyperacc.stabilize import allocator, memory
-from hyperacc.stabilize.gc_schedule import GCSchedule
+from hyperacc.stabilize.gc_schedule import NO_FULL, GCSchedule
 
 
 @pytest.fixture(autouse=True)
@@ -46,7 +46,8 @@ def test_defaults_and_parts_on_off() -> None:
     assert cfg.release_interval() == cfg.gc.max_interval == 400  # memory follows auto's ceiling
     assert cfg.memory is not None and cfg.allocator is not None
     assert cfg.affinity is None and cfg.sync_audit is None
-    cfg = S.config_from_dict({"gc": {"interval": 50, "generation": 1}, "memory": False, "affinity": True,
+    assert cfg.gc.young == "automatic" and cfg.gc.cost_budget_frac == 0.01
+    cfg = S.config_from_dict({"gc": {"interval": 50, "young": "scheduled", "generation": 1}, "memory": False, "affinity": True,
                               "sync_audit": {"enabled": False}})  # fmt: skip
     assert cfg.gc.interval == 50 and cfg.gc.generation == 1
     assert cfg.memory is None and cfg.affinity is not None and cfg.sync_audit is None
@@ -69,11 +70,15 @@ def test_bad_configuration_is_named() -> None:
         S.config_from_dict({"memory": {"interval": 0}})
     with pytest.raises(ValueError, match="gc.workers must be one of"):
         S.config_from_dict({"gc": {"workers": "never"}})
+    with pytest.raises(ValueError, match="gc.young must be one of"):
+        S.config_from_dict({"gc": {"young": "never"}})
+    with pytest.raises(ValueError, match="gc.generation 1 needs gc.young 'scheduled'"):
+        S.config_from_dict({"gc": {"generation": 1}})
 
 
 def test_config_files(tmp_path: Path) -> None:
     toml = tmp_path / "stab.toml"
-    toml.write_text("[stabilize.gc]\ninterval = 200\ngeneration = 1\n\n[stabilize.memory]\nenabled = false\n")
+    toml.write_text("[stabilize.gc]\ninterval = 200\nyoung = \"scheduled\"\ngeneration = 1\n\n[stabilize.memory]\nenabled = false\n")
     values = S.load_config(toml)
     cfg = S.config_from_dict(values)
     assert cfg.gc.interval == 200 and cfg.gc.generation == 1 and cfg.memory is None
@@ -95,7 +100,7 @@ def test_from_env(tmp_path: Path) -> None:
     stab = S.from_env({S.ENV_VAR: json.dumps({"gc": {"interval": 7, "valve": False}, "memory": False})})
     try:
         assert stab.config.gc.interval == 7 and stab.config.memory is None
-        assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_threshold()[2] == NO_FULL  # full collections on the schedule only
     finally:
         stab.close()
     assert gc.isenabled()
@@ -243,7 +248,8 @@ def run_steps(stab: S.Stabilizer, steps: range, pause: float = 0.0) -> None:
 
 
 def test_scheduled_collections_at_multiples_of_the_interval() -> None:
-    stab = S.stabilize(gc={"interval": 10, "generation": 1, "valve": False}, memory={"interval": 15})
+    stab = S.stabilize(gc={"interval": 10, "young": "scheduled", "generation": 1, "valve": False},
+                       memory={"interval": 15})  # fmt: skip
     try:
         assert not gc.isenabled()
         run_steps(stab, range(0, 36))
@@ -270,7 +276,7 @@ def test_resumed_run_keeps_the_global_alignment() -> None:
 
 def test_valve_collects_early_when_garbage_piles_up() -> None:
     stab = S.stabilize(
-        gc={"interval": 10_000, "valve_objects": 20_000, "valve_rss_mb": None, "valve_poll_s": 0.02,
+        gc={"interval": 10_000, "young": "scheduled", "valve_objects": 20_000, "valve_rss_mb": None, "valve_poll_s": 0.02,
             "valve_lead_steps": 2, "valve_lead_s": 0.0},
         memory=False,
     )  # fmt: skip
@@ -335,7 +341,8 @@ def make_cycles(n: int) -> None:
 @pytest.mark.parametrize(("budget_ms", "expected", "freeze"), [(1e6, 40, True), (1e-6, 1, True), (1e6, 40, False)])
 def test_auto_interval_follows_the_budget_in_one_process(budget_ms: float, expected: int, freeze: bool) -> None:
     stab = S.stabilize(
-        gc={"interval": "auto", "pause_budget_ms": budget_ms, "max_interval": 40, "calibration_steps": 5,
+        gc={"interval": "auto", "young": "scheduled", "pause_budget_ms": budget_ms, "max_interval": 40,
+            "calibration_steps": 5,
             "valve": False, "valve_poll_s": 0.01, "freeze": freeze},
         memory=False, allocator=False,
     )  # fmt: skip
@@ -362,9 +369,104 @@ def test_auto_interval_follows_the_budget_in_one_process(budget_ms: float, expec
     assert [s for s in steps if s >= start] == list(range(start, step + 1, expected))
 
 
+def test_cost_floor_keeps_a_collection_from_repeating_its_fixed_part() -> None:
+    from hyperacc.stabilize.gc_schedule import CostModel, choose_interval
+
+    # a full collection: 5 ms walking what lives, + 0.5 ms per step of interval; 10 ms steps
+    model = CostModel(fixed_ns=5e6, per_object_ns=0.5e6, objects_per_step=1.0, step_ns=10e6, samples=6)
+    assert choose_interval(model, 0.5e6, 400) == 10  # pause rule alone: pause 2 x fixed, 0.5 ms per step
+    # the fixed part spread over the interval at most 1 % of a step: every 50 steps (0.1 ms per step)
+    assert choose_interval(model, 0.5e6, 400, cost_frac=0.01) == 50
+    assert choose_interval(model, 0.5e6, 40, cost_frac=0.01) == 40  # never past max_interval
+    # a budget the pause fits at a longer interval: that one (it costs less still)
+    assert choose_interval(model, 60e6, 400, cost_frac=0.01) == 110
+
+
+def test_young_collections_stay_with_cpython_and_full_ones_follow_the_schedule() -> None:
+    before = gc.get_threshold()
+    stab = S.stabilize(gc={"interval": 10, "valve": False}, memory=False, allocator=False)
+    full_before = gc.get_stats()[2]["collections"]
+    held: list = []
+    try:
+        for step in range(45):
+            for _ in range(3000):  # cycles alive for a step: promoted by young collections, freed by a full one
+                a: list = []
+                a.append(a)
+                held.append(a)
+            if step % 2:
+                held.clear()
+            stab.step(step)
+            assert gc.isenabled() and gc.get_threshold() == (before[0], before[1], NO_FULL)
+        young_collections = gc.get_stats()[0]["collections"]
+        full = gc.get_stats()[2]["collections"] - full_before
+    finally:
+        stab.close()
+    assert gc.get_threshold() == before and gc.isenabled()
+    collected = [r for r in stab.records if r["kind"] == "gc_collect"]
+    assert [r["step"] for r in collected] == [10, 20, 30, 40]
+    assert full == 1 + len(collected)  # the freeze's collection and the scheduled ones, none of CPython's own
+    assert young_collections > 100  # CPython kept collecting the young generations itself
+    assert sum(r["value"] for r in collected) > 10_000  # the promoted cycles were freed on the schedule
+
+
+def test_auto_with_young_collections_automatic_calibrates_at_doubling_intervals() -> None:
+    stab = S.stabilize(
+        gc={"interval": "auto", "max_interval": 64, "calibration_steps": 16, "valve": False, "valve_poll_s": 0.01},
+        memory=False, allocator=False,
+    )  # fmt: skip
+    held: list = []
+    try:
+        step = 0
+        while step < 3000:
+            for _ in range(2000):
+                a: list = []
+                a.append(a)
+                held.append(a)
+            held.clear()  # the cycles die at the end of the step, after young collections promoted some
+            stab.step(step)
+            time.sleep(0.002)
+            if stab.summary()["gc"]["agreements"] and step > 200:
+                break
+            step += 1
+        summary = stab.summary()
+    finally:
+        stab.close()
+    steps = [r["step"] for r in stab.records if r["kind"] == "gc_collect"]
+    assert steps[:5] == [1, 2, 4, 8, 16]  # what accumulates over 1 to 16 steps: the fixed part and the growth
+    plans = [int(r["value"]) for r in stab.records if r["kind"] == "gc_auto_interval"]
+    assert plans and all(1 <= p <= 64 for p in plans) and plans == sorted(plans, reverse=True)
+    first = next(r for r in stab.records if r["kind"] == "gc_auto_interval")
+    fixed_ms, step_ms = (float(first["detail"].split(f"{k}=")[1].split()[0]) for k in ("fixed_ms", "step_ms"))
+    # the fixed part spread over the interval fits the cost budget (1 % of a step), or the ceiling holds
+    assert plans[0] == 64 or fixed_ms / plans[0] <= 0.01 * step_ms * 1.01
+    rate = float(first["detail"].split("objects_per_step=")[1].split()[0])
+    assert rate > 100  # garbage that outlived young collections reached the full ones (2,000 cycles a step)
+    start, interval = summary["gc"]["plan_start"], summary["gc"]["interval"]
+    assert [s for s in steps if s >= start] == list(range(start, step + 1, interval))
+
+
+def test_forked_children_get_cpythons_thresholds_back() -> None:
+    before = gc.get_threshold()
+    stab = S.stabilize(gc={"valve": False}, memory=False, allocator=False)
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            os.write(w, json.dumps([gc.isenabled(), *gc.get_threshold()]).encode())
+            os._exit(0)
+        os.close(w)
+        state = json.loads(os.read(r, 200))
+        os.close(r)
+        os.waitpid(pid, 0)
+    finally:
+        stab.close()
+    assert state == [True, *before]
+
+
 def test_forked_children_get_automatic_gc_back() -> None:
     def child_gc_state(policy: str) -> bool:
-        stab = S.stabilize(gc={"workers": policy, "valve": False}, memory=False, allocator=False)
+        stab = S.stabilize(gc={"workers": policy, "young": "scheduled", "valve": False}, memory=False,
+                               allocator=False)  # fmt: skip
         try:
             r, w = os.pipe()
             pid = os.fork()

@@ -45,6 +45,7 @@ def reduce_source(node: int, src: RankSource, opts: DetectionOptions) -> RankFin
 def connect(address: str) -> Any:
     """A ``dask.distributed.Client`` of the scheduler at ``address`` (e.g. ``tcp://10.0.0.5:8786``)."""
     try:
+        import dask
         from dask.distributed import Client
     except ModuleNotFoundError:
         raise ClusterError(
@@ -52,7 +53,8 @@ def connect(address: str) -> Any:
             "`pip install 'hyperacc[cluster]'`"
         ) from None
     try:
-        return Client(address, timeout="30s")
+        # Dask's own connect timeout (30 s unless set, e.g. DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT=5s)
+        return Client(address, timeout=dask.config.get("distributed.comm.timeouts.connect"))
     except (OSError, TimeoutError) as exc:
         raise ClusterError(
             f"--cluster {address}: could not reach a Dask scheduler there ({exc}); start one with "

@@ -4,9 +4,9 @@ Under a synchronous all-reduce a pause on any one rank stalls all of them, so a 
 probability p becomes a cluster spike of probability 1-(1-p)^N. Each part here removes one source of
 such pauses or moves it to a step every rank shares:
 
-- ``gc``: automatic GC off, collections at the same step index on every rank, every N steps or at
-  an interval chosen from the measured cost and a pause budget, and a safety valve agreed through the
-  c10d store (:mod:`hyperacc.stabilize.gc_schedule`);
+- ``gc``: young collections left to CPython, full collections only at the same step index on every
+  rank, every N steps or at an interval chosen from the measured cost, a pause budget and a cost
+  budget, and a safety valve agreed through the c10d store (:mod:`hyperacc.stabilize.gc_schedule`);
 - ``memory``: the host allocator holds freed memory and releases it on the same schedule
   (:mod:`hyperacc.stabilize.memory`);
 - ``allocator``: ``expandable_segments:True`` for the CUDA caching allocator

@@ -2,15 +2,16 @@
 larger than the automatic collector's.
 
 Python's automatic collector runs when allocation counters cross thresholds, at a different moment on
-each rank; under a synchronous all-reduce every such pause stalls the whole job. Here automatic
-collection is off and collections run at step indices every rank shares. Aligning pauses is not enough:
-a collection's pause grows with the young objects it traverses, and faster than linearly once they no
-longer fit in cache, so collecting rarely costs more in total than collecting often. The cost model
-(``pause = a + b x young objects``, fitted to the collections themselves) and the pause budget decide
-the interval when ``interval="auto"``; a safety valve collects early, at a step all ranks agreed on,
-when memory would grow past a bound before the next scheduled collection. Agreement goes through the
-job's c10d store from a background thread (no collective, nothing on the training thread). Rules and
-defaults: docs/stabilizers.md, "Deterministic GC".
+each rank; under a synchronous all-reduce every such pause stalls the whole job. The expensive ones are
+the full collections, which walk every long-lived object; the young ones are bounded by CPython's
+thresholds and free each cycle while it is still in cache. So by default young collections stay with
+CPython and full collections run only at step indices every rank shares (``young="scheduled"`` moves
+every collection to the schedule). The cost model (``pause = fixed + per_unit x what accumulated``,
+fitted to the collections themselves), the pause budget and the cost budget decide the interval when
+``interval="auto"``; a safety valve collects early, at a step all ranks agreed on, when memory would
+grow past a bound before the next scheduled collection. Agreement goes through the job's c10d store
+from a background thread (no collective, nothing on the training thread). Rules and defaults:
+docs/stabilizers.md, "Deterministic GC".
 
 Why this module is over 500 lines: ``GCSchedule`` holds the state that the training thread and the
 background agreement thread share (plans, the valve's step, the cost samples); its pure parts (the cost
@@ -36,7 +37,9 @@ log = logging.getLogger(__name__)
 
 NEVER = 1 << 62  # "no step": larger than any real step index
 WORKER_POLICIES = ("enable", "inherit")
+YOUNG_POLICIES = ("automatic", "scheduled")
 AUTO = "auto"
+NO_FULL = 1 << 30  # gen-2 threshold that CPython never reaches: full collections only on the schedule
 SAMPLES = 32  # collections kept for the cost model
 RECENT = 4  # latest collections that give the garbage rate
 SHRINK_AT = 1.5  # an agreed auto interval is re-agreed when a pause exceeds this x the budget
@@ -48,11 +51,13 @@ class GCOptions:
     """docs/stabilizers.md, "Deterministic GC"."""
 
     interval: int | str = AUTO  # collect every N steps, or "auto": from the cost model and the budget
+    young: str = "automatic"  # young collections: "automatic" (CPython's thresholds) or "scheduled" too
     generation: int = 2  # gc.collect(generation) on the schedule
     freeze: bool = True  # collect once and gc.freeze() at the first step (set-up objects leave the GC)
     workers: str = "enable"  # forked children / DataLoader workers: "enable" automatic GC, or "inherit"
     pause_budget_ms: float | None = None  # largest predicted pause of one collection ...
     pause_budget_frac: float = 0.05  # ... by default this fraction of the median step time
+    cost_budget_frac: float = 0.01  # auto: the fixed part of a collection, spread over the interval, at most this
     max_interval: int = 400  # auto never collects less often than this
     calibration_steps: int = 20  # auto: steps collected one by one (after the freeze) to fit the model
     valve: bool = True  # early collection at an agreed step when memory would pass a bound
@@ -69,6 +74,15 @@ class GCOptions:
             raise ValueError(f"gc.interval must be a whole number of steps >= 1 or 'auto' (got {self.interval!r})")
         if self.generation not in (0, 1, 2):
             raise ValueError(f"gc.generation must be 0, 1 or 2 (got {self.generation!r})")
+        if self.young not in YOUNG_POLICIES:
+            raise ValueError(f"gc.young must be one of {YOUNG_POLICIES} (got {self.young!r})")
+        if self.young == "automatic" and self.generation != 2:
+            raise ValueError(
+                f"gc.generation {self.generation} needs gc.young 'scheduled': with young collections automatic "
+                "the schedule runs the full (generation 2) collections"
+            )
+        if not 0 < self.cost_budget_frac <= 1:
+            raise ValueError(f"gc.cost_budget_frac must be in (0, 1] (got {self.cost_budget_frac!r})")
         if self.workers not in WORKER_POLICIES:
             raise ValueError(f"gc.workers must be one of {WORKER_POLICIES} (got {self.workers!r})")
         if self.pause_budget_ms is not None and not self.pause_budget_ms > 0:
@@ -87,6 +101,10 @@ class GCOptions:
     @property
     def auto(self) -> bool:
         return self.interval == AUTO
+
+    @property
+    def young_automatic(self) -> bool:
+        return self.young == "automatic"
 
     @property
     def lead_s(self) -> float:
@@ -119,14 +137,17 @@ class CostModel:
         return self.pause_ns(interval) / interval
 
 
-def fit_cost_model(samples: Sequence[tuple[int, int, int, int]]) -> CostModel | None:
+def fit_cost_model(samples: Sequence[tuple[int, int, int, int]], *, flat: str = "proportional") -> CostModel | None:
     """Fit the model to collections ``(t_start_ns, young_objects, pause_ns, steps_since_previous)``.
 
     ``per_object_ns`` and ``fixed_ns`` come from a least-squares line through (objects, pause) when the
     object counts differ enough (largest >= 1.5 x smallest), else ``fixed_ns = 0`` and
     ``per_object_ns`` = median of pause / objects (which over-predicts pauses at longer intervals when
-    there is a fixed cost: the safe side). ``objects_per_step`` is the rate of the latest 4 collections;
-    ``step_ns`` the median time between collections less the pause, per step."""
+    there is a fixed cost: the safe side when collections walk young garbage). With ``flat="fixed"`` a
+    line that does not rise, or object counts that do not differ enough, give ``fixed_ns`` = median
+    pause and ``per_object_ns`` = 0 (the safe side when young collections are automatic and a short
+    interval only repeats the fixed part). ``objects_per_step`` is the rate of the latest 4 collections;
+    ``step_ns`` the median time between the latest 5 collections less the pause, per step."""
     rows = [s for s in samples if s[3] >= 1]
     if len(rows) < 2:
         return None
@@ -136,19 +157,24 @@ def fit_cost_model(samples: Sequence[tuple[int, int, int, int]]) -> CostModel | 
     per_step = sum(n for _, n, _, _ in recent) / sum(k for *_, k in recent)
     fixed, slope = 0.0, math.nan
     lo, hi = min(objects), max(objects)
-    if lo > 0 and hi >= 1.5 * lo:
+    if hi > 0 and (lo == 0 or hi >= 1.5 * lo):
         mx, my = sum(objects) / len(rows), sum(pauses) / len(rows)
         sxx = sum((x - mx) ** 2 for x in objects)
         slope = sum((x - mx) * (y - my) for x, y in zip(objects, pauses, strict=True)) / sxx
         fixed = my - slope * mx
-        if slope <= 0 or fixed < 0:  # noise hides the line: fall back to the proportional model
+        if slope <= 0 and flat == "fixed":  # nothing accumulates between collections: a fixed cost
+            fixed, slope = _median(pauses), 0.0
+        elif slope <= 0 or fixed < 0:  # noise hides the line: fall back to the proportional model
             fixed, slope = 0.0, math.nan
+    if math.isnan(slope) and flat == "fixed" and not (hi > 0 and (lo == 0 or hi >= 1.5 * lo)):
+        fixed, slope = _median(pauses), 0.0  # one object count only: no growth to see, keep the interval
     if math.isnan(slope):
         ratios = sorted(d / n for n, d in zip(objects, pauses, strict=True) if n > 0)
         slope = ratios[len(ratios) // 2] if ratios else 0.0
         fixed = 0.0 if ratios else _median(pauses)
-    gaps = []
-    for prev, cur in zip(rows, rows[1:], strict=False):
+    gaps = []  # the step time now: from the latest collections, as the rate
+    tail = rows[-RECENT - 1 :]
+    for prev, cur in zip(tail, tail[1:], strict=False):
         gap = cur[0] - prev[0] - prev[2]
         if gap > 0:
             gaps.append(gap / cur[3])
@@ -156,20 +182,25 @@ def fit_cost_model(samples: Sequence[tuple[int, int, int, int]]) -> CostModel | 
     return CostModel(fixed, slope, per_step, step_ns, len(rows))
 
 
-def choose_interval(model: CostModel, budget_ns: float, max_interval: int) -> int:
+def choose_interval(model: CostModel, budget_ns: float, max_interval: int, cost_frac: float | None = None) -> int:
     """The longest interval whose predicted pause fits the budget, in ``[1, max_interval]``.
 
     When even the fixed cost exceeds the budget no interval meets it: then the interval at which the
     per-object part equals the fixed part (a pause of about twice the fixed cost, and a cost per step
-    within 2x of the cheapest)."""
+    within 2x of the cheapest). With ``cost_frac``, never shorter than the interval that spreads the fixed
+    part to at most ``cost_frac`` of a step (``ceil(fixed / (cost_frac x step))``): a collection the pause
+    budget would repeat every few steps must not cost the job more time than the collector it replaces."""
     growth = model.per_object_ns * model.objects_per_step  # pause added per step of interval
+    floor_interval = 1
+    if cost_frac is not None and math.isfinite(model.step_ns) and model.step_ns > 0 and model.fixed_ns > 0:
+        floor_interval = math.ceil(model.fixed_ns / (cost_frac * model.step_ns))
     if growth <= 0:
         return max_interval
     if model.fixed_ns >= budget_ns:
         interval = math.ceil(model.fixed_ns / growth)
     else:
         interval = math.floor((budget_ns - model.fixed_ns) / growth)
-    return max(1, min(max_interval, interval))
+    return max(1, min(max_interval, max(interval, floor_interval)))
 
 
 def _median(values: Sequence[float]) -> float:
@@ -183,13 +214,18 @@ def _median(values: Sequence[float]) -> float:
 # ------------------------------------------------------------------ forked children (DataLoader workers)
 
 _worker_policy: str | None = None  # set while a schedule is active in this process
+_worker_thresholds: tuple[int, ...] | None = None  # CPython's thresholds before the schedule changed them
 _fork_hook_installed = False
 
 
 def _after_fork_in_child() -> None:
-    # A forked DataLoader worker would otherwise inherit "automatic GC off" and never collect.
-    if _worker_policy == "enable" and not gc.isenabled():
-        gc.enable()
+    # A forked DataLoader worker would otherwise inherit "automatic GC off" (or "no full collections")
+    # and never collect (in full).
+    if _worker_policy == "enable":
+        if _worker_thresholds is not None:
+            gc.set_threshold(*_worker_thresholds)
+        if not gc.isenabled():
+            gc.enable()
 
 
 def _install_fork_hook() -> None:
@@ -261,6 +297,7 @@ class GCSchedule:
         self.valve_steps: collections.deque[int] = collections.deque(maxlen=1000)
         self._baseline_rss = -1
         self._was_enabled = True
+        self._thresholds: tuple[int, ...] = gc.get_threshold()
         self._froze = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -270,9 +307,17 @@ class GCSchedule:
 
     # -- life cycle
     def start(self) -> None:
-        global _worker_policy
+        global _worker_policy, _worker_thresholds
         self._was_enabled = gc.isenabled()
-        gc.disable()
+        self._thresholds = gc.get_threshold()
+        if self.opts.young_automatic:
+            # CPython keeps its young collections (each cycle freed within its thresholds' allocations);
+            # the full ones, which walk every long-lived object, run only on the schedule.
+            gc.set_threshold(self._thresholds[0], self._thresholds[1], NO_FULL)
+            gc.enable()
+            _worker_thresholds = self._thresholds
+        else:
+            gc.disable()
         _worker_policy = self.opts.workers
         _install_fork_hook()
         self._baseline_rss = rss_bytes()
@@ -283,16 +328,20 @@ class GCSchedule:
             self._thread.start()
 
     def close(self) -> None:
-        global _worker_policy
+        global _worker_policy, _worker_thresholds
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5 * self.opts.valve_poll_s + 1.0)
         _worker_policy = None
+        _worker_thresholds = None
         if self._froze:
             gc.unfreeze()
             self._froze = False
+        gc.set_threshold(*self._thresholds)
         if self._was_enabled:
             gc.enable()
+        else:
+            gc.disable()
 
     # -- the schedule (training thread, only on steps where something is due)
     @property
@@ -304,11 +353,17 @@ class GCSchedule:
         """The first scheduled step after ``step``: identical on every rank that holds the same plans.
 
         Plans are ``(start, interval)`` segments with increasing starts; each holds from its start to
-        the next one's. Before the first (auto, calibrating or agreeing) every step is due."""
+        the next one's. Before the first (auto, calibrating or agreeing) every step is due, or, with young
+        collections automatic, the steps ``first + 1, 2, 4, 8, ...``: the full collection's pause is
+        measured at intervals that differ, so that its fixed part and its growth per step separate."""
         plans = self.plans
         nxt = step + 1
         if not plans or nxt < plans[0][0]:
-            return nxt
+            first = self.first_step
+            if not self.opts.young_automatic or first is None or nxt <= first + 1:
+                return nxt
+            offset = 1 << (nxt - first - 1).bit_length()  # the next power of two at or after nxt - first
+            return first + offset if not plans else min(first + offset, plans[0][0])
         for i, (start, interval) in enumerate(plans):
             end = plans[i + 1][0] if i + 1 < len(plans) else NEVER
             if nxt >= end:
@@ -345,7 +400,10 @@ class GCSchedule:
         self._baseline_rss = rss_bytes()
         since = step - self._last_collect_step if self._last_collect_step is not None else 0
         self._last_collect_step = step
-        self._samples[self._n_samples % SAMPLES] = (t0, young, duration, since)
+        # What accumulates between two collections: young objects when they wait for the schedule; the
+        # garbage that reached the full collection (what it freed) when CPython collects young objects.
+        load = collected if self.opts.young_automatic else young
+        self._samples[self._n_samples % SAMPLES] = (t0, load, duration, since)
         self._n_samples += 1
         self.collections += 1
         self.total_ns += duration
@@ -378,12 +436,18 @@ class GCSchedule:
             return math.nan
         return self.opts.pause_budget_frac * model.step_ns
 
+    def fit(self) -> CostModel | None:
+        return fit_cost_model(self.samples(), flat="fixed" if self.opts.young_automatic else "proportional")
+
+    def choose(self, model: CostModel, budget_ns: float) -> int:
+        return choose_interval(model, budget_ns, self.opts.max_interval, self.opts.cost_budget_frac)
+
     def candidate(self) -> tuple[int, CostModel | None, float]:
-        model = fit_cost_model(self.samples())
+        model = self.fit()
         budget = self.budget_ns(model)
         if model is None or not math.isfinite(budget):
             return self.interval, model, budget
-        return choose_interval(model, budget, self.opts.max_interval), model, budget
+        return self.choose(model, budget), model, budget
 
     # -- the background thread: valve and auto agreement
     def _loop(self) -> None:
@@ -447,7 +511,7 @@ class GCSchedule:
         """Would memory pass a bound by the time the agreed step comes? (objects: the young count now
         plus the growth expected over the lead; RSS: growth since the last collection now)."""
         o = self.opts
-        if o.valve_objects is not None:
+        if o.valve_objects is not None and not o.young_automatic:  # else CPython collects young objects
             pending = gc.get_count()[0]
             if pending + objects_ahead > o.valve_objects:
                 return f"objects={pending}+{objects_ahead:.0f} ahead>{o.valve_objects}"
@@ -522,19 +586,25 @@ class GCSchedule:
         budget = self.opts.pause_budget_ms * 1e6 if self.opts.pause_budget_ms is not None else math.nan
         if self.opts.auto:
             if self.plan_version > 0 and self.interval > 1:  # an interval of 1 cannot shrink
-                budget = self.budget_ns(model)
-                if math.isfinite(budget) and duration_ns > SHRINK_AT * budget:
+                # over what the plan allowed: the budget, or the pause the model predicted for an
+                # interval the cost floor made longer than the budget's
+                allowed = self.budget_ns(model)
+                if model is not None and math.isfinite(allowed):
+                    allowed = max(allowed, model.pause_ns(self.interval))
+                if math.isfinite(allowed) and duration_ns > SHRINK_AT * allowed:
                     self._over_budget += 1
             return
         if self._warned_budget or self.collections < 3:
             return
-        fitted = fit_cost_model(self.samples())
+        fitted = self.fit()
         if fitted is None:
             return
         budget = self.budget_ns(fitted)
         if math.isfinite(budget) and duration_ns > SHRINK_AT * budget:
+            best = self.choose(fitted, budget)
+            if best >= self.interval:  # auto would not collect more often: the cost rule keeps this pause
+                return
             self._warned_budget = True
-            best = choose_interval(fitted, budget, self.opts.max_interval)
             log.warning(
                 "hyperacc.stabilize: scheduled GC pauses take %.1f ms, over the pause budget of %.1f ms "
                 "(%g of a %.1f ms step); gc interval 'auto' would collect every %d steps",

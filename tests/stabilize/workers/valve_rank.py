@@ -1,4 +1,5 @@
-"""Ranks with deterministic GC; rank 1 makes cyclic garbage so its safety valve fires. Every rank must
+"""Ranks with deterministic GC, young collections scheduled too; rank 1 makes cyclic garbage so its
+safety valve (the young-object bound) fires. Every rank must
 collect at the agreed step."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     stab = stabilize(
-        gc={"interval": 50, "valve_objects": 150_000, "valve_rss_mb": None, "valve_poll_s": 0.05,
+        gc={"interval": 50, "young": "scheduled", "valve_objects": 150_000, "valve_rss_mb": None, "valve_poll_s": 0.05,
             "valve_lead_steps": 10, "valve_lead_s": 0.5},  # agreed step well inside the run
         allocator=False,
     )  # fmt: skip
