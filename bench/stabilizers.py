@@ -259,7 +259,8 @@ def gc_worker(args: argparse.Namespace) -> None:
     loop_s = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
     summary = stab.close() if stab is not None else None
-    result = {"rank": rank, "step_ms": step_ms, "pauses_ms": [p * 1e3 for p in pauses], "loop_s": loop_s,
+    plans = [r["detail"] for r in (stab.records if stab is not None else []) if r["kind"].startswith("gc_auto")]
+    result = {"rank": rank, "step_ms": step_ms, "pauses_ms": [p * 1e3 for p in pauses], "loop_s": loop_s, "plans": plans,
               "interval": None if summary is None else summary["gc"].get("interval")}  # fmt: skip
     if args.ddp:
         harness.write_result(result)
@@ -413,8 +414,12 @@ def main() -> int:
         for nproc in [args.nproc] if args.nproc else [1, 2]:
             repeats = args.repeats or ((3 if nproc > 1 else 5) if args.quick else (5 if nproc > 1 else 9))
             for workload in GC_WORKLOADS if args.workload == "all" else [args.workload]:
-                steps = {"nanogpt": 300, "survivors": 400}.get(workload, 400)
-                gc_bench(workload, steps=steps // 2 if args.quick else steps, nproc=nproc, repeats=repeats, timeout=600)
+                # cycles: long enough that the one-off costs (the freeze, auto's calibration) weigh no more
+                # than in a run of thousands of steps; survivors: 400 steps, where CPython's own full
+                # collections (one in about 80 steps) are more than 1 % of the steps and show in p99
+                # (over 1,000 steps they fall under it); --quick: 2/5 of these
+                steps = {"cycles": 1000}.get(workload, 400)
+                gc_bench(workload, steps=steps * 2 // 5 if args.quick else steps, nproc=nproc, repeats=repeats, timeout=600)
     if args.only in (None, "memory"):
         repeats = args.repeats or (1 if args.quick else 2)
         if args.quick:

@@ -382,6 +382,24 @@ def test_cost_floor_keeps_a_collection_from_repeating_its_fixed_part() -> None:
     assert choose_interval(model, 60e6, 400, cost_frac=0.01) == 110
 
 
+def test_a_full_collection_model_never_loses_its_fixed_part() -> None:
+    from hyperacc.stabilize.gc_schedule import choose_interval, fit_cost_model
+
+    # full collections that freed few objects, the pause mostly fixed but a noisy, steep line (fixed < 0)
+    samples, t = [], 0
+    for k, n, pause_ms in ((1, 40, 0.9), (2, 60, 1.0), (4, 90, 1.6), (8, 100, 2.0), (16, 110, 2.2)):
+        t += k * 6_000_000
+        samples.append((t, n, int(pause_ms * 1e6), k))
+        t += int(pause_ms * 1e6)
+    proportional = fit_cost_model(samples)
+    assert proportional.fixed_ns == 0  # young objects scheduled: the proportional model (safe there)
+    model = fit_cost_model(samples, flat="fixed")
+    assert model.fixed_ns == pytest.approx(0.9e6) and model.per_object_ns > 0
+    # the cost rule keeps the smallest pause under 1 % of a 6 ms step: not a full collection every step
+    assert choose_interval(model, 0.3e6, 400, cost_frac=0.01) >= 15
+    assert choose_interval(proportional, 0.3e6, 400, cost_frac=0.01) == 1
+
+
 def test_young_collections_stay_with_cpython_and_full_ones_follow_the_schedule() -> None:
     before = gc.get_threshold()
     stab = S.stabilize(gc={"interval": 10, "valve": False}, memory=False, allocator=False)

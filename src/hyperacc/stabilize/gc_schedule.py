@@ -145,8 +145,10 @@ def fit_cost_model(samples: Sequence[tuple[int, int, int, int]], *, flat: str = 
     ``per_object_ns`` = median of pause / objects (which over-predicts pauses at longer intervals when
     there is a fixed cost: the safe side when collections walk young garbage). With ``flat="fixed"`` a
     line that does not rise, or object counts that do not differ enough, give ``fixed_ns`` = median
-    pause and ``per_object_ns`` = 0 (the safe side when young collections are automatic and a short
-    interval only repeats the fixed part). ``objects_per_step`` is the rate of the latest 4 collections;
+    pause and ``per_object_ns`` = 0, and a line with a negative fixed part keeps its slope with
+    ``fixed_ns`` = the smallest pause (the safe side when young collections are automatic and a short
+    interval only repeats the fixed part: never the proportional model, whose zero fixed part would
+    let the cost rule collect at every step). ``objects_per_step`` is the rate of the latest 4 collections;
     ``step_ns`` the median time between the latest 5 collections less the pause, per step."""
     rows = [s for s in samples if s[3] >= 1]
     if len(rows) < 2:
@@ -164,6 +166,8 @@ def fit_cost_model(samples: Sequence[tuple[int, int, int, int]], *, flat: str = 
         fixed = my - slope * mx
         if slope <= 0 and flat == "fixed":  # nothing accumulates between collections: a fixed cost
             fixed, slope = _median(pauses), 0.0
+        elif fixed < 0 and flat == "fixed":  # a steep line through few objects: keep the smallest pause fixed
+            fixed = min(pauses)
         elif slope <= 0 or fixed < 0:  # noise hides the line: fall back to the proportional model
             fixed, slope = 0.0, math.nan
     if math.isnan(slope) and flat == "fixed" and not (hi > 0 and (lo == 0 or hi >= 1.5 * lo)):
