@@ -4,8 +4,8 @@
    injected faults (rank 2 computes 50 % slower, rank 1's loader stalls on 3 % of steps, rank 3 is under
    GC pressure), then ``hyperacc analyze`` names the culprits, the causes and what the measured spike
    rate means at scale, and the injected ground truth is printed beside it.
-2. Fix: the same job with ``--stabilize`` (deterministic GC: frozen heap, collections at the same step
-   on every rank); the GC spikes of step 1 vanish.
+2. Fix: the same job with ``--stabilize`` (deterministic GC: frozen heap, young collections left to
+   CPython, full collections at the same step on every rank); the GC spikes of step 1 vanish.
 3. Close the loop: a job under GC pressure with ``--remediate auto``; rank 0's live verdicts decide the
    GC schedule, every rank switches it on at one agreed step, and the GC spikes before and after it
    are counted (diagnose, act, verify).
