@@ -252,7 +252,7 @@ def _switch_rule(found: list[Finding], history: Sequence[Mapping[str, Any]], job
     if trigger is None:
         return []
     at = job.step + config.gc_lead_steps
-    what = "deterministic GC (gc.freeze, collect every N steps on all ranks)" if cause == "gc" else \
+    what = "deterministic GC (gc.freeze, full collections every N steps on all ranks)" if cause == "gc" else \
         "scheduled memory release on all ranks"  # fmt: skip
     out = [Decision(rule, action, "act", "all ranks", f"step {at}", f"{trigger}: switch on {what}", step=at)]
     if cause == "allocator":
