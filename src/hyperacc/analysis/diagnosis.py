@@ -350,7 +350,7 @@ def _straggler_phrase(s: dict[str, Any]) -> str:
     """"Persistent" only when the rank was slow in nearly every window since it started (80 %)."""
     what = f"{_metric_of(s)} {_ratio(s['slowdown'])}"
     since = s.get("windows_since") or s["windows_seen"]
-    kind = _KIND_WORD.get(s["kind"], s["kind"])
+    kind = kind_word(s["kind"])
     if s["active"] and s["windows_flagged"] >= 0.8 * since:
         text = f"rank {s['rank']} (node {s['node']}) is a persistent {kind} straggler ({what} since step {s['since_step']})"
     elif s["active"]:
@@ -368,6 +368,11 @@ def _straggler_phrase(s: dict[str, Any]) -> str:
 
 
 _KIND_WORD = {"host_work": "host-work"}
+
+
+def kind_word(kind: str) -> str:
+    """A straggler's kind as the texts print it (``host_work`` -> ``host-work``)."""
+    return _KIND_WORD.get(kind, kind)
 
 
 def _gc_excess(s: dict[str, Any]) -> float:

@@ -276,7 +276,9 @@ def _page(run_dir, layout, ranks, n_steps, first, last, diag, figs, events, runt
             sec.append(f"<p class='note'>ranks without records: {e(str(diag['missing_ranks']))}</p>")
         strag = diag.get("stragglers") or []
         if strag:
-            rows = [[s["rank"], s["node"], s["kind"], s.get("metric", ""), f"{s['slowdown']:.2f}x" if s.get("slowdown") else "-",
+            from hyperacc.analysis.diagnosis import kind_word
+
+            rows = [[s["rank"], s["node"], kind_word(s["kind"]), s.get("metric", ""), f"{s['slowdown']:.2f}x" if s.get("slowdown") else "-",
                      s.get("since_step", "-"), f"{s.get('windows_flagged', '-')}/{s.get('windows_seen', '-')}"] for s in strag]  # fmt: skip
             sec.append("<h3>Stragglers</h3>" + _table(["rank", "node", "kind", "metric", "slowdown", "since step", "windows"],
                                                        rows, set(range(len(rows)))))  # fmt: skip
