@@ -1,15 +1,17 @@
 """Stabilizers against what a user would otherwise run, side by side in one run of this script.
 
-1. Deterministic GC: a DDP loop (this file with ``--worker``) in two workloads: ``cycles`` keeps
-   300,000 live container objects and makes 20,000 reference cycles per step that die at once;
-   ``survivors`` keeps 1,000,000 live objects and makes 3,000 cycles per step that stay alive for 3
+1. Deterministic GC, in one process and in a 2-rank DDP job, three workloads: ``cycles`` keeps 300,000
+   live container objects and makes 20,000 reference cycles per step that die at once; ``survivors``
+   keeps 1,000,000 live objects and makes 3,000 cycles of two containers per step that stay alive for 3
    steps (as activations or queued batches do), so they survive young collections and CPython's own
-   full collections walk the whole live heap. Each rank makes 10 % more garbage than the one before, so
-   automatic collections drift apart. Four schemes: Python's automatic GC; torchtitan's
+   full collections walk the whole live heap; ``nanogpt`` trains a 2-layer GPT fed by a DataLoader whose
+   dataset tokenizes text in the training process. In DDP each rank makes 10 % more garbage than the one
+   before, so automatic collections drift apart. Four schemes: Python's automatic GC; torchtitan's
    ``GarbageCollection(gc_freq=50)`` (``gc.disable()``, an initial ``gc.collect(1)``, then
-   ``gc.collect(1)`` every 50 steps, as in torchtitan/tools/utils.py); hyperacc with a fixed interval of
-   50 steps (freeze after set-up, ``gc.collect(2)`` at the same steps on every rank); hyperacc with
-   ``interval="auto"`` (the default: interval from the measured cost and a pause budget).
+   ``gc.collect(1)`` every 50 steps, as in torchtitan/tools/utils.py); hyperacc's default
+   (``stabilize()``: young collections automatic, full collections on the ``auto`` schedule); hyperacc
+   with ``interval: 50``. Printed: the total time against automatic GC (median of the per-round
+   ratios and a 90 % interval), p99/p50 of the step and against automatic GC's, the longest pause.
 2. Memory release: ``bench/workers/memory_churn.py``, host memory that grows and shrinks in per-rank
    random bursts, with glibc's default behaviour and with the stabilizer (hold freed memory,
    ``malloc_trim(0)`` every N steps on every rank).
@@ -97,7 +99,7 @@ class TorchtitanGC:
 GC_WORKLOADS = ("cycles", "survivors", "nanogpt")
 SYNTHETIC = {  # name: (reference cycles per step, live objects, steps a cycle stays alive)
     "cycles": (20_000, 300_000, 0),
-    "survivors": (3_000, 1_000_000, 3),
+    "survivors": (3_000, 1_000_000, 3),  # each cycle two containers
 }
 
 GC_VARIANTS: dict[str, dict[str, Any] | str | None] = {
@@ -132,9 +134,9 @@ class Synthetic:
 
         if self.keep:
             batch = []
-            for _ in range(self.garbage):
+            for _ in range(self.garbage):  # a cycle of two containers, as a node and its parent
                 c: list = []
-                c.append(c)
+                c.append([c])
                 batch.append(c)
             self.alive.append(batch)  # the cycles outlive this step by a few steps
             del batch
