@@ -26,10 +26,23 @@ def big_run(tmp_path_factory) -> Path:
     return write_run(tmp_path_factory.mktemp("export") / "run", SyntheticRun(ranks=4, steps=20_000, seed=3))
 
 
-def _export(run: Path, out: Path, *extra: str, **popen) -> subprocess.Popen:
+def _as_from_a_terminal() -> None:
+    # Ctrl-C reaches a command typed in a terminal; a suite started in the background of a
+    # non-interactive shell hands SIGINT down ignored, and Python then keeps it ignored
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _export(run: Path, out: Path, *extra: str, preexec_fn=None) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+    def child_setup() -> None:
+        _as_from_a_terminal()
+        if preexec_fn is not None:
+            preexec_fn()
+
     return subprocess.Popen([sys.executable, "-m", "hyperacc", "export", str(run), "--chrome", str(out), "--no-diagnosis",
-                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)  # fmt: skip
+                             *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=child_setup)  # fmt: skip
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
