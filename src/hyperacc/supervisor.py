@@ -229,12 +229,21 @@ class Supervisor:
         show their latest state when their line ends)."""
         lines = OutputLines()
         fd = stream.fileno()
-        while chunk := os.read(fd, 65536):
+        while chunk := os.read(fd, READ_BYTES):
             for text in lines.feed(chunk):
                 live.console.print(text, markup=False, highlight=False, soft_wrap=True)
+            if len(chunk) < READ_BYTES:
+                # A job that flushes every redraw of a progress bar would otherwise cost a wake-up and a
+                # read per redraw; a few milliseconds let them gather in the pipe (a job writing faster
+                # than the pipe holds is read again at once).
+                time.sleep(GATHER_S)
         for text in lines.close():
             live.console.print(text, markup=False, highlight=False, soft_wrap=True)
         stream.close()
+
+
+READ_BYTES = 65536  # one read of the job's output: a Linux pipe's default capacity
+GATHER_S = 0.005  # after a short read, wait this long for more output (at most 200 reads a second)
 
 
 class OutputLines:
