@@ -126,8 +126,10 @@ class Synthetic:
         self.x, self.y = torch.randn(BATCH, 256), torch.randint(0, 10, (BATCH,))
 
     def wrap(self, wrap: Any) -> None:
+        import torch
+
         self.model = wrap(self.model)
-        self.opt = __import__("torch").optim.SGD(self.model.parameters(), lr=0.01)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01)
 
     def step(self) -> None:
         import torch
@@ -261,8 +263,7 @@ def gc_worker(args: argparse.Namespace) -> None:
     loop_s = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
     summary = stab.close() if stab is not None else None
-    plans = [r["detail"] for r in (stab.records if stab is not None else []) if r["kind"].startswith("gc_auto")]
-    result = {"rank": rank, "step_ms": step_ms, "pauses_ms": [p * 1e3 for p in pauses], "loop_s": loop_s, "plans": plans,
+    result = {"rank": rank, "step_ms": step_ms, "pauses_ms": [p * 1e3 for p in pauses], "loop_s": loop_s,
               "interval": None if summary is None else summary["gc"].get("interval")}  # fmt: skip
     if args.ddp:
         harness.write_result(result)

@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -332,10 +333,33 @@ def test_cost_model_fits_fixed_and_per_object_cost() -> None:
     assert fit_cost_model([(0, 10, 5, 1)]) is None
 
 
-def make_cycles(n: int) -> None:
+def make_cycles(n: int, held: list | None = None) -> None:
+    """``n`` reference cycles; with ``held``, each kept alive there until all ``n`` are made (long
+    enough for young collections to promote some), then dropped."""
     for _ in range(n):
         a: list = []
         a.append(a)
+        if held is not None:
+            held.append(a)
+    if held is not None:
+        held.clear()
+
+
+def run_until_agreed(stab: S.Stabilizer, make_garbage: Callable[[], None]) -> tuple[int, dict]:
+    """Steps (2 ms each, with ``make_garbage``) until an auto interval is agreed and 200 steps ran; the
+    last step and the summary. Closes the stabilizer."""
+    try:
+        step = 0
+        while step < 3000:
+            make_garbage()
+            stab.step(step)
+            time.sleep(0.002)
+            if stab.summary()["gc"]["agreements"] and step > 200:
+                break
+            step += 1
+        return step, stab.summary()
+    finally:
+        stab.close()
 
 
 @pytest.mark.parametrize(("budget_ms", "expected", "freeze"), [(1e6, 40, True), (1e-6, 1, True), (1e6, 40, False)])
@@ -346,18 +370,7 @@ def test_auto_interval_follows_the_budget_in_one_process(budget_ms: float, expec
             "valve": False, "valve_poll_s": 0.01, "freeze": freeze},
         memory=False, allocator=False,
     )  # fmt: skip
-    try:
-        step = 0
-        while step < 3000:
-            make_cycles(500)
-            stab.step(step)
-            time.sleep(0.002)
-            if stab.summary()["gc"]["agreements"] and step > 200:
-                break
-            step += 1
-        summary = stab.summary()
-    finally:
-        stab.close()
+    step, summary = run_until_agreed(stab, lambda: make_cycles(500))
     assert summary["gc"]["agreements"] == 1 and summary["gc"]["interval"] == expected
     plan = [r for r in stab.records if r["kind"] == "gc_auto_interval"]
     assert len(plan) == 1 and plan[0]["value"] == expected and "per_object_ns=" in plan[0]["detail"]
@@ -433,22 +446,7 @@ def test_auto_with_young_collections_automatic_calibrates_at_doubling_intervals(
         memory=False, allocator=False,
     )  # fmt: skip
     held: list = []
-    try:
-        step = 0
-        while step < 3000:
-            for _ in range(2000):
-                a: list = []
-                a.append(a)
-                held.append(a)
-            held.clear()  # the cycles die at the end of the step, after young collections promoted some
-            stab.step(step)
-            time.sleep(0.002)
-            if stab.summary()["gc"]["agreements"] and step > 200:
-                break
-            step += 1
-        summary = stab.summary()
-    finally:
-        stab.close()
+    step, summary = run_until_agreed(stab, lambda: make_cycles(2000, held))
     steps = [r["step"] for r in stab.records if r["kind"] == "gc_collect"]
     assert steps[:5] == [1, 2, 4, 8, 16]  # what accumulates over 1 to 16 steps: the fixed part and the growth
     plans = [int(r["value"]) for r in stab.records if r["kind"] == "gc_auto_interval"]

@@ -159,7 +159,8 @@ def fit_cost_model(samples: Sequence[tuple[int, int, int, int]], *, flat: str = 
     per_step = sum(n for _, n, _, _ in recent) / sum(k for *_, k in recent)
     fixed, slope = 0.0, math.nan
     lo, hi = min(objects), max(objects)
-    if hi > 0 and (lo == 0 or hi >= 1.5 * lo):
+    spread = hi > 0 and (lo == 0 or hi >= 1.5 * lo)  # enough different counts to draw a line through
+    if spread:
         mx, my = sum(objects) / len(rows), sum(pauses) / len(rows)
         sxx = sum((x - mx) ** 2 for x in objects)
         slope = sum((x - mx) * (y - my) for x, y in zip(objects, pauses, strict=True)) / sxx
@@ -170,7 +171,7 @@ def fit_cost_model(samples: Sequence[tuple[int, int, int, int]], *, flat: str = 
             fixed = min(pauses)
         elif slope <= 0 or fixed < 0:  # noise hides the line: fall back to the proportional model
             fixed, slope = 0.0, math.nan
-    if math.isnan(slope) and flat == "fixed" and not (hi > 0 and (lo == 0 or hi >= 1.5 * lo)):
+    if math.isnan(slope) and flat == "fixed" and not spread:
         fixed, slope = _median(pauses), 0.0  # one object count only: no growth to see, keep the interval
     if math.isnan(slope):
         ratios = sorted(d / n for n, d in zip(objects, pauses, strict=True) if n > 0)
