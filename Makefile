@@ -31,10 +31,16 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(BIN)/python -m hyperacc.demo
 
+# `make test` runs files on TEST_WORKERS processes (pytest-xdist, whole files per worker so that a
+# file's recorded jobs are shared by its tests). Most of the suite's wall time is real ranks waiting
+# (rendezvous, torchrun's monitor, timeouts): 2 workers fill those gaps on this 2-core machine (3 were no
+# faster: the suite is then bound by CPU, mostly rank start-up, see README "Tests").
+TEST_WORKERS ?= 2
+
 # The test tiers (pyproject.toml's markers; README, "Tests"). `test` is the whole suite, what CI runs;
 # `check` is the inner loop: no torchrun jobs, no browser, nothing slow; `soak` is the long repetitions.
 test: setup system
-	$(BIN)/python -m pytest -q -m 'not soak'
+	$(BIN)/python -m pytest -q -m 'not soak' -n $(TEST_WORKERS) --dist loadfile
 
 check: setup system
 	$(BIN)/python -m pytest -q -m 'not multirank and not browser and not slow and not soak'

@@ -6,6 +6,7 @@ Every test starts real ranks (torchrun, gloo) and compares with the same script 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,15 +33,22 @@ def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(
     # to meet the failure themselves, with and without hyperacc alike (at 3 s, a traced survivor whose
     # flusher thread held the interpreter for a while on a loaded host was sometimes stopped first).
     slow_monitor = ["--monitor-interval", "10"]
-    plain = harness.launch(JOB, args, nproc=2, timeout=180, torchrun_args=slow_monitor)
-    ref = plain.ranks[0].result
-    assert ref is not None and ref["error"], plain.explain()
-    assert ref["optimizer_steps"] == 2  # steps 0 and 1; step 2's backward raised
-    for name in variants:
+
+    def run(name: str) -> harness.JobResult:
+        if name == "plain":
+            return harness.launch(JOB, args, nproc=2, timeout=180, torchrun_args=slow_monitor)
         opts = traced(tmp_path / name)
         if name == "paced":
             opts["pace"] = "1"  # pacing asks for the in-band exchange: slots ride on the last bucket
-        job = harness.launch(JOB, args, nproc=2, timeout=180, traced=opts, torchrun_args=slow_monitor)
+        return harness.launch(JOB, args, nproc=2, timeout=180, traced=opts, torchrun_args=slow_monitor)
+
+    # the jobs spend most of their time waiting for torchrun's monitor: side by side, not one after another
+    with ThreadPoolExecutor(1 + len(variants)) as pool:
+        plain, *jobs = pool.map(run, ("plain", *variants))
+    ref = plain.ranks[0].result
+    assert ref is not None and ref["error"], plain.explain()
+    assert ref["optimizer_steps"] == 2  # steps 0 and 1; step 2's backward raised
+    for name, job in zip(variants, jobs, strict=True):
         mine = job.ranks[0].result
         assert mine is not None, job.explain()
         assert (mine["error"], mine["optimizer_steps"], mine["steps"]) == (
