@@ -134,6 +134,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=400)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--components", action="store_true", help="also each part of the tracer on alone")
+    p.add_argument("--job", choices=("both", "nanogpt", "train_ddp"), default="both",
+                   help="which job to run (--quick runs the nanoGPT-shaped loop only)")
     args = p.parse_args()
     pairs, iters = (3, 200) if args.quick else (args.pairs, args.iters)
     print(f"machine: {machine()}")
@@ -145,9 +147,9 @@ def main() -> None:
         arms: dict[str, dict | None] = {"hyperacc run": None}
         if args.components and not args.quick:
             arms |= {name: BARE | extra for name, extra in COMPONENTS.items()}
-        compare("nanogpt", arms, pairs, iters, args.nproc, data, work)
-        if not args.quick:
-            compare("train_ddp", {"hyperacc run": None}, pairs, iters, args.nproc, data, work)
+        jobs = ("nanogpt",) if args.quick else ("nanogpt", "train_ddp") if args.job == "both" else (args.job,)
+        for job in jobs:
+            compare(job, arms, pairs, iters, args.nproc, data, work)
     print(f"\nbench/rank_cost.py took {time.monotonic() - t0:.0f} s; load average now "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
 
