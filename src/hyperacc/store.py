@@ -183,7 +183,7 @@ def live_segments(directory: str | os.PathLike) -> list[Path]:
 
 def compact(
     directory: str | os.PathLike,
-    schema: pa.Schema,
+    schema: pa.Schema | None,
     *,
     every: int = 32,
     period_s: float = 3600.0,
@@ -200,8 +200,10 @@ def compact(
     (``live_segments``), and the next call removes what an interrupted one left behind. A segment that
     cannot be read is left where it is (readers skip it with a warning) and ends the period.
 
-    Call it from one process per rank directory (the rank's flusher today, a node agent later).
-    Returns the compacted file written, or None.
+    ``schema`` None: the segments are taken as written and their columns unified (rank 0's gathered
+    window summaries, whose columns grow with the detector's). Call it from one process per directory
+    (the rank's flusher and rank 0's window aggregation today, a node agent later). Returns the
+    compacted file written, or None.
     """
     directory = Path(directory)
     files = _listing(directory)
@@ -234,7 +236,7 @@ def compact(
         if base is not None and now - opened >= period_s * 1e9 and rows >= min_rows:
             base = None  # the period is full: a new one opens
         if base is not None:
-            table = read_segment(base[2], schema)
+            table = _read_for_compaction(base[2], schema)
             if table is None:
                 base = None
             else:
@@ -244,7 +246,7 @@ def compact(
     batch: list[Path] = []
     total = sum(t.num_rows for t in tables)
     for _lo, hi, p in small:
-        table = read_segment(p, schema)
+        table = _read_for_compaction(p, schema)
         if table is None:
             if batch:
                 break  # an unreadable segment ends the batch; the next call starts after it
@@ -258,7 +260,7 @@ def compact(
         return None
     first = base[0] if base is not None else segment_range(batch[0])[0]  # type: ignore[index]
     last = segment_range(batch[-1])[1]  # type: ignore[index]
-    merged = pa.concat_tables(tables)
+    merged = pa.concat_tables(tables) if schema is not None else pa.concat_tables(tables, promote_options="permissive")
     meta = {_OPENED: str(opened).encode(), _PARTS: ",".join(f"{n}:{r}" for n, r in parts).encode()}
     merged = merged.replace_schema_metadata({**(merged.schema.metadata or {}), **meta})
     final_path = directory / f"seg-{first:06d}-{last:06d}.parquet"
@@ -266,6 +268,16 @@ def compact(
     for p in ([base[2]] if base is not None else []) + batch:
         p.unlink(missing_ok=True)
     return final_path
+
+
+def _read_for_compaction(path: Path, schema: pa.Schema | None) -> pa.Table | None:
+    if schema is not None:
+        return read_segment(path, schema)
+    try:
+        return pq.read_table(path, use_threads=False)
+    except (OSError, pa.ArrowException) as exc:
+        warn_once(path, f"skipping unreadable segment {path} ({exc}); the rest of the run is analysed")
+        return None
 
 
 # Parquet settings of a compacted file: one row group of a period, zstd, dictionaries where they pay.
@@ -629,11 +641,11 @@ def read_resources(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> 
 
 
 def read_live_windows(run_dir: str | os.PathLike) -> pa.Table:
-    """The window summaries rank 0 gathered while the job ran (empty when it wrote none)."""
-    root = check_run_dir(run_dir) / "live" / "windows"
-    paths = sorted(root.glob("seg-*.parquet")) if root.is_dir() else []
+    """The window summaries rank 0 gathered while the job ran, each once across compactions (empty when
+    it wrote none)."""
+    root = live_windows_dir(check_run_dir(run_dir))
     tables = []
-    for path in paths:
+    for path in live_segments(root):
         try:
             tables.append(pq.read_table(path))
         except (OSError, pa.ArrowException) as exc:

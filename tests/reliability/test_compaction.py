@@ -116,3 +116,25 @@ def test_a_compaction_killed_at_any_point_loses_and_duplicates_nothing(tmp_path:
     assert (again is None) == (where != "write")
     assert sorted(p.name for p in rank_dir.iterdir()) == ["seg-000001-000006.parquet"]  # no .tmp left either
     _exactly_once(tmp_path, segments * ROWS)
+
+
+def test_gathered_windows_whose_columns_grow_are_compacted_and_read_once(tmp_path: Path) -> None:
+    """Rank 0's gathered window summaries (no fixed schema: the detector adds columns) roll into one file
+    per period like a rank's segments; a file left behind by an interrupted compaction is not read twice."""
+    (tmp_path / "meta").mkdir()  # a run directory: the tracer writes its metadata first
+    writer = store.live_windows_writer(tmp_path)
+    for w in range(1, 6):
+        extra = {"z_self": pa.array([0.5 * w] * 2)} if w >= 3 else {}  # columns that appear later
+        writer.write(pa.table({"window": pa.array([w, w]), "rank": pa.array([0, 1]), **extra}))
+    assert store.compact(writer.directory, None, every=8) is None  # fewer than `every` waiting
+    first = store.compact(writer.directory, None, every=4)
+    assert first is not None and first.name == "seg-000001-000005.parquet"
+    (writer.directory / "seg-000002.parquet").write_bytes(first.read_bytes())  # as if left by a kill
+    live = store.read_live_windows(tmp_path)
+    assert live.column("window").to_pylist() == [w for w in range(1, 6) for _ in (0, 1)]
+    assert live.column("z_self").to_pylist() == [None] * 4 + [0.5 * w for w in range(3, 6) for _ in (0, 1)]
+    writer.write(pa.table({"window": pa.array([6, 6]), "rank": pa.array([0, 1])}))
+    second = store.compact(writer.directory, None, every=1)  # the period's file grows; the stray is removed
+    assert second is not None and second.name == "seg-000001-000006.parquet"
+    assert sorted(p.name for p in writer.directory.iterdir()) == [second.name]
+    assert store.read_live_windows(tmp_path).column("window").to_pylist() == [w for w in range(1, 7) for _ in (0, 1)]

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 import torch.distributed as dist
 
+from hyperacc import store
 from hyperacc.analysis.live_aggregate import WindowAggregator, step_columns
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.windows import summarize_windows, window_rows
@@ -125,6 +126,33 @@ def test_a_silent_rank_is_reported_missing_and_never_blocks(
     lines = [r.message for r in caplog.records if "no summary from rank(s) 2" in r.message]
     assert len(lines) == 1  # said once, not every window
     assert [t.num_rows for t in detector.tables] == [2, 2, 2]
+
+
+def test_rank_0_keeps_the_gathered_windows_in_one_file_per_period(server: Any, tmp_path: Any) -> None:
+    """Rank 0 writes what it gathered every few seconds; with the tracer's compaction settings those
+    files are rolled into one per period, and a finished job leaves one, holding every window once."""
+    run_dir = tmp_path / "run"
+    (run_dir / "meta").mkdir(parents=True)  # what the tracer writes first
+    rank0 = WindowAggregator(0, 0, 2, window=10, grace_s=30, store=client(server.port), detector=Recorder(),
+                             poll_s=0.05, run_dir=run_dir, compaction=(2, 3600.0, 100_000))  # fmt: skip
+    rank1 = WindowAggregator(1, 1, 2, window=10, grace_s=30, store=client(server.port), poll_s=0.05)
+    for first in range(0, 180, 60):
+        for agg in (rank0, rank1):
+            agg.on_steps(steps_table(agg.rank, range(first, first + 60), 10.0))
+        # window w (steps 10w..10w+9) is final once the spike baseline has seen 100 steps after it
+        final = max(0, (first + 60 - 110) // 10)
+        deadline = time.monotonic() + 20
+        while rank0.windows_processed < final and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank0._write_gathered()  # what the aggregation thread does every 5 s
+    rank1.close()
+    rank0.close()
+    assert rank0._writer.written >= 3  # two while running, one at close: rolled into one
+    folder = run_dir / "live" / "windows"
+    assert [p.name for p in folder.iterdir()] == [f"seg-000001-{rank0._writer.written:06d}.parquet"]
+    live = store.read_live_windows(run_dir).to_pylist()
+    pairs = [(r["window"], r["rank"]) for r in live]
+    assert sorted(pairs) == [(w, r) for w in range(1, 18) for r in (0, 1)]  # each window of each rank once
 
 
 def test_a_killed_store_switches_aggregation_off_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -109,6 +109,7 @@ class WindowAggregator:
         poll_s: float = 0.5,
         prefix: str | None = None,
         run_dir: str | os.PathLike | None = None,
+        compaction: tuple[int, float, int] = (0, 0.0, 0),
     ) -> None:
         self.rank, self.node, self.world_size = rank, node, world_size
         self.window = window
@@ -138,6 +139,10 @@ class WindowAggregator:
         self._gathered: list[pa.Table] = []
         self._gathered_at = time.monotonic()
         self._writer: Any = None
+        # (every, period_s, min_rows) of store.compact, the tracer's compaction settings: one gathered
+        # file every few seconds would otherwise grow the folder by some 17,000 files a day
+        self._compaction = compaction
+        self._compacted = 0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hyperacc-trace-windows", daemon=True)
@@ -275,6 +280,23 @@ class WindowAggregator:
         except Exception as exc:  # noqa: BLE001 - the live file is a convenience; training never waits
             self.run_dir = None
             switch_off("writing gathered windows", exc)
+            return
+        self._compact(final=False)
+
+    def _compact(self, *, final: bool) -> None:
+        """Roll the gathered files into one per period (``store.compact``, as a rank's own segments)."""
+        every, period_s, min_rows = self._compaction
+        writer = self._writer
+        if not every or writer is None or (writer.written - self._compacted < every and not final):
+            return
+        from hyperacc import store
+
+        try:
+            store.compact(writer.directory, None, every=1 if final else every, period_s=period_s, min_rows=min_rows)
+            self._compacted = writer.written
+        except Exception as exc:  # noqa: BLE001
+            self._compaction = (0, 0.0, 0)
+            switch_off(f"compacting gathered windows in {writer.directory}", exc)
 
     # ------------------------------------------------------------------ end
 
@@ -295,6 +317,8 @@ class WindowAggregator:
                 break
             time.sleep(0.1)
         self._write_gathered()
+        if self.run_dir is not None:
+            self._compact(final=True)
         if not self._store_given and self._store is not None:
             self._store = None
 
@@ -314,6 +338,7 @@ def start_window_aggregation(tracer: Any) -> None:
             on_finding=tracer.live_finding,
             on_window=tracer.window_gathered,
             run_dir=tracer.run_dir if tracer.rank == 0 else None,
+            compaction=(options.compact_every, options.compact_period_s, options.compact_min_rows),
         )
         tracer.attach_aggregator(aggregator)
     except Exception as exc:  # noqa: BLE001
