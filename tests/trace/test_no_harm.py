@@ -29,10 +29,13 @@ def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(
     tmp_path: Path, buckets: str, variants: tuple[str, ...]
 ) -> None:
     args = ["--buckets", buckets, "--die-rank", "1", "--die-step", "2"]
-    # torchrun stops the survivors once it sees the dead rank; checking every 10 s leaves them the time
-    # to meet the failure themselves, with and without hyperacc alike (at 3 s, a traced survivor whose
-    # flusher thread held the interpreter for a while on a loaded host was sometimes stopped first).
-    slow_monitor = ["--monitor-interval", "10"]
+    # torchrun stops the survivors once it sees the dead rank, at its first monitor check after the death
+    # (every `--monitor-interval` seconds from the start of the workers). The survivors need that time to
+    # meet the failure themselves, with and without hyperacc alike. At 10 s, a rank that died near the
+    # 10 s check on a loaded host (slow start-up: three jobs beside another test's) left its survivor a
+    # fraction of a second, and it was sometimes stopped first; at 30 s the death comes well before the
+    # first check (start-up and two steps take under 20 s even then), and the job ends at that check.
+    slow_monitor = ["--monitor-interval", "30"]
 
     def run(name: str) -> harness.JobResult:
         if name == "plain":
