@@ -236,7 +236,7 @@ def compact(
         if base is not None and now - opened >= period_s * 1e9 and rows >= min_rows:
             base = None  # the period is full: a new one opens
         if base is not None:
-            table = _read_for_compaction(base[2], schema)
+            table = read_segment(base[2], schema)
             if table is None:
                 base = None
             else:
@@ -246,7 +246,7 @@ def compact(
     batch: list[Path] = []
     total = sum(t.num_rows for t in tables)
     for _lo, hi, p in small:
-        table = _read_for_compaction(p, schema)
+        table = read_segment(p, schema)
         if table is None:
             if batch:
                 break  # an unreadable segment ends the batch; the next call starts after it
@@ -260,7 +260,7 @@ def compact(
         return None
     first = base[0] if base is not None else segment_range(batch[0])[0]  # type: ignore[index]
     last = segment_range(batch[-1])[1]  # type: ignore[index]
-    merged = pa.concat_tables(tables) if schema is not None else pa.concat_tables(tables, promote_options="permissive")
+    merged = pa.concat_tables(tables, promote_options="permissive")  # one schema, or columns that grew
     meta = {_OPENED: str(opened).encode(), _PARTS: ",".join(f"{n}:{r}" for n, r in parts).encode()}
     merged = merged.replace_schema_metadata({**(merged.schema.metadata or {}), **meta})
     final_path = directory / f"seg-{first:06d}-{last:06d}.parquet"
@@ -268,16 +268,6 @@ def compact(
     for p in ([base[2]] if base is not None else []) + batch:
         p.unlink(missing_ok=True)
     return final_path
-
-
-def _read_for_compaction(path: Path, schema: pa.Schema | None) -> pa.Table | None:
-    if schema is not None:
-        return read_segment(path, schema)
-    try:
-        return pq.read_table(path, use_threads=False)
-    except (OSError, pa.ArrowException) as exc:
-        warn_once(path, f"skipping unreadable segment {path} ({exc}); the rest of the run is analysed")
-        return None
 
 
 # Parquet settings of a compacted file: one row group of a period, zstd, dictionaries where they pay.
@@ -536,10 +526,18 @@ def _folder_rank(path: str | os.PathLike) -> int | None:
 
 
 def read_segment(
-    path: str | os.PathLike, schema: pa.Schema, columns: Sequence[str] | None = None
+    path: str | os.PathLike, schema: pa.Schema | None, columns: Sequence[str] | None = None
 ) -> pa.Table | None:
     """One segment, checked and conformed to ``schema`` (``columns`` of it when given), or None with
-    one warning when it does not fit or cannot be read."""
+    one warning when it does not fit or cannot be read. ``schema`` None: the segment as written (rank
+    0's gathered windows, whose columns grow)."""
+    if schema is None:
+        try:
+            table = pq.read_table(path, columns=columns, use_threads=False)
+        except (OSError, pa.ArrowException) as exc:
+            warn_once(path, f"skipping unreadable segment {path} ({exc}); the rest of the run is analysed")
+            return None
+        return table
     pf = open_segment(path, schema)
     if pf is None:
         return None
@@ -643,13 +641,8 @@ def read_resources(run_dir: str | os.PathLike | Sequence[str | os.PathLike]) -> 
 def read_live_windows(run_dir: str | os.PathLike) -> pa.Table:
     """The window summaries rank 0 gathered while the job ran, each once across compactions (empty when
     it wrote none)."""
-    root = live_windows_dir(check_run_dir(run_dir))
-    tables = []
-    for path in live_segments(root):
-        try:
-            tables.append(pq.read_table(path))
-        except (OSError, pa.ArrowException) as exc:
-            log.warning("skipping unreadable segment %s (%s); the rest of the run is analysed", path, exc)
+    paths = live_segments(live_windows_dir(check_run_dir(run_dir)))
+    tables = [t for t in (read_segment(p, None) for p in paths) if t is not None]
     return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
 
 
