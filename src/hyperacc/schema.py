@@ -6,14 +6,19 @@ these columns, so the same analysis reads all three.
 Run directory layout (``RUN_DIR``)::
 
     meta/rank-00003.json              RankMeta of each rank (written at start-up)
-    steps/rank-00003/seg-000001.parquet   STEP_SCHEMA rows, appended segment by segment
-    events/rank-00003/seg-000001.parquet  EVENT_SCHEMA rows (stabilizer actions, pacing changes, ...)
-    resources/rank-00003/seg-000001.parquet  RESOURCE_SCHEMA rows (memory, CPU; about once a second)
-    live/windows/seg-000001.parquet       every rank's window summaries, as rank 0 gathered them
+    steps/rank-00003/seg-000001.rec   STEP_SCHEMA rows, one plain record segment per flush
+    steps/rank-00003/seg-000001-000040.parquet   the same rows once compacted (one file per period)
+    events/rank-00003/seg-*           EVENT_SCHEMA rows (stabilizer actions, pacing changes, ...)
+    resources/rank-00003/seg-*        RESOURCE_SCHEMA rows (memory, CPU; about once a second)
+    live/windows/seg-*.parquet        every rank's window summaries, as rank 0 gathered them
     chaos/rank-00003.jsonl            ground truth of injected faults (hyperacc.chaos)
 
+A rank writes plain records (``hyperacc.records``: no pyarrow in a training rank); the node agent
+(``hyperacc run``), or the rank itself when no agent runs, rolls them into Parquet
+(``store.compact``). Every reader reads both (``store.read_segment``).
+
 Times are integer nanoseconds. A value that was not measured is null in Parquet (and -1 in the
-tracer's preallocated buffers before it is written).
+tracer's preallocated buffers and its plain records, ``hyperacc.records``).
 """
 
 from __future__ import annotations
@@ -23,107 +28,108 @@ import json
 import os
 from pathlib import Path
 
-import pyarrow as pa
-
 # Phases of a step, in the order they happen. ``other`` is the rest of the step.
 PHASES: tuple[str, ...] = ("data", "h2d", "forward", "backward", "comm_wait", "optimizer", "other")
 
-STEP_SCHEMA = pa.schema(
-    [
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("node", pa.int32(), nullable=False),  # torchrun GROUP_RANK
-        pa.field("step", pa.int64(), nullable=False),
-        pa.field("t_start_ns", pa.int64()),  # wall clock (time.time_ns) at step start
-        pa.field("step_ns", pa.int64()),  # whole step, boundary to boundary
-        pa.field("self_ns", pa.int64()),  # work before entering the gradient collective(s)
-        # phase durations (see PHASES)
-        pa.field("data_ns", pa.int64()),
-        pa.field("h2d_ns", pa.int64()),
-        pa.field("forward_ns", pa.int64()),
-        pa.field("backward_ns", pa.int64()),
-        pa.field("comm_wait_ns", pa.int64()),  # time inside the gradient collective(s)
-        pa.field("optimizer_ns", pa.int64()),
-        pa.field("other_ns", pa.int64()),
-        # cause signals, per step (deltas over the step)
-        pa.field("gc_ns", pa.int64()),  # total GC pause time in the step
-        pa.field("gc_count", pa.int32()),  # collections in the step
-        pa.field("gc_max_gen", pa.int8()),  # highest generation collected, -1 if none
-        pa.field("major_faults", pa.int64()),
-        pa.field("invol_ctx_switches", pa.int64()),
-        pa.field("alloc_retries", pa.int64()),  # CUDA allocator num_alloc_retries delta
-        pa.field("device_allocs", pa.int64()),  # CUDA allocator num_device_alloc delta
-        pa.field("sync_all_streams", pa.int64()),  # CUDA allocator num_sync_all_streams delta
-        pa.field("host_syncs", pa.int64()),
-        pa.field("launch_ns", pa.int64()),  # launch-latency probe, only on probe steps
-        # in-band exchange: the minimum wait over all ranks in the previous step's collective,
-        # as seen by this rank; lets a single rank's file name the culprit of a step.
-        pa.field("min_wait_rank", pa.int32()),
-        # pacing state (hyperacc.pacing)
-        pa.field("pace_on", pa.bool_()),
-        pa.field("pace_delay_ns", pa.int64()),
-        pa.field("spread_ns", pa.int64()),
-        # -- added in schema 2 (readers treat a column a segment lacks as not measured)
-        # CPU time (user + system) of the training thread over the step: a rank that computes more
-        # spends more CPU; one that was preempted or blocked spends more wall time, not more CPU.
-        pa.field("cpu_ns", pa.int64()),
-        # Device clock (CUDA events on the step's stream); null where not measured on the device.
-        pa.field("dev_step_ns", pa.int64()),
-        pa.field("dev_self_ns", pa.int64()),
-        pa.field("dev_comm_wait_ns", pa.int64()),
-        pa.field("dev_forward_ns", pa.int64()),
-        pa.field("dev_backward_ns", pa.int64()),
-        pa.field("micro_steps", pa.int32()),  # backward passes in the step (gradient accumulation)
-        pa.field("collectives", pa.int32()),  # collective calls (and DDP bucket rounds) timed in the step
-        pa.field("data_gap", pa.bool_()),  # data_ns is the input gap: no DataLoader fetch was seen
-    ]
+_STEP_FIELDS: tuple[tuple[str, str, bool], ...] = (
+    ("rank", "int32", False),
+    ("node", "int32", False),  # torchrun GROUP_RANK
+    ("step", "int64", False),
+    ("t_start_ns", "int64", True),  # wall clock (time.time_ns) at step start
+    ("step_ns", "int64", True),  # whole step, boundary to boundary
+    ("self_ns", "int64", True),  # work before entering the gradient collective(s)
+    # phase durations (see PHASES)
+    ("data_ns", "int64", True),
+    ("h2d_ns", "int64", True),
+    ("forward_ns", "int64", True),
+    ("backward_ns", "int64", True),
+    ("comm_wait_ns", "int64", True),  # time inside the gradient collective(s)
+    ("optimizer_ns", "int64", True),
+    ("other_ns", "int64", True),
+    # cause signals, per step (deltas over the step)
+    ("gc_ns", "int64", True),  # total GC pause time in the step
+    ("gc_count", "int32", True),  # collections in the step
+    ("gc_max_gen", "int8", True),  # highest generation collected, -1 if none
+    ("major_faults", "int64", True),
+    ("invol_ctx_switches", "int64", True),
+    ("alloc_retries", "int64", True),  # CUDA allocator num_alloc_retries delta
+    ("device_allocs", "int64", True),  # CUDA allocator num_device_alloc delta
+    ("sync_all_streams", "int64", True),  # CUDA allocator num_sync_all_streams delta
+    ("host_syncs", "int64", True),
+    ("launch_ns", "int64", True),  # launch-latency probe, only on probe steps
+    # in-band exchange: the minimum wait over all ranks in the previous step's collective,
+    # as seen by this rank; lets a single rank's file name the culprit of a step.
+    ("min_wait_rank", "int32", True),
+    # pacing state (hyperacc.pacing)
+    ("pace_on", "bool_", True),
+    ("pace_delay_ns", "int64", True),
+    ("spread_ns", "int64", True),
+    # -- added in schema 2 (readers treat a column a segment lacks as not measured)
+    # CPU time (user + system) of the training thread over the step: a rank that computes more
+    # spends more CPU; one that was preempted or blocked spends more wall time, not more CPU.
+    ("cpu_ns", "int64", True),
+    # Device clock (CUDA events on the step's stream); null where not measured on the device.
+    ("dev_step_ns", "int64", True),
+    ("dev_self_ns", "int64", True),
+    ("dev_comm_wait_ns", "int64", True),
+    ("dev_forward_ns", "int64", True),
+    ("dev_backward_ns", "int64", True),
+    ("micro_steps", "int32", True),  # backward passes in the step (gradient accumulation)
+    ("collectives", "int32", True),  # collective calls (and DDP bucket rounds) timed in the step
+    ("data_gap", "bool_", True),  # data_ns is the input gap: no DataLoader fetch was seen
 )
 
-STEP_COLUMNS: tuple[str, ...] = tuple(STEP_SCHEMA.names)
+STEP_COLUMNS: tuple[str, ...] = tuple(f[0] for f in _STEP_FIELDS)
+# Columns the analysis reads (a subset of STEP_SCHEMA).
+ANALYSIS_COLUMNS: tuple[str, ...] = (
+    "rank", "node", "step", "step_ns", "self_ns",
+    "data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns", "other_ns",
+    "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
+    "pace_delay_ns", "cpu_ns", "dev_step_ns", "dev_self_ns", "dev_comm_wait_ns", "dev_forward_ns",
+    "dev_backward_ns", "data_gap",
+)  # fmt: skip
 
-EVENT_SCHEMA = pa.schema(
-    [
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("step", pa.int64()),
-        pa.field("t_ns", pa.int64()),  # wall clock
-        pa.field("kind", pa.string(), nullable=False),  # e.g. gc_collect, malloc_trim, pace_on, spike
-        pa.field("duration_ns", pa.int64()),
-        pa.field("value", pa.float64()),
-        pa.field("detail", pa.string()),
-    ]
+# Columns where -1 is a value, not "not measured" (``gc_max_gen``: no collection in the step).
+NEG_ONE_IS_VALUE = frozenset({"gc_max_gen"})
+
+_EVENT_FIELDS: tuple[tuple[str, str, bool], ...] = (
+    ("rank", "int32", False),
+    ("step", "int64", True),
+    ("t_ns", "int64", True),  # wall clock
+    ("kind", "string", False),  # e.g. gc_collect, malloc_trim, pace_on, spike
+    ("duration_ns", "int64", True),
+    ("value", "float64", True),
+    ("detail", "string", True),
 )
 
 # Resources of one rank, sampled off the training thread (about once a second): what the process holds
 # and uses, for memory creep and imbalance across ranks.
-RESOURCE_SCHEMA = pa.schema(
-    [
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("node", pa.int32(), nullable=False),
-        pa.field("t_ns", pa.int64(), nullable=False),  # wall clock of the sample
-        pa.field("step", pa.int64()),  # the step in progress (or the next one) when sampled
-        pa.field("rss_bytes", pa.int64()),  # resident set size of the process
-        pa.field("cpu_ns", pa.int64()),  # process CPU time (user + system, all threads), cumulative
-        pa.field("cuda_allocated_bytes", pa.int64()),  # torch.cuda.memory_allocated
-        pa.field("cuda_reserved_bytes", pa.int64()),  # torch.cuda.memory_reserved
-        pa.field("cuda_peak_bytes", pa.int64()),  # torch.cuda.max_memory_allocated since the start
-    ]
+_RESOURCE_FIELDS: tuple[tuple[str, str, bool], ...] = (
+    ("rank", "int32", False),
+    ("node", "int32", False),
+    ("t_ns", "int64", False),  # wall clock of the sample
+    ("step", "int64", True),  # the step in progress (or the next one) when sampled
+    ("rss_bytes", "int64", True),  # resident set size of the process
+    ("cpu_ns", "int64", True),  # process CPU time (user + system, all threads), cumulative
+    ("cuda_allocated_bytes", "int64", True),  # torch.cuda.memory_allocated
+    ("cuda_reserved_bytes", "int64", True),  # torch.cuda.memory_reserved
+    ("cuda_peak_bytes", "int64", True),  # torch.cuda.max_memory_allocated since the start
 )
 
 # Per-window, per-rank summary that travels to the analyzer while training runs.
-WINDOW_SCHEMA = pa.schema(
-    [
-        pa.field("rank", pa.int32(), nullable=False),
-        pa.field("node", pa.int32(), nullable=False),
-        pa.field("window", pa.int64(), nullable=False),
-        pa.field("first_step", pa.int64()),
-        pa.field("last_step", pa.int64()),
-        pa.field("steps", pa.int64()),
-        pa.field("self_ns_median", pa.float64()),
-        pa.field("data_ns_median", pa.float64()),
-        pa.field("comm_wait_ns_median", pa.float64()),
-        pa.field("launch_ns_median", pa.float64()),
-        pa.field("gc_ns_sum", pa.float64()),
-        pa.field("step_ns_median", pa.float64()),
-    ]
+_WINDOW_FIELDS: tuple[tuple[str, str, bool], ...] = (
+    ("rank", "int32", False),
+    ("node", "int32", False),
+    ("window", "int64", False),
+    ("first_step", "int64", True),
+    ("last_step", "int64", True),
+    ("steps", "int64", True),
+    ("self_ns_median", "float64", True),
+    ("data_ns_median", "float64", True),
+    ("comm_wait_ns_median", "float64", True),
+    ("launch_ns_median", "float64", True),
+    ("gc_ns_sum", "float64", True),
+    ("step_ns_median", "float64", True),
 )
 
 
@@ -176,3 +182,28 @@ def live_windows_dir(run_dir: str | os.PathLike) -> Path:
 
 def chaos_path(run_dir: str | os.PathLike, rank: int) -> Path:
     return Path(run_dir) / "chaos" / f"{rank_name(rank)}.jsonl"
+
+
+# The Arrow schemas are built on first use (PEP 562): a training rank writes plain records
+# (``hyperacc.records``) and never imports pyarrow; readers, the node agent and the analysis do.
+_FIELDS = {
+    "STEP_SCHEMA": _STEP_FIELDS,
+    "EVENT_SCHEMA": _EVENT_FIELDS,
+    "RESOURCE_SCHEMA": _RESOURCE_FIELDS,
+    "WINDOW_SCHEMA": _WINDOW_FIELDS,
+}
+
+
+def fields(name: str) -> tuple[tuple[str, str, bool], ...]:
+    """(column, Arrow type name, nullable) of one schema (``"STEP_SCHEMA"``, ...), without pyarrow."""
+    return _FIELDS[name]
+
+
+def __getattr__(name: str) -> object:
+    if name not in _FIELDS:
+        raise AttributeError(f"module 'hyperacc.schema' has no attribute {name!r}")
+    import pyarrow as pa
+
+    value = pa.schema([pa.field(n, getattr(pa, t)(), nullable=null) for n, t, null in _FIELDS[name]])
+    globals()[name] = value
+    return value

@@ -1,9 +1,11 @@
-"""Run directories on disk: Parquet segments per rank, written atomically, read tolerantly.
+"""Run directories on disk: segments per rank, written atomically, read tolerantly.
 
-Writing: each call to ``SegmentWriter.write`` produces one new segment file, written to a temporary
-name and renamed into place, so a reader never sees half a segment from a live writer and a crash
-loses at most the segment being written. A write that fails (a full disk, a read-only file system)
-removes its temporary file and raises; the tracer then switches writing off.
+Writing: each call to ``SegmentWriter.write`` (Parquet) or ``records.RecordWriter`` (a training rank's
+plain records) produces one new segment file, written to a temporary name and renamed into place, so a
+reader never sees half a segment from a live writer and a crash loses at most the segment being
+written. A write that fails (a full disk, a read-only file system) removes its temporary file and
+raises; the tracer then switches writing off. ``compact`` rolls both kinds into Parquet. Every reader
+here reads both kinds alike (a plain record segment is opened as a table of its schema).
 
 Reading (docs/reliability.md, "Run directories"): every segment is checked against its schema
 (``STEP_SCHEMA`` or ``EVENT_SCHEMA``) before any of its data is used, by column name and type:
@@ -41,6 +43,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from hyperacc import records
+from hyperacc.records import segment_range, write_meta  # noqa: F401 - part of this module's interface
+from hyperacc.records import write_atomically as _write_atomically
 from hyperacc.schema import (
     EVENT_SCHEMA,
     RESOURCE_SCHEMA,
@@ -48,16 +53,14 @@ from hyperacc.schema import (
     RankMeta,
     events_dir,
     live_windows_dir,
-    meta_path,
     resources_dir,
     steps_dir,
 )
 
 log = logging.getLogger(__name__)
 
-_SEGMENT = re.compile(r"seg-(\d+)\.parquet$")
-# A compacted segment names the range of segment numbers it replaces: seg-000001-000120.parquet.
-_RANGE = re.compile(r"^seg-(\d+)(?:-(\d+))?\.parquet$")
+# A compacted segment names the range of segment numbers it replaces: seg-000001-000120.parquet
+# (records.SEGMENT_NAME; a rank's plain records are seg-000121.rec).
 # Key-value metadata of a compacted segment: when its period opened (wall ns), and for every segment it
 # replaces "number:rows so far", so a follower that has read some of them reads only the rest.
 _OPENED = b"hyperacc.opened_ns"
@@ -101,42 +104,11 @@ class SegmentWriter:
         return final
 
 
-def write_meta(run_dir: str | os.PathLike, meta: RankMeta) -> None:
-    path = meta_path(run_dir, meta.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomically(path, lambda tmp: tmp.write_text(meta.to_json()))
-
-
-def _write_atomically(path: Path, write: Callable[[Path], Any]) -> None:
-    """``write`` a file next to ``path`` and rename it into place: a reader never sees half of it, and a
-    write that fails (a full disk, a read-only file system) leaves no half-written file behind."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        raise
-
-
 # ------------------------------------------------------------------ compaction (bounded run directories)
 
 
 class SegmentGone(Exception):
     """A listed segment was removed before it was read: a compaction replaced it. List again."""
-
-
-def segment_range(path: str | os.PathLike) -> tuple[int, int] | None:
-    """The segment numbers a segment file holds: (n, n) for ``seg-n``, (lo, hi) for a compacted
-    ``seg-lo-hi``; None for any other name."""
-    m = _RANGE.match(Path(path).name)
-    if m is None:
-        return None
-    lo = int(m.group(1))
-    return lo, int(m.group(2)) if m.group(2) is not None else lo
 
 
 def _is_compacted(path: Path) -> bool:
@@ -211,7 +183,7 @@ def compact(
     for p in covered:  # left by an interrupted compaction: their rows are in a compacted file
         p.unlink(missing_ok=True)
     try:
-        for p in directory.glob("seg-*-*.parquet.tmp"):  # only compactions write such names
+        for p in directory.glob("seg-*-*.parquet.tmp"):  # only compactions write such names (seg-lo-hi)
             p.unlink(missing_ok=True)
     except OSError:
         pass
@@ -309,7 +281,7 @@ class SegmentCursor:
                     if checked is None:
                         self.done = hi
                         continue
-                pf = pq.ParquetFile(path)
+                pf = _open_file(path)
                 skip = 0
                 if lo <= self.done:
                     parts = dict(_parse_parts((pf.schema_arrow.metadata or {}).get(_PARTS, b"")))
@@ -437,12 +409,41 @@ def _kind(schema: pa.Schema) -> str:
     return "events" if schema.equals(EVENT_SCHEMA) else "steps"
 
 
+class _RecordSegment:
+    """A plain record segment (``hyperacc.records``) behind the part of ``pq.ParquetFile``'s interface
+    the readers use: its whole table is read on opening (one flush of one rank: small)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.table: pa.Table = records.to_table(path)
+        self.schema_arrow = self.table.schema
+        self.metadata = _RecordMetadata(self.table.num_rows)
+
+    def read(self, columns: Sequence[str] | None = None, use_threads: bool = True) -> pa.Table:
+        return self.table if columns is None else self.table.select(list(columns))
+
+
+class _RecordMetadata:
+    num_row_groups = 0  # no Parquet statistics: readers that want the step range read the rows
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+
+
+def is_record_segment(path: str | os.PathLike) -> bool:
+    return str(path).endswith(records.SUFFIX)
+
+
+def _open_file(path: str | os.PathLike, **parquet: Any) -> Any:
+    """A segment opened for reading: ``pq.ParquetFile``, or a plain record segment's table."""
+    return _RecordSegment(path) if is_record_segment(path) else pq.ParquetFile(path, **parquet)
+
+
 def open_segment(path: str | os.PathLike, schema: pa.Schema) -> pq.ParquetFile | None:
     """The segment at ``path`` opened (no data read) when its columns fit ``schema``; else None,
     with one warning naming the file and why. Raises ``SegmentGone`` when the file is gone (a
     compaction replaced it since it was listed: list again)."""
     try:
-        pf = pq.ParquetFile(path, pre_buffer=False)
+        pf = _open_file(path, pre_buffer=False)
         problem = segment_problem(pf.schema_arrow, schema, REQUIRED[_kind(schema)])
     except FileNotFoundError as exc:
         raise SegmentGone(f"{path} was compacted while it was being read") from exc
@@ -533,8 +534,8 @@ def read_segment(
     0's gathered windows, whose columns grow)."""
     if schema is None:
         try:
-            table = pq.read_table(path, columns=columns, use_threads=False)
-        except (OSError, pa.ArrowException) as exc:
+            table = _open_file(path).read(columns=columns, use_threads=False)
+        except (OSError, pa.ArrowException, ValueError) as exc:
             warn_once(path, f"skipping unreadable segment {path} ({exc}); the rest of the run is analysed")
             return None
         return table

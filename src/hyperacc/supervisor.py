@@ -1,11 +1,12 @@
 """What ``hyperacc run`` does while torchrun runs: it starts torchrun as its child, shows the live view of
-the run directory, and ends with torchrun's own exit status.
+the run directory, rolls its node's record segments into Parquet (the node agent,
+``hyperacc.agent.Compactor``), and ends with torchrun's own exit status.
 
 - In a terminal (stdout is a tty, no ``--quiet``): a rich live panel refreshed every ``interval``
   seconds (``present.live_view.render``), with the job's own output printed above it line by line.
 - Not a terminal (a log, a pipe, a batch system): the job's output goes straight to the same file
   descriptors, untouched, and one line per completed window of steps (``present.live_view.line``).
-- ``--quiet``: the job's output untouched, no view.
+- ``--quiet``: the job's output untouched, no view (the agent's compaction still runs).
 
 Signals: torchrun runs in its own process group, so every signal meant for the job reaches this process
 alone and is passed on exactly once: the terminal's Ctrl-C and Ctrl-\\ (which go to the terminal's
@@ -94,6 +95,7 @@ class Supervisor:
         interval: float = 2.0,
         window: int = 50,
         out: TextIO | None = None,
+        compactor: Any = None,
     ) -> None:
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS} (got {view!r})")
@@ -104,6 +106,7 @@ class Supervisor:
         self.interval = interval
         self.window = window
         self.out = out if out is not None else sys.stdout
+        self.compactor = compactor  # agent.Compactor of this node's ranks, or None
         self.proc: subprocess.Popen[bytes] | None = None
         self._previous: dict[int, Any] = {}
         self._early: list[int] = []  # signals that came before torchrun was started
@@ -124,14 +127,28 @@ class Supervisor:
         for signum in self._early:
             self._send(signum)
         self._early.clear()
+        if self.compactor is not None:
+            self.compactor.start()
         try:
             if self.view == "panel":
                 self._panel()
             elif self.view == "lines":
                 self._lines()
-            return exit_status(self._wait())
+            status = exit_status(self._wait())
         finally:
             self._restore_signals()
+        self._final_compaction()
+        return status
+
+    def _final_compaction(self) -> None:
+        """The job has ended: roll what its ranks left into Parquet (Ctrl-C stops it; the records stay
+        readable as written)."""
+        if self.compactor is None:
+            return
+        try:
+            self.compactor.stop()
+        except KeyboardInterrupt:
+            log.warning("hyperacc run: final compaction interrupted; the records stay as written")
 
     def _wait(self) -> int:
         assert self.proc is not None

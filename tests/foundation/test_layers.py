@@ -15,7 +15,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 # the top-level part of hyperacc -> its layer; every part not named here is acting or presenting (3)
-LAYER = {"": 0, "schema": 0, "process": 0, "options": 0, "stats": 0, "theory": 0, "store": 0, "trace": 1, "analysis": 2}
+LAYER = {"": 0, "schema": 0, "records": 0, "process": 0, "options": 0, "stats": 0, "theory": 0, "store": 0, "trace": 1, "analysis": 2}
 
 
 def _modules() -> dict[str, Path]:

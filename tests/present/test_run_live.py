@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hyperacc import store
+
 pytestmark = pytest.mark.multirank
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -103,7 +105,7 @@ def served_then_stopped(tmp_path_factory) -> dict:
                 break
             time.sleep(1.0)
         while time.monotonic() < deadline and proc.poll() is None and not wrote:
-            wrote = bool(list(run_dir.glob("steps/rank-*/seg-*.parquet")))
+            wrote = any(store.segment_range(p) for p in run_dir.glob("steps/rank-*/seg-*"))
             time.sleep(0.5)
         running = proc.poll() is None
         proc.send_signal(signal.SIGTERM)

@@ -188,3 +188,12 @@ def seeded(name: str) -> random.Random:
     """A generator seeded from the test's name: random moments, the same on every run
     (``HYPERACC_FAULT_SEED`` picks other moments; bench/soak.py runs several)."""
     return random.Random(f"hyperacc-reliability-{name}-{os.environ.get('HYPERACC_FAULT_SEED', '0')}")
+
+
+def flushes(rank_dir: Path) -> int:
+    """How many segments a rank has flushed into ``rank_dir`` so far (the highest segment number on disk:
+    a compaction rolls several into one file but keeps their numbers)."""
+    from hyperacc import store
+
+    ranges = [r for p in rank_dir.glob("seg-*") if (r := store.segment_range(p)) is not None] if rank_dir.is_dir() else []
+    return max((hi for _, hi in ranges), default=0)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from reliability_runs import JOBS, JobOutcome, ddp_command, job_env, run_with_fault, seeded
+from reliability_runs import JOBS, JobOutcome, ddp_command, flushes, job_env, run_with_fault, seeded
 
 from hyperacc import harness
 from hyperacc.analysis.columns import discover, read_rank
@@ -92,7 +92,7 @@ def _scenario(fault: Fault, work: Path) -> Observed:
     on_disk: dict[int, int] = {}
 
     def traced_ready() -> bool:
-        return all(len(list(run_dir.glob(f"steps/rank-0000{r}/seg-*.parquet"))) >= segments for r in (0, 1))
+        return all(flushes(run_dir / "steps" / f"rank-0000{r}") >= segments for r in (0, 1))
 
     fired = threading.Event()
 

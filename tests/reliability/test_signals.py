@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from reliability_runs import ddp_command, job_env, rank_processes
+from reliability_runs import ddp_command, flushes, job_env, rank_processes
 
 from hyperacc.analysis.columns import discover, read_rank
 
@@ -108,7 +108,7 @@ def test_sigint_stops_a_job_in_a_terminal_as_it_stops_torchrun(tmp_path: Path, h
     traced = Terminal(ddp_command(run_dir, STEPS, nproc=1, trace=TRACE), env)
     plain = Terminal(ddp_command(None, STEPS, nproc=1), env)
     try:
-        _started(traced, lambda: len(list(run_dir.glob("steps/rank-00000/seg-*.parquet"))) >= 2)
+        _started(traced, lambda: flushes(run_dir / "steps" / "rank-00000") >= 2)
         _started(plain, lambda: True)
         time.sleep(1.0)
         for term in (traced, plain):

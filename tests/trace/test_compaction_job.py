@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from hyperacc import store
+from hyperacc import records, store
 from hyperacc.analysis.columns import discover, read_rank
 
 pytestmark = pytest.mark.multirank  # real torchrun jobs
@@ -77,6 +78,9 @@ def _largest_flush(run_dir: Path, rank: int) -> int:
     for path in _files(run_dir, "steps", rank):
         if store.segment_range(path) is None:
             continue
+        if store.is_record_segment(path):  # a flush not compacted yet
+            largest = max(largest, records.read_header(path)["rows"])
+            continue
         raw = (pq.read_schema(path).metadata or {}).get(b"hyperacc.parts", b"")
         ends = [int(item.split(b":")[1]) for item in raw.split(b",") if item]
         if ends:
@@ -125,3 +129,31 @@ def _rank_pid(launcher: int, rank: int) -> int:
         except psutil.Error:
             continue
     raise AssertionError(f"no process of rank {rank}")
+
+
+AGENT_JOB = Path(__file__).resolve().parent / "jobs" / "agent_loop.py"
+
+
+def test_under_hyperacc_run_the_agent_compacts_and_the_ranks_never_load_pyarrow(tmp_path: Path) -> None:
+    """``hyperacc run --quiet``: the ranks write plain records and leave compaction to the node agent
+    (``hyperacc.agent``), which rolls everything into Parquet once the job has ended."""
+    run_dir = tmp_path / "run"
+    trace = json.dumps({"flush_every_s": 0.05, "compact_every": EVERY, "window": 0, "resources_every_s": 0.2})
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    result = subprocess.run([sys.executable, "-m", "hyperacc", "run", "--quiet", "--nproc-per-node", "2",
+                             "--run-dir", str(run_dir), "--trace", trace, "--", str(AGENT_JOB), "6"],
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    ends = re.findall(r"rank (\d) steps (\d+) pyarrow (\w+)", out)
+    assert sorted(int(w[0]) for w in ends) == [0, 1], out[-3000:]
+    assert all(w[2] == "False" for w in ends), ends  # no pyarrow in a training rank
+    steps = int(ends[0][1])
+    for rank in (0, 1):
+        files = _files(run_dir, "steps", rank)
+        assert files and all(p.suffix == ".parquet" for p in files), files  # every record rolled into Parquet
+        assert len(files) <= 2 and max(store.segment_range(p)[1] for p in files) >= 3 * EVERY, files  # type: ignore[index]
+        for kind in ("events", "resources"):
+            assert all(p.suffix == ".parquet" for p in _files(run_dir, kind, rank)), _files(run_dir, kind, rank)
+        got = _steps(run_dir, rank)
+        assert got.size >= steps - 1 and got.tolist() == list(range(int(got[0]), int(got[0]) + got.size))

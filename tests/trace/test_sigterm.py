@@ -63,7 +63,7 @@ def test_sigterm_flushes_then_chains(tmp_path: Path, handler: str) -> None:
 
 CLOSING = """
 import os, signal, sys
-from hyperacc import store
+from hyperacc import records
 from hyperacc.trace import Tracer
 
 run_dir, where = sys.argv[1], sys.argv[2]
@@ -71,12 +71,12 @@ tracer = Tracer(run_dir, rank=0, flush_every_s=3600, window=0, probe_every=0)
 for _ in range(3000):
     with tracer.step():
         pass
-write = store.SegmentWriter.write
-def write_after_sigterm(self, table):
+write = records.RecordWriter.write_int64
+def write_after_sigterm(self, rows):
     # SIGTERM arrives while close() is flushing: before this segment reaches the disk
     os.kill(os.getpid(), signal.SIGTERM)
-    return write(self, table)
-store.SegmentWriter.write = write_after_sigterm
+    return write(self, rows)
+records.RecordWriter.write_int64 = write_after_sigterm
 if where == "close":
     tracer.close()
 else:  # interpreter exit: atexit runs close()

@@ -131,7 +131,7 @@ def test_disk_failure_switches_writing_off_and_training_goes_on(
         pass
     tracer.flush()
     seg_dir = tmp_path / "run" / "steps" / "rank-00000"
-    assert len(list(seg_dir.glob("seg-*.parquet"))) == 1
+    assert len(list(seg_dir.glob("seg-*.rec"))) == 1
     # the segment directory disappears and a file takes its place: every later write fails
     shutil.rmtree(seg_dir)
     seg_dir.write_text("not a directory")
@@ -170,7 +170,7 @@ def test_truncated_segment_is_skipped_with_a_warning(
                 pass
         tracer.flush()
     tracer.close()
-    first, second = sorted((tmp_path / "run" / "steps" / "rank-00000").glob("seg-*.parquet"))
+    first, second = sorted((tmp_path / "run" / "steps" / "rank-00000").glob("seg-*.rec"))
     first.write_bytes(first.read_bytes()[: first.stat().st_size // 2])  # as a SIGKILL mid-write would
     with caplog.at_level(logging.WARNING):
         table = store.read_steps(tmp_path / "run")

@@ -29,23 +29,13 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from hyperacc import store
-from hyperacc.schema import STEP_SCHEMA, RankMeta
+from hyperacc.schema import ANALYSIS_COLUMNS, STEP_SCHEMA, RankMeta
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 _IDENTITY = ("rank", "node", "step")
-
-# Columns the analysis reads (a subset of STEP_SCHEMA).
-ANALYSIS_COLUMNS: tuple[str, ...] = (
-    "rank", "node", "step", "step_ns", "self_ns",
-    "data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns", "other_ns",
-    "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
-    "pace_delay_ns", "cpu_ns", "dev_step_ns", "dev_self_ns", "dev_comm_wait_ns", "dev_forward_ns",
-    "dev_backward_ns", "data_gap",
-)  # fmt: skip
-
 
 @dataclasses.dataclass
 class RankSource:
@@ -267,8 +257,8 @@ def _read_fast(paths: Sequence[Path], columns: Sequence[str]) -> list[pa.Table] 
     writes (its schema is ``STEP_SCHEMA``), its identity columns hold no null and its steps lie within
     +-2**53, and the steps come out in order; otherwise None, and ``read_rank`` reads file by file
     with the checks and warnings of ``store.open_segment``, giving the same rows."""
-    if len(paths) < FAST_MIN_SEGMENTS:
-        return None
+    if len(paths) < FAST_MIN_SEGMENTS or any(store.is_record_segment(p) for p in paths):
+        return None  # plain record segments (not yet compacted) are read file by file
     want = list(dict.fromkeys([*_IDENTITY, *columns]))
     try:
         frags = [_FORMAT.make_fragment(str(p), _LOCAL) for p in paths]

@@ -27,12 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from hyperacc import process
-from hyperacc.analysis.columns import ANALYSIS_COLUMNS
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.windows import WindowStream, rows_table
+from hyperacc.schema import ANALYSIS_COLUMNS, STEP_COLUMNS
 from hyperacc.trace.failsafe import switch_off
 
 log = logging.getLogger("hyperacc.live")
@@ -61,7 +60,25 @@ def _prefix() -> str:
     return f"hyperacc/windows/{here.run_id}/{here.restart_count}/"
 
 
-def step_columns(table: pa.Table, rank: int, node: int) -> dict[str, np.ndarray]:
+_ROW_INDEX = {name: STEP_COLUMNS.index(name) for name in ANALYSIS_COLUMNS}
+
+
+def row_columns(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Step records as the tracer writes them (int64 rows, -1: not measured) -> the columns
+    ``WindowStream`` takes; numpy only, so a rank summarising its windows never loads pyarrow."""
+    cols: dict[str, np.ndarray] = {}
+    for name, j in _ROW_INDEX.items():
+        col = rows[:, j]
+        if name in ("rank", "node", "step"):
+            cols[name] = col.astype(np.int64)
+        elif name == "data_gap":
+            cols[name] = np.where(col < 0, np.nan, (col > 0).astype(np.float64))
+        else:
+            cols[name] = np.where(col == -1, np.nan, col.astype(np.float64))
+    return cols
+
+
+def step_columns(table: Any, rank: int, node: int) -> dict[str, np.ndarray]:
     """New step records as the columns ``WindowStream`` takes (float64, NaN where not measured)."""
     n = table.num_rows
     names = set(table.column_names)
@@ -74,6 +91,8 @@ def step_columns(table: pa.Table, rank: int, node: int) -> dict[str, np.ndarray]
         if name in cols:
             continue
         if name in names:
+            import pyarrow as pa
+
             cols[name] = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
         else:
             cols[name] = np.full(n, np.nan)
@@ -136,7 +155,7 @@ class WindowAggregator:
         # rank 0 keeps every rank's summaries under RUN_DIR/live/windows (what `watch` and the live view
         # read first), written every few seconds from this thread
         self.run_dir = run_dir
-        self._gathered: list[pa.Table] = []
+        self._gathered: list[Any] = []  # pyarrow tables (rank 0 only)
         self._gathered_at = time.monotonic()
         self._writer: Any = None
         # (every, period_s, min_rows) of store.compact, the tracer's compaction settings: one gathered
@@ -150,11 +169,18 @@ class WindowAggregator:
 
     # ------------------------------------------------------------------ input (tracer's flusher thread)
 
-    def on_steps(self, table: pa.Table) -> None:
-        """Sink for new step records: completed windows go to the outbox."""
-        if not self._on or table.num_rows == 0:
-            return
-        rows = self._stream.add(step_columns(table, self.rank, self.node))
+    def on_steps(self, table: Any) -> None:
+        """Sink for a ``pyarrow.Table`` of new step records: completed windows go to the outbox."""
+        if self._on and table.num_rows:
+            self._add(step_columns(table, self.rank, self.node))
+
+    def on_rows(self, rows: np.ndarray) -> None:
+        """Sink for new step records as the tracer writes them (``Tracer.add_row_sink``)."""
+        if self._on and len(rows):
+            self._add(row_columns(rows))
+
+    def _add(self, columns: dict[str, np.ndarray]) -> None:
+        rows = self._stream.add(columns)
         if rows:
             self._outbox.extend(rows)
             self._wake.set()
@@ -276,6 +302,8 @@ class WindowAggregator:
         try:
             if self._writer is None:
                 self._writer = store.live_windows_writer(self.run_dir)
+            import pyarrow as pa
+
             self._writer.write(pa.concat_tables(tables, promote_options="permissive"))
         except Exception as exc:  # noqa: BLE001 - the live file is a convenience; training never waits
             self.run_dir = None

@@ -16,12 +16,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.robust import nan_median
 from hyperacc.analysis.spikes import RankSpikes, busy_ns, judge_spikes
-from hyperacc.schema import WINDOW_SCHEMA
+from hyperacc.schema import fields
 
 # Causes a rank's own spikes can have (``communication`` belongs to the cluster, not to a rank).
 RANK_CAUSES: tuple[str, ...] = tuple(c for c in CAUSES if c != "communication")
@@ -65,7 +64,7 @@ _MEDIANS: dict[str, str] = {
     "step_ns_median": "step_ns",
     **_EXTRA_MEDIANS,
 }
-SUMMARY_COLUMNS: tuple[str, ...] = (*WINDOW_SCHEMA.names, *EXTRA_WINDOW_COLUMNS)
+SUMMARY_COLUMNS: tuple[str, ...] = (*(f[0] for f in fields("WINDOW_SCHEMA")), *EXTRA_WINDOW_COLUMNS)
 
 
 def summarize_windows(
@@ -272,12 +271,15 @@ def window_rows(summary: Mapping[str, np.ndarray]) -> list[dict[str, Any]]:
     return rows
 
 
-def rows_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+def rows_table(rows: Sequence[Mapping[str, Any]]) -> Any:
     """Window rows (``window_rows``, or the same dicts after a JSON round trip) of any ranks -> a table
     in WINDOW_SCHEMA with the extra columns the rows carry, as ``LiveDetector.update`` takes it."""
     present = {k for r in rows for k in r}
-    fields = list(WINDOW_SCHEMA) + [pa.field(n, pa.float64()) for n in EXTRA_WINDOW_COLUMNS if n in present]
-    schema = pa.schema(fields)
+    import pyarrow as pa  # the gathering side only: a rank summarising its own windows never needs it
+
+    from hyperacc.schema import WINDOW_SCHEMA
+
+    schema = pa.schema(list(WINDOW_SCHEMA) + [pa.field(n, pa.float64()) for n in EXTRA_WINDOW_COLUMNS if n in present])
     ordered = sorted(rows, key=lambda r: (r["window"], r["rank"]))
     return pa.Table.from_pylist([{f.name: r.get(f.name) for f in schema} for r in ordered], schema=schema)
 
@@ -288,10 +290,13 @@ def concat_windows(parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarra
     return {n: np.concatenate([p[n] for p in parts]) for n in SUMMARY_COLUMNS if all(n in p for p in parts)}
 
 
-def window_table(columns: Mapping[str, np.ndarray]) -> pa.Table:
+def window_table(columns: Mapping[str, np.ndarray]) -> Any:
     """A WINDOW_SCHEMA table (extra columns kept after the schema's own) from summary columns."""
-    fields = list(WINDOW_SCHEMA) + [pa.field(n, pa.float64()) for n in EXTRA_WINDOW_COLUMNS if n in columns]
-    schema = pa.schema(fields)
+    import pyarrow as pa
+
+    from hyperacc.schema import WINDOW_SCHEMA
+
+    schema = pa.schema(list(WINDOW_SCHEMA) + [pa.field(n, pa.float64()) for n in EXTRA_WINDOW_COLUMNS if n in columns])
     return pa.table(
         {f.name: pa.array(columns[f.name], type=f.type, from_pandas=True) for f in schema}, schema=schema
     )

@@ -4,8 +4,9 @@
 
 becomes ``python -m torch.distributed.run --nproc-per-node 4 -m hyperacc.bootstrap train.py --epochs 3``
 with ``HYPERACC_RUN_DIR`` (and ``HYPERACC_TRACE`` / ``HYPERACC_CHAOS`` / ``HYPERACC_STABILIZE`` when
-given) in the environment; the process is replaced by torchrun (``exec``), so signals and the exit
-status are torchrun's own.
+given) in the environment. torchrun runs as this process's child (``hyperacc.supervisor``), which
+passes every signal on once and ends with torchrun's exit status; meanwhile this process is the node
+agent: the live view, and the compaction of its ranks' records (``hyperacc.agent``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from pathlib import Path
 
 import click
 
+from hyperacc.agent import Compactor
 from hyperacc.commands.params import OneLineCommand, OutputDir
 from hyperacc.supervisor import METRICS_ENV, Supervisor, choose_view
+from hyperacc.trace.options import ENV_NODE_AGENT
 
 # torchrun options offered directly (name, takes a value); anything else: --torchrun-arg.
 TORCHRUN_VALUE_OPTIONS = (
@@ -249,7 +252,7 @@ def build_command(
 )
 @click.option("--overwrite", is_flag=True,
               help="--run-dir holds another run's records: remove them first (otherwise the run is refused).")  # fmt: skip
-@click.option("--quiet", is_flag=True, help="No live view: torchrun runs in this process, its output untouched.")
+@click.option("--quiet", is_flag=True, help="No live view; the job's output untouched.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
               help="Serve Prometheus metrics of every rank from rank 0 on this port (docs/presentation.md).")  # fmt: skip
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
@@ -372,12 +375,12 @@ def command(
     sys.stdout.flush()
     sys.stderr.flush()
     view = choose_view(quiet)
-    if view == "off":
-        os.execvpe(cmd[0], cmd, env)  # the job alone, exactly as torchrun started by hand
+    env[ENV_NODE_AGENT] = "1"  # this process rolls the ranks' record segments into Parquet (hyperacc.agent)
     if view == "panel":
         env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks' output reaches the terminal as it is written
     window = _live_window(trace_json)
-    sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window).run())
+    compactor = Compactor.from_trace_json(run_dir, trace_json)
+    sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window, compactor=compactor).run())
 
 
 # Reusing a run directory (docs/reliability.md, "Run directories"): a second job's rows would be mixed

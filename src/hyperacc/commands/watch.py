@@ -104,7 +104,9 @@ def _print(snap: Snapshot, *, live: bool, once: bool, as_json: bool) -> None:
 def _not_one_job(dirs: list[Path]) -> str | None:
     """Why the run directories are not of one job (``analysis.columns.merge_layouts``), or None. Directories
     that hold no records yet (a job starting) are not judged."""
-    started = [d for d in dirs if any(d.glob("steps/rank-*/seg-*.parquet"))]
+    from hyperacc.records import segment_range
+
+    started = [d for d in dirs if any(segment_range(p) for p in d.glob("steps/rank-*/seg-*"))]
     if len(started) < 2:
         return None
     from hyperacc.analysis.columns import discover

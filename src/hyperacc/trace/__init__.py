@@ -55,13 +55,29 @@ allocation, no lock on the hot path").
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hyperacc.trace.auto import AutoTrace
-from hyperacc.trace.inband import InBand
 from hyperacc.trace.options import ENV_OPTIONS, ENV_RUN_DIR, TraceConfigError, TraceOptions
-from hyperacc.trace.tracer import Tracer, current
+
+if TYPE_CHECKING:
+    from hyperacc.trace.auto import AutoTrace
+    from hyperacc.trace.inband import InBand
+    from hyperacc.trace.tracer import Tracer, current
+
+# Imported on first use (PEP 562): the options alone do not load torch, so ``hyperacc run`` (the node
+# agent) checks --trace without importing it.
+_LAZY = {"AutoTrace": "hyperacc.trace.auto", "InBand": "hyperacc.trace.inband",
+         "Tracer": "hyperacc.trace.tracer", "current": "hyperacc.trace.tracer"}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hyperacc.trace' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "AutoTrace",
@@ -80,6 +96,8 @@ def trace_from_env(**overrides: Any) -> Tracer | None:
     run_dir = os.environ.get(ENV_RUN_DIR, "").strip()
     if not run_dir:
         return None
+    from hyperacc.trace.tracer import Tracer
+
     options = TraceOptions.from_json(os.environ.get(ENV_OPTIONS))
     return Tracer(run_dir, options=options, **overrides)
 
@@ -91,6 +109,7 @@ def install_auto(run_dir: str | os.PathLike | None = None, **options: Any) -> Au
     keywords. A second call returns the installation already in place.
     """
     from hyperacc.trace import auto
+    from hyperacc.trace.tracer import Tracer
 
     existing = auto.installed()
     if existing is not None:

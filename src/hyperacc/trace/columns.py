@@ -12,7 +12,6 @@ COL: dict[str, int] = {name: i for i, name in enumerate(STEP_COLUMNS)}
 NCOLS = len(STEP_COLUMNS)
 PHASE_COL: dict[str, int] = {p: COL[f"{p}_ns"] for p in PHASES if p != "other"}
 MEASURED_PHASES: tuple[int, ...] = tuple(PHASE_COL.values())  # "other" is the rest of the step
-NEG_ONE_IS_VALUE = frozenset({"gc_max_gen"})
 
 RANK, NODE, STEP, T_START = COL["rank"], COL["node"], COL["step"], COL["t_start_ns"]
 STEP_NS, SELF_NS, OTHER_NS = COL["step_ns"], COL["self_ns"], COL["other_ns"]

@@ -12,6 +12,9 @@ from typing import Any
 from hyperacc.options import OptionsError, check, check_fields, load, parse_json
 
 ENV_OPTIONS = "HYPERACC_TRACE"
+# Set by ``hyperacc run`` for its ranks: the node agent (that process, ``hyperacc.agent``) rolls the
+# ranks' record segments into Parquet, so a rank never loads pyarrow for it.
+ENV_NODE_AGENT = "HYPERACC_NODE_AGENT"
 ENV_RUN_DIR = "HYPERACC_RUN_DIR"
 SECTION = "trace"
 

@@ -9,9 +9,7 @@ import time
 from collections import deque
 from typing import Any
 
-import pyarrow as pa
-
-from hyperacc.schema import RESOURCE_SCHEMA
+import numpy as np
 
 
 class ResourceSampler:
@@ -49,31 +47,13 @@ class ResourceSampler:
         cpu_ns = int((cpu.user + cpu.system) * 1e9)
         self._rows.append((time.time_ns(), step, rss, cpu_ns, allocated, reserved, peak))
 
-    def take(self) -> pa.Table | None:
-        """The samples taken since the last call, as a RESOURCE_SCHEMA table (None when there are none)."""
+    def take(self) -> np.ndarray | None:
+        """The samples taken since the last call as RESOURCE_SCHEMA int64 rows (-1: not measured), or
+        None when there are none."""
         rows = self._rows
         if not rows:
             return None
         batch = []
         while rows:
-            batch.append(rows.popleft())
-        cols = list(zip(*batch, strict=True))
-        n = len(batch)
-
-        def opt(values: tuple[int, ...]) -> pa.Array:
-            return pa.array([v if v >= 0 else None for v in values], pa.int64())
-
-        return pa.table(
-            {
-                "rank": pa.array([self.rank] * n, pa.int32()),
-                "node": pa.array([self.node] * n, pa.int32()),
-                "t_ns": pa.array(cols[0], pa.int64()),
-                "step": pa.array(cols[1], pa.int64()),
-                "rss_bytes": pa.array(cols[2], pa.int64()),
-                "cpu_ns": pa.array(cols[3], pa.int64()),
-                "cuda_allocated_bytes": opt(cols[4]),
-                "cuda_reserved_bytes": opt(cols[5]),
-                "cuda_peak_bytes": opt(cols[6]),
-            },
-            schema=RESOURCE_SCHEMA,
-        )
+            batch.append((self.rank, self.node) + rows.popleft())
+        return np.array(batch, dtype=np.int64)

@@ -13,10 +13,8 @@ import time
 from time import perf_counter_ns
 
 import numpy as np
-import pyarrow as pa
 
-from hyperacc.schema import STEP_SCHEMA
-from hyperacc.trace.columns import MEASURED_PHASES, NCOLS, NEG_ONE_IS_VALUE, OTHER_NS, STEP_NS, T_START
+from hyperacc.trace.columns import MEASURED_PHASES, NCOLS, NODE, OTHER_NS, RANK, STEP_NS, T_START
 
 
 class StepRing:
@@ -55,27 +53,16 @@ class StepRing:
         return rows
 
 
-def rows_to_table(rows: np.ndarray, rank: int, node: int) -> pa.Table:
-    """Committed int64 rows -> a STEP_SCHEMA table (derives ``other_ns``; -1 becomes null)."""
-    n = len(rows)
-    # t_start: perf_counter_ns while recording (one clock read per step), wall clock on disk
+def finish_rows(rows: np.ndarray, rank: int, node: int) -> np.ndarray:
+    """Committed int64 rows as written to disk (in place): the rank and node, ``t_start_ns`` on the wall
+    clock (perf_counter_ns while recording, one clock read per step) and ``other_ns``, the rest of the
+    step. -1 stays "not measured" (``records.to_table`` makes it null)."""
+    rows[:, RANK] = rank
+    rows[:, NODE] = node
     started = rows[:, T_START] >= 0
     rows[:, T_START] = np.where(started, rows[:, T_START] + (time.time_ns() - perf_counter_ns()), -1)
     step_ns = rows[:, STEP_NS]
     phases = rows[:, list(MEASURED_PHASES)]
     measured = np.where(phases > 0, phases, 0).sum(axis=1)
     rows[:, OTHER_NS] = np.where(step_ns >= 0, np.maximum(step_ns - measured, 0), -1)
-    arrays = []
-    for j, field in enumerate(STEP_SCHEMA):
-        if field.name == "rank":
-            arrays.append(pa.array(np.full(n, rank, np.int32)))
-        elif field.name == "node":
-            arrays.append(pa.array(np.full(n, node, np.int32)))
-        else:
-            col = rows[:, j]
-            mask = None if field.name in NEG_ONE_IS_VALUE or not field.nullable else col == -1
-            if mask is not None and not mask.any():
-                mask = None
-            values = col.astype(field.type.to_pandas_dtype()) if field.type != pa.bool_() else col > 0
-            arrays.append(pa.array(values, type=field.type, mask=mask))
-    return pa.Table.from_arrays(arrays, schema=STEP_SCHEMA)
+    return rows

@@ -6,8 +6,9 @@ Recording (the training thread) fills one preallocated int64 row per step: the s
 exposed waits, the cause signals (``signals.StepSignals``) add their deltas, and on CUDA the device
 timer (``device.DeviceTimer``) adds the device-clock columns once they can be read without waiting.
 The finished row is committed to a ring (``ring.StepRing``) by advancing a counter; a background
-flusher thread copies committed rows out, converts them to STEP_SCHEMA and writes one segment through
-``hyperacc.store`` every few seconds. The training thread never waits for the flusher. docs/tracing.md
+flusher thread copies committed rows out and writes them as one plain record segment
+(``hyperacc.records``: numpy and json, no pyarrow in a training rank) every few seconds; the node agent
+(``hyperacc run``), or this rank's flusher when no agent runs, rolls them into Parquet. The training thread never waits for the flusher. docs/tracing.md
 describes what is recorded and how.
 
 Why this module is over 500 lines: it is the per-step path's one file (the row that every step fills,
@@ -33,11 +34,10 @@ from time import perf_counter_ns
 from typing import Any, TypeVar
 
 import numpy as np
-import pyarrow as pa
 import torch
 
-from hyperacc import process, store
-from hyperacc.schema import EVENT_SCHEMA, PHASES, RESOURCE_SCHEMA, STEP_SCHEMA, RankMeta
+from hyperacc import process, records
+from hyperacc.schema import PHASES, RankMeta, events_dir, resources_dir, steps_dir
 from hyperacc.trace.collectives import CollectiveClock
 from hyperacc.trace.columns import (
     DEV_COMM_WAIT_NS,
@@ -51,17 +51,18 @@ from hyperacc.trace.columns import (
 )
 from hyperacc.trace.failsafe import switch_off
 from hyperacc.trace.inband import Exchange
-from hyperacc.trace.options import TraceOptions
+from hyperacc.trace.options import ENV_NODE_AGENT, TraceOptions
 from hyperacc.trace.probe import LaunchProbe
 from hyperacc.trace.resources import ResourceSampler
-from hyperacc.trace.ring import StepRing, rows_to_table
+from hyperacc.trace.ring import StepRing, finish_rows
 from hyperacc.trace.signals import StepSignals
 from hyperacc.trace.step_clock import BACKWARD, COMM, FORWARD, KIND_BY_NAME, StepClock
 
 log = logging.getLogger("hyperacc.trace")
 
 F = TypeVar("F", bound=Callable[..., Any])
-Sink = Callable[[pa.Table], None]
+Sink = Callable[[Any], None]  # called with a pyarrow.Table of STEP_SCHEMA
+RowSink = Callable[[np.ndarray], None]  # called with int64 rows, columns as trace/columns.py
 
 _current: Tracer | None = None
 _CPU = torch.device("cpu")
@@ -213,7 +214,7 @@ class Tracer:
         self._phases = {name: _Phase(self, name, KIND_BY_NAME[name]) for name in PHASES if name != "other"}
         self._scope = _StepScope(self)
         self._events: deque[tuple[Any, ...]] = deque()
-        self._sinks: list[list[Any]] = []  # [fn, enabled]
+        self._sinks: list[list[Any]] = []  # [fn, enabled, takes rows (not a table)]
         self._write_on = True
         self._closed = False
         self._closing = False
@@ -221,10 +222,10 @@ class Tracer:
         self._events_closed = False
         self._flush_lock = threading.RLock()  # flusher vs close(); never taken by the training thread
         self._meta_backend = ""
-        self._step_writer: store.SegmentWriter | None = None
-        self._event_writer: store.SegmentWriter | None = None
-        self._resource_writer: store.SegmentWriter | None = None
-        self._compact_on = True
+        self._step_writer: records.RecordWriter | None = None
+        self._event_writer: records.RecordWriter | None = None
+        self._resource_writer: records.RecordWriter | None = None
+        self._compact_on = not os.environ.get(ENV_NODE_AGENT)  # under an agent, the agent compacts
         self._compacted: dict[int, int] = {}  # id(writer) -> its segments written at the last compaction
 
         # CUDA is picked up lazily: creating events before the script chose its device would open a
@@ -367,16 +368,22 @@ class Tracer:
         self._events.append((step, time.time_ns(), kind, duration_ns, value, detail))
 
     def add_sink(self, fn: Sink) -> None:
-        """Call ``fn(table)`` from the flusher thread with every new table of step records.
+        """Call ``fn(table)`` from the flusher thread with every new ``pyarrow.Table`` of step records
+        (STEP_SCHEMA). The first such sink makes this rank load pyarrow; ``add_row_sink`` does not.
 
         A sink that raises is switched off with one log line; the others and the tracer go on.
         """
-        self._sinks.append([fn, True])
+        self._sinks.append([fn, True, False])
+
+    def add_row_sink(self, fn: RowSink) -> None:
+        """Call ``fn(rows)`` from the flusher thread with every new block of step records as written: an
+        int64 matrix, columns as ``hyperacc.trace.columns`` (-1: not measured). Do not keep the array."""
+        self._sinks.append([fn, True, True])
 
     def attach_aggregator(self, aggregator: Any) -> None:
-        """Feed ``aggregator.on_steps`` every new table of step records and close it with the tracer."""
+        """Feed ``aggregator.on_rows`` every new block of step records and close it with the tracer."""
         self.aggregator = aggregator
-        self.add_sink(aggregator.on_steps)
+        self.add_row_sink(aggregator.on_rows)
 
     def attach_ddp(self, model: Any) -> Exchange:
         """Time this DDP model's gradient collectives (and exchange in-band when asked and agreed)."""
@@ -516,7 +523,7 @@ class Tracer:
             device=str(self._device) if self._device is not None else "cpu",
         )
         try:
-            store.write_meta(self.run_dir, meta)
+            records.write_meta(self.run_dir, meta)
         except Exception as exc:  # noqa: BLE001
             self._write_on = False
             switch_off(f"writing to {self.run_dir}", exc)
@@ -537,19 +544,21 @@ class Tracer:
                 self.compact()
 
     def compact(self, *, final: bool = False) -> None:
-        """Roll this rank's small segments into its file of the period (``store.compact``), once
-        ``compact_every`` of a kind are waiting (all of them when ``final``). Off the training thread:
-        the flusher, and ``close`` after the last step."""
+        """Roll this rank's small segments into its Parquet file of the period (``store.compact``), once
+        ``compact_every`` of a kind are waiting (all of them when ``final``). Only when no node agent
+        does it (``hyperacc run`` sets ``HYPERACC_NODE_AGENT``): this loads pyarrow in the rank. Off
+        the training thread: the flusher, and ``close`` after the last step."""
         every = self.options.compact_every
         if not every or not self._write_on or not self._compact_on:
             return
         with self._flush_lock:
-            for writer, schema in ((self._step_writer, STEP_SCHEMA), (self._event_writer, EVENT_SCHEMA),
-                                   (self._resource_writer, RESOURCE_SCHEMA)):  # fmt: skip
+            for writer in (self._step_writer, self._event_writer, self._resource_writer):
                 if writer is None or (writer.written - self._compacted.get(id(writer), 0) < every and not final):
                     continue
                 try:
-                    store.compact(writer.directory, schema, every=1 if final else every,
+                    from hyperacc import schema, store
+
+                    store.compact(writer.directory, getattr(schema, writer.schema), every=1 if final else every,
                                   period_s=self.options.compact_period_s,
                                   min_rows=self.options.compact_min_rows)  # fmt: skip
                     self._compacted[id(writer)] = writer.written
@@ -568,25 +577,35 @@ class Tracer:
                 return
             if self._write_on and not self._meta_backend and _dist_backend():
                 self._write_meta()  # the process group exists now: record its backend
-            table = self.rows_to_table(rows) if len(rows) else None
-            if table is not None and self._write_on:
-                try:
-                    if self._step_writer is None:
-                        self._step_writer = store.step_writer(self.run_dir, self.rank)
-                    self._step_writer.write(table)
-                except Exception as exc:  # noqa: BLE001
-                    self._write_on = False
-                    switch_off(f"writing step records to {self.run_dir}", exc)
-            if table is not None:
-                for sink in self._sinks:
-                    if sink[1]:
-                        try:
-                            sink[0](table)
-                        except Exception as exc:  # noqa: BLE001
-                            sink[1] = False
-                            switch_off(f"sink {getattr(sink[0], '__qualname__', sink[0])!s}", exc)
+            if len(rows):
+                finish_rows(rows, self.rank, self.node)
+                if self._write_on:
+                    try:
+                        if self._step_writer is None:
+                            self._step_writer = records.RecordWriter(steps_dir(self.run_dir, self.rank), "STEP_SCHEMA")
+                        self._step_writer.write_int64(rows)
+                    except Exception as exc:  # noqa: BLE001
+                        self._write_on = False
+                        switch_off(f"writing step records to {self.run_dir}", exc)
+                self._feed_sinks(rows)
             self._flush_events()
             self._flush_resources()
+
+    def _feed_sinks(self, rows: np.ndarray) -> None:
+        table = None
+        for sink in self._sinks:
+            if not sink[1]:
+                continue
+            try:
+                if sink[2]:
+                    sink[0](rows)
+                else:
+                    if table is None:
+                        table = records.rows_table("STEP_SCHEMA", records.columns_of("STEP_SCHEMA"), rows)
+                    sink[0](table)
+            except Exception as exc:  # noqa: BLE001
+                sink[1] = False
+                switch_off(f"sink {getattr(sink[0], '__qualname__', sink[0])!s}", exc)
 
     def _sample_resources(self) -> None:
         sampler = self.resources
@@ -603,11 +622,12 @@ class Tracer:
         if sampler is None or not self._write_on:
             return
         try:
-            table = sampler.take()
-            if table is not None:
+            rows = sampler.take()
+            if rows is not None:
                 if self._resource_writer is None:
-                    self._resource_writer = store.resource_writer(self.run_dir, self.rank)
-                self._resource_writer.write(table)
+                    self._resource_writer = records.RecordWriter(resources_dir(self.run_dir, self.rank),
+                                                                 "RESOURCE_SCHEMA")  # fmt: skip
+                self._resource_writer.write_int64(rows)
         except Exception as exc:  # noqa: BLE001
             self.resources = None
             switch_off("resource sampling", exc)
@@ -618,33 +638,18 @@ class Tracer:
             return
         batch = []
         while events:
-            batch.append(events.popleft())
+            step, t_ns, kind, duration_ns, value, detail = events.popleft()
+            batch.append((self.rank, _int(step), t_ns, str(kind), _int(duration_ns),  # EVENT_SCHEMA's order
+                          None if value is None else float(value), None if detail is None else str(detail)))  # fmt: skip
         if not self._write_on:
             return
-        cols = list(zip(*batch, strict=True))
-        table = pa.table(
-            {
-                "rank": pa.array([self.rank] * len(batch), pa.int32()),
-                "step": pa.array(cols[0], pa.int64()),
-                "t_ns": pa.array(cols[1], pa.int64()),
-                "kind": pa.array(cols[2], pa.string()),
-                "duration_ns": pa.array(cols[3], pa.int64()),
-                "value": pa.array(cols[4], pa.float64()),
-                "detail": pa.array(cols[5], pa.string()),
-            },
-            schema=EVENT_SCHEMA,
-        )
         try:
             if self._event_writer is None:
-                self._event_writer = store.event_writer(self.run_dir, self.rank)
-            self._event_writer.write(table)
+                self._event_writer = records.RecordWriter(events_dir(self.run_dir, self.rank), "EVENT_SCHEMA")
+            self._event_writer.write_json(batch)
         except Exception as exc:  # noqa: BLE001
             self._write_on = False
             switch_off(f"writing events to {self.run_dir}", exc)
-
-    def rows_to_table(self, rows: np.ndarray) -> pa.Table:
-        """Committed int64 rows -> a STEP_SCHEMA table of this rank."""
-        return rows_to_table(rows, self.rank, self.node)
 
     # ------------------------------------------------------------------ shutdown
 
@@ -708,6 +713,10 @@ class Tracer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 def _cuda_available() -> bool:

@@ -1,0 +1,138 @@
+"""Plain record segments, what a training rank writes (``hyperacc.records``): every reader reads them as
+it reads Parquet, each row once across the compaction that rolls them into Parquet, and a damaged one
+is skipped with a warning naming it while the rest of the run is read."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from hyperacc import records, store
+from hyperacc.analysis.columns import discover, read_rank
+from hyperacc.schema import EVENT_SCHEMA, RESOURCE_SCHEMA, STEP_COLUMNS, STEP_SCHEMA, steps_dir
+
+ROWS = 10
+
+
+def _rows(first: int, rank: int = 0) -> np.ndarray:
+    rows = np.full((ROWS, len(STEP_COLUMNS)), -1, dtype=np.int64)
+    col = {name: i for i, name in enumerate(STEP_COLUMNS)}
+    rows[:, col["rank"]] = rank
+    rows[:, col["node"]] = 0
+    rows[:, col["step"]] = np.arange(first, first + ROWS)
+    rows[:, col["step_ns"]] = rows[:, col["step"]] * 1000 + 7
+    rows[:, col["data_gap"]] = 1
+    rows[:, col["gc_max_gen"]] = -1  # a value: no collection
+    return rows
+
+
+def _writer(root: Path, segments: int) -> records.RecordWriter:
+    writer = records.RecordWriter(steps_dir(root, 0), "STEP_SCHEMA")
+    for i in range(segments):
+        writer.write_int64(_rows(i * ROWS))
+    return writer
+
+
+def _read_all(root: Path) -> list[int]:
+    steps = store.read_steps(root, ["step"]).column("step").to_pylist()
+    cols = read_rank(discover(root).sources[0].segments, ("step", "step_ns", "data_gap"))
+    assert cols["step"].tolist() == steps
+    assert np.array_equal(cols["step_ns"], cols["step"] * 1000 + 7.0) and np.all(cols["data_gap"] == 1.0)
+    cursor = store.SegmentCursor(steps_dir(root, 0)).read_new(["step"], schema=STEP_SCHEMA)
+    assert [s for t in cursor for s in t.column("step").to_pylist()] == steps
+    return steps
+
+
+def test_record_segments_read_as_step_records_with_the_schema_types(tmp_path: Path) -> None:
+    _writer(tmp_path, 5)
+    table = store.read_steps(tmp_path)
+    assert table.schema == STEP_SCHEMA and table.num_rows == 5 * ROWS
+    assert table.column("gc_max_gen").to_pylist()[:2] == [-1, -1]  # -1 is a value here
+    assert table.column("forward_ns").null_count == table.num_rows  # -1 elsewhere: not measured
+    assert table.column("data_gap").to_pylist()[0] is True
+    assert _read_all(tmp_path) == list(range(5 * ROWS))
+
+
+def test_compaction_rolls_record_segments_into_parquet_each_row_once(tmp_path: Path) -> None:
+    writer = _writer(tmp_path, 6)
+    out = store.compact(writer.directory, STEP_SCHEMA, every=4)
+    assert out is not None and out.name == "seg-000001-000006.parquet"
+    writer.write_int64(_rows(6 * ROWS))  # the rank goes on numbering after the compacted range
+    assert sorted(p.name for p in writer.directory.iterdir()) == ["seg-000001-000006.parquet", "seg-000007.rec"]
+    assert _read_all(tmp_path) == list(range(7 * ROWS))
+    # a follower that read the records before a compaction reads only what came after it
+    cursor = store.SegmentCursor(writer.directory)
+    assert sum(t.num_rows for t in cursor.read_new(["step"])) == 7 * ROWS
+    writer.write_int64(_rows(7 * ROWS))
+    store.compact(writer.directory, STEP_SCHEMA, every=1)
+    assert [s for t in cursor.read_new(["step"]) for s in t.column("step").to_pylist()] == list(range(70, 80))
+
+
+def test_events_and_resources_round_trip(tmp_path: Path) -> None:
+    events = records.RecordWriter(tmp_path / "events" / "rank-00002", "EVENT_SCHEMA")
+    events.write_json([[2, 5, 123, "gc_collect", 10, 1.5, None], [2, None, 124, "note", None, None, "a\nb"]])
+    resources = records.RecordWriter(tmp_path / "resources" / "rank-00002", "RESOURCE_SCHEMA")
+    resources.write_int64(np.array([[2, 0, 99, 5, 1 << 30, 10**9, -1, -1, -1]], dtype=np.int64))
+    (tmp_path / "steps").mkdir()
+    got = store.read_events(tmp_path)
+    assert got.schema == EVENT_SCHEMA
+    assert got.to_pylist()[1] == {"rank": 2, "step": None, "t_ns": 124, "kind": "note", "duration_ns": None,
+                                  "value": None, "detail": "a\nb"}  # fmt: skip
+    res = store.read_resources(tmp_path)
+    assert res.schema == RESOURCE_SCHEMA and res.column("rss_bytes").to_pylist() == [1 << 30]
+    assert res.column("cuda_peak_bytes").to_pylist() == [None]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "no header", "extra bytes", "foreign format"])
+def test_a_damaged_record_segment_is_skipped_with_a_warning_naming_it(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = _writer(tmp_path, 3)
+    bad = writer.directory / "seg-000002.rec"
+    data = bad.read_bytes()
+    bad.write_bytes({"truncated": data[: len(data) - 12], "no header": data[data.index(b"\n") + 1:],
+                     "extra bytes": data + b"\0" * 8,
+                     "foreign format": b'{"format": "other"}\n' + data[data.index(b"\n") + 1:]}[damage])  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        steps = _read_all(tmp_path)
+    assert steps == list(range(ROWS)) + list(range(2 * ROWS, 3 * ROWS))
+    assert any("seg-000002.rec" in r.message for r in caplog.records)
+    with pytest.raises(records.RecordError, match="seg-000002.rec"):
+        records.read(bad)
+
+
+def test_rows_of_the_wrong_width_are_refused_before_writing(tmp_path: Path) -> None:
+    writer = records.RecordWriter(tmp_path, "STEP_SCHEMA")
+    with pytest.raises(ValueError, match="STEP_SCHEMA rows need"):
+        writer.write_int64(np.zeros((2, 3), dtype=np.int64))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_training_rank_loads_neither_pyarrow_nor_the_analysis_stack() -> None:
+    """What ``hyperacc run`` installs in a rank imports no pyarrow, scipy, pandas or rich (docs/tracing.md,
+    "What a rank carries"); rank 0's live detector loads them when it gathers the first window."""
+    code = ("import sys, hyperacc.bootstrap, hyperacc.trace, hyperacc.analysis.live_aggregate, hyperacc.stabilize, "
+            "hyperacc.remediation.live, hyperacc.chaos, hyperacc.pacing.runtime, hyperacc.records\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'pyarrow', 'scipy', 'pandas', 'rich'}))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_table_sink_still_gets_arrow_tables(tmp_path: Path) -> None:
+    from hyperacc.trace import Tracer
+
+    got: list[pa.Table] = []
+    tracer = Tracer(tmp_path / "run", flush_every_s=60, window=0, probe_every=0, resources_every_s=0)
+    tracer.add_sink(got.append)
+    for _ in range(3):
+        with tracer.step():
+            pass
+    tracer.close()
+    assert got and got[0].schema == STEP_SCHEMA and sum(t.num_rows for t in got) == 3
