@@ -2,8 +2,8 @@
 that a training rank keeps to timing and writing its records.
 
 Today that is compaction. Each rank writes one plain record segment per flush (``hyperacc.records``,
-numpy and json: no pyarrow in the rank). A thread of ``hyperacc run`` rolls the segments of the
-ranks on its own host into Parquet, one file per rank and period (``store.compact`` with the
+numpy and json: no pyarrow in the rank), and rank 0 its gathered window summaries (``live/windows``).
+A thread of ``hyperacc run`` rolls the segments of the ranks on its own host into Parquet, one file per rank and period (``store.compact`` with the
 tracer's ``compact_every``, ``compact_period_s`` and ``compact_min_rows``), every few seconds while the
 job runs and once more, everything, when torchrun has exited. ``hyperacc run`` tells its ranks with
 ``HYPERACC_NODE_AGENT`` so that they do not compact themselves; a rank traced without ``hyperacc run``
@@ -22,7 +22,7 @@ import socket
 import threading
 from pathlib import Path
 
-from hyperacc.schema import rank_name
+from hyperacc.schema import live_windows_dir, rank_name
 
 log = logging.getLogger("hyperacc.agent")
 
@@ -85,15 +85,21 @@ class Compactor:
         from hyperacc import schema, store
 
         written = 0
+        every = 1 if final else self.every
         try:
-            for rank in sorted(self.local_ranks()):
+            local = sorted(self.local_ranks())
+            for rank in local:
                 for kind, schema_name in KINDS:
                     folder = self.run_dir / kind / rank_name(rank)
                     if not folder.is_dir():
                         continue
-                    out = store.compact(folder, getattr(schema, schema_name), every=1 if final else self.every,
+                    out = store.compact(folder, getattr(schema, schema_name), every=every,
                                         period_s=self.period_s, min_rows=self.min_rows)  # fmt: skip
                     written += out is not None
+            windows = live_windows_dir(self.run_dir)
+            if 0 in local and windows.is_dir():  # rank 0's gathered window summaries, columns as written
+                written += store.compact(windows, None, every=every, period_s=self.period_s,
+                                         min_rows=self.min_rows) is not None  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the ranks' segments stay readable as they are
             self.on = False
             log.warning("hyperacc run: compaction of %s switched off (%r); the records stay as written",

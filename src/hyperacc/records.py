@@ -85,17 +85,17 @@ class RecordWriter:
         self._next = max(existing, default=0) + 1
         self.written = 0  # segments this writer wrote (a compactor counts them)
 
-    def _header(self, rows: int, encoding: str) -> bytes:
+    def _header(self, rows: int, encoding: str, columns: Sequence[str]) -> bytes:
         head = {"format": FORMAT, "version": VERSION, "schema": self.schema, "encoding": encoding,
-                "columns": self.columns, "rows": rows}  # fmt: skip
+                "columns": list(columns), "rows": rows}  # fmt: skip
         return json.dumps(head, separators=(",", ":")).encode() + b"\n"
 
-    def _write(self, payload: Callable[[Any], None], rows: int, encoding: str) -> Path:
+    def _write(self, payload: Callable[[Any], None], rows: int, encoding: str, columns: Sequence[str]) -> Path:
         final = self.directory / f"seg-{self._next:06d}{SUFFIX}"
 
         def write(tmp: Path) -> None:
             with open(tmp, "wb") as f:
-                f.write(self._header(rows, encoding))
+                f.write(self._header(rows, encoding, columns))
                 payload(f)
 
         write_atomically(final, write)
@@ -110,14 +110,16 @@ class RecordWriter:
         if rows.ndim != 2 or rows.shape[1] != len(self.columns):
             raise ValueError(f"{self.schema} rows need {len(self.columns)} columns, got shape {rows.shape}")
         data = np.ascontiguousarray(rows, dtype=_LE_INT64)
-        return self._write(lambda f: f.write(data.tobytes()), len(rows), "int64")
+        return self._write(lambda f: f.write(data.tobytes()), len(rows), "int64", self.columns)
 
-    def write_json(self, rows: Sequence[Sequence[Any]]) -> Path | None:
-        """Rows of JSON values (None: null), one per schema field in order."""
+    def write_json(self, rows: Sequence[Sequence[Any]], columns: Sequence[str] | None = None) -> Path | None:
+        """Rows of JSON values (None: null), one per column: the schema's fields in order, or ``columns``
+        (rank 0's gathered windows, whose columns grow with the detector's; columns the schema does not
+        type are read with the types their values have)."""
         if not rows:
             return None
         text = "".join(json.dumps(list(r), separators=(",", ":")) + "\n" for r in rows).encode()
-        return self._write(lambda f: f.write(text), len(rows), "jsonl")
+        return self._write(lambda f: f.write(text), len(rows), "jsonl", self.columns if columns is None else columns)
 
 
 def read_header(path: str | os.PathLike) -> dict[str, Any]:
@@ -196,7 +198,11 @@ def rows_table(schema: str, columns: Sequence[str], rows: Any) -> Any:
     int64 = isinstance(rows, np.ndarray)
     arrays, schema = [], []
     for j, name in enumerate(columns):
-        kind, nullable = types.get(name, ("int64" if int64 else "string", True))
+        kind, nullable = types.get(name, ("int64" if int64 else "", True))
+        if not kind:  # a column no schema types: what its values are
+            arrays.append(pa.array([r[j] for r in rows]))
+            schema.append(pa.field(name, arrays[-1].type))
+            continue
         target = getattr(pa, kind)()
         schema.append(pa.field(name, target, nullable=nullable))
         if int64:

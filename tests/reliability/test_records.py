@@ -115,10 +115,11 @@ def test_rows_of_the_wrong_width_are_refused_before_writing(tmp_path: Path) -> N
 
 
 def test_a_training_rank_loads_neither_pyarrow_nor_the_analysis_stack() -> None:
-    """What ``hyperacc run`` installs in a rank imports no pyarrow, scipy, pandas or rich (docs/tracing.md,
-    "What a rank carries"); rank 0's live detector loads them when it gathers the first window."""
+    """What ``hyperacc run`` installs in a rank, rank 0's live detector included, imports no pyarrow, scipy,
+    pandas or rich (docs/tracing.md, "What a rank carries")."""
     code = ("import sys, hyperacc.bootstrap, hyperacc.trace, hyperacc.analysis.live_aggregate, hyperacc.stabilize, "
-            "hyperacc.remediation.live, hyperacc.chaos, hyperacc.pacing.runtime, hyperacc.records\n"
+            "hyperacc.remediation.live, hyperacc.chaos, hyperacc.pacing.runtime, hyperacc.records, "
+            "hyperacc.analysis.live, hyperacc.trace.tracer\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'pyarrow', 'scipy', 'pandas', 'rich'}))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -9,6 +9,7 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch.distributed as dist
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from hyperacc import store
 from hyperacc.analysis.live_aggregate import WindowAggregator, step_columns
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.windows import summarize_windows, window_rows
+from hyperacc.analysis.windows import summarize_windows, window_rows, window_table
 from hyperacc.schema import STEP_SCHEMA, WINDOW_SCHEMA
 
 
@@ -42,9 +43,9 @@ class Recorder:
     def __init__(self) -> None:
         self.tables: list[pa.Table] = []
 
-    def update(self, table: pa.Table) -> list[str]:
-        self.tables.append(table)
-        return [f"window {table['window'][0].as_py()} seen"]
+    def update(self, columns: dict[str, np.ndarray]) -> list[str]:  # numpy columns, as rank 0 hands them
+        self.tables.append(window_table(columns))
+        return [f"window {int(columns['window'][0])} seen"]
 
 
 @pytest.fixture

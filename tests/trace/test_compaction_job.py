@@ -138,7 +138,7 @@ def test_under_hyperacc_run_the_agent_compacts_and_the_ranks_never_load_pyarrow(
     """``hyperacc run --quiet``: the ranks write plain records and leave compaction to the node agent
     (``hyperacc.agent``), which rolls everything into Parquet once the job has ended."""
     run_dir = tmp_path / "run"
-    trace = json.dumps({"flush_every_s": 0.05, "compact_every": EVERY, "window": 0, "resources_every_s": 0.2})
+    trace = json.dumps({"flush_every_s": 0.05, "compact_every": EVERY, "window": 50, "resources_every_s": 0.2})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     result = subprocess.run([sys.executable, "-m", "hyperacc", "run", "--quiet", "--nproc-per-node", "2",
                              "--run-dir", str(run_dir), "--trace", trace, "--", str(AGENT_JOB), "6"],
@@ -147,7 +147,7 @@ def test_under_hyperacc_run_the_agent_compacts_and_the_ranks_never_load_pyarrow(
     assert result.returncode == 0, out[-3000:]
     ends = re.findall(r"rank (\d) steps (\d+) pyarrow (\w+)", out)
     assert sorted(int(w[0]) for w in ends) == [0, 1], out[-3000:]
-    assert all(w[2] == "False" for w in ends), ends  # no pyarrow in a training rank
+    assert all(w[2] == "False" for w in ends), ends  # no pyarrow in a training rank, rank 0 gathering included
     steps = int(ends[0][1])
     for rank in (0, 1):
         files = _files(run_dir, "steps", rank)
@@ -157,3 +157,8 @@ def test_under_hyperacc_run_the_agent_compacts_and_the_ranks_never_load_pyarrow(
             assert all(p.suffix == ".parquet" for p in _files(run_dir, kind, rank)), _files(run_dir, kind, rank)
         got = _steps(run_dir, rank)
         assert got.size >= steps - 1 and got.tolist() == list(range(int(got[0]), int(got[0]) + got.size))
+    # rank 0's gathered window summaries, rolled into Parquet by the agent too
+    windows = sorted((run_dir / "live" / "windows").iterdir())
+    assert len(windows) == 1 and windows[0].suffix == ".parquet", windows
+    gathered = store.read_live_windows(run_dir)
+    assert set(gathered.column("rank").to_pylist()) == {0, 1} and gathered.num_rows >= 2 * (steps // 50 - 2)

@@ -11,17 +11,23 @@ windows, so memory does not grow with the length of the run.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase
 from hyperacc.analysis.excess import RankExcess, excess_from_windows
 from hyperacc.analysis.options import METRIC_WORD, DetectionOptions
 from hyperacc.analysis.stragglers import Straggler, detect_stragglers
 from hyperacc.analysis.windows import EXTRA_WINDOW_COLUMNS, RANK_CAUSES
-from hyperacc.schema import WINDOW_SCHEMA
+from hyperacc.schema import fields
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+_WINDOW_NAMES = tuple(f[0] for f in fields("WINDOW_SCHEMA"))
 
 _REQUIRED = ("rank", "node", "window", "first_step", "last_step", "steps")
 
@@ -56,7 +62,9 @@ class LiveDetector:
         """The recent windows judged (at most ``keep_windows``), as columns; a copy."""
         return {k: v.copy() for k, v in self._history.items()}
 
-    def update(self, window_table: pa.Table) -> list[str]:
+    def update(self, window_table: pa.Table | Mapping[str, np.ndarray]) -> list[str]:
+        """Judge the newest windows: a WINDOW_SCHEMA table, or the same as numpy columns
+        (``windows.rows_columns``: what rank 0's aggregation passes, without loading pyarrow)."""
         cols = _to_columns(window_table)
         if cols["rank"].size == 0:
             return []
@@ -119,10 +127,14 @@ def _excess_line(e: RankExcess) -> str:
     )
 
 
-def _to_columns(table: pa.Table) -> dict[str, np.ndarray]:
-    if not isinstance(table, pa.Table):
+def _to_columns(table: pa.Table | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    pa = sys.modules.get("pyarrow")
+    if isinstance(table, Mapping):
+        return _mapping_columns(table)
+    if pa is None or not isinstance(table, pa.Table):
         raise TypeError(
-            f"LiveDetector.update takes a pyarrow Table in WINDOW_SCHEMA (got {type(table).__name__})"
+            "LiveDetector.update takes a pyarrow Table in WINDOW_SCHEMA, or its columns as a mapping "
+            f"(got {type(table).__name__})"
         )
     missing = [c for c in _REQUIRED if c not in table.column_names]
     if missing:
@@ -132,7 +144,7 @@ def _to_columns(table: pa.Table) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     names = set(table.column_names)
     extras = [c for c in EXTRA_WINDOW_COLUMNS if c in names]
-    for name in list(WINDOW_SCHEMA.names) + extras:
+    for name in list(_WINDOW_NAMES) + extras:
         if name not in names:
             out[name] = np.full(table.num_rows, np.nan)
             continue
@@ -141,4 +153,20 @@ def _to_columns(table: pa.Table) -> dict[str, np.ndarray]:
             out[name] = col.to_numpy(zero_copy_only=False).astype(np.int64)
         else:
             out[name] = col.cast(pa.float64()).to_numpy(zero_copy_only=False)
+    return out
+
+
+def _mapping_columns(cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    missing = [c for c in _REQUIRED if c not in cols]
+    if missing:
+        raise ValueError(f"window columns lack {missing}; they must follow hyperacc.schema.WINDOW_SCHEMA")
+    n = len(cols["rank"])
+    out: dict[str, np.ndarray] = {}
+    for name in list(_WINDOW_NAMES) + [c for c in EXTRA_WINDOW_COLUMNS if c in cols]:
+        if name not in cols:
+            out[name] = np.full(n, np.nan)
+        elif name in _REQUIRED:
+            out[name] = np.asarray(cols[name]).astype(np.int64)
+        else:
+            out[name] = np.asarray(cols[name], dtype=np.float64)
     return out

@@ -30,9 +30,10 @@ import numpy as np
 
 from hyperacc import process
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.windows import WindowStream, rows_table
+from hyperacc.analysis.windows import SUMMARY_COLUMNS, WindowStream, rows_columns
 from hyperacc.schema import ANALYSIS_COLUMNS, STEP_COLUMNS
 from hyperacc.trace.failsafe import switch_off
+from hyperacc.trace.options import ENV_NODE_AGENT
 
 log = logging.getLogger("hyperacc.live")
 
@@ -155,7 +156,7 @@ class WindowAggregator:
         # rank 0 keeps every rank's summaries under RUN_DIR/live/windows (what `watch` and the live view
         # read first), written every few seconds from this thread
         self.run_dir = run_dir
-        self._gathered: list[Any] = []  # pyarrow tables (rank 0 only)
+        self._gathered: list[dict[str, Any]] = []  # window rows not yet written (rank 0 only)
         self._gathered_at = time.monotonic()
         self._writer: Any = None
         # (every, period_s, min_rows) of store.compact, the tracer's compaction settings: one gathered
@@ -278,7 +279,7 @@ class WindowAggregator:
         if self._detector is None:
             return
         first_step = min(r["first_step"] for r in rows)
-        for message in self._detector.update(rows_table(rows)) or []:
+        for message in self._detector.update(rows_columns(rows)) or []:
             log.warning("hyperacc live: %s", message)
             if self.on_finding is not None:
                 self.on_finding(first_step, str(message))
@@ -288,23 +289,24 @@ class WindowAggregator:
     def _keep(self, rows: list[dict[str, Any]]) -> None:
         if self.run_dir is None:
             return
-        self._gathered.append(rows_table(rows))
+        self._gathered.extend(rows)
         if time.monotonic() - self._gathered_at >= 5.0:
             self._write_gathered()
 
     def _write_gathered(self) -> None:
         if not self._gathered or self.run_dir is None:
             return
-        from hyperacc import store
+        from hyperacc import records
+        from hyperacc.schema import live_windows_dir
 
-        tables, self._gathered = self._gathered, []
+        rows, self._gathered = self._gathered, []
         self._gathered_at = time.monotonic()
         try:
             if self._writer is None:
-                self._writer = store.live_windows_writer(self.run_dir)
-            import pyarrow as pa
-
-            self._writer.write(pa.concat_tables(tables, promote_options="permissive"))
+                self._writer = records.RecordWriter(live_windows_dir(self.run_dir), "WINDOW_SCHEMA")
+            present = {k for r in rows for k in r}
+            columns = [c for c in SUMMARY_COLUMNS if c in present]
+            self._writer.write_json([[r.get(c) for c in columns] for r in rows], columns)
         except Exception as exc:  # noqa: BLE001 - the live file is a convenience; training never waits
             self.run_dir = None
             switch_off("writing gathered windows", exc)
@@ -315,6 +317,8 @@ class WindowAggregator:
         """Roll the gathered files into one per period (``store.compact``, as a rank's own segments)."""
         every, period_s, min_rows = self._compaction
         writer = self._writer
+        if os.environ.get(ENV_NODE_AGENT):
+            return  # the node agent compacts them (hyperacc.agent)
         if not every or writer is None or (writer.written - self._compacted < every and not final):
             return
         from hyperacc import store

@@ -5,11 +5,14 @@ other ranks' Tukey fence AND a material excess, confirmed over windows (docs/det
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import binom_sf, loo_upper_fence, modified_z
@@ -37,7 +40,8 @@ def _recent(flags: np.ndarray, opts: DetectionOptions) -> bool:
 
 
 def _columns(windows: pa.Table | Mapping[str, Any]) -> Mapping[str, Any]:
-    if isinstance(windows, pa.Table):
+    pa = sys.modules.get("pyarrow")  # a table can only be one when pyarrow is loaded (rank 0 need not)
+    if pa is not None and isinstance(windows, pa.Table):
         out = {}
         for name in windows.column_names:
             col = windows.column(name)

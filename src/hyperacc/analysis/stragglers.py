@@ -35,10 +35,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 from hyperacc.analysis.options import METRIC_KIND, STRAGGLER_METRICS, DetectionOptions
 from hyperacc.analysis.outliers import (
