@@ -39,8 +39,9 @@ where                     what                                                  
                           (``ring.py``) publishes it by advancing a counter;
                           ``begin_step`` opens the next (probe, device events)
 ``tracer.py``             ``_flush_loop``/``flush``: take committed rows, a     flusher thread
-                          Parquet segment (``hyperacc.store``), sinks (live     (``hyperacc-trace-
-                          aggregation, metrics), events, resource samples       flush``)
+                          plain record segment (``hyperacc.records``; the       (``hyperacc-trace-
+                          node agent makes it Parquet), sinks (live             flush``)
+                          aggregation, metrics), events, resource samples
                           (``resources.py``)
 ``device.py``             CUDA events recorded around phases; read back only    training thread
                           once complete, never waited for                       (no sync)
