@@ -1,7 +1,9 @@
 """Files and bytes a rank leaves on disk per hour, with the flusher's compaction (docs/tracing.md,
 "Storage"), and the arithmetic for 1,024 ranks x 7 days.
 
-One rank's hour is replayed through the tracer's own writers: step records (a synthetic run's,
+One rank's hour is replayed through the tracer's own writers (``hyperacc.records.RecordWriter``: the
+plain int64 record segments a rank flushes, rolled into Parquet by ``store.compact`` as the node agent
+does): step records (a synthetic run's,
 ``hyperacc.analysis.synthetic``: full-precision lognormal phase times, the hardest case for
 compression) in a segment every ``--flush-s`` seconds at ``--steps-per-s``, and resource samples at
 1 Hz, each kind compacted every ``--every`` segments as the flusher does (``store.compact``) and once
@@ -24,9 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
+import pyarrow.compute as pc  # noqa: E402
 from _machine import describe as machine  # noqa: E402
 
-from hyperacc import store  # noqa: E402
+from hyperacc import records, store  # noqa: E402
 from hyperacc.analysis.synthetic import SyntheticRun, last_arrival, write_rank  # noqa: E402
 from hyperacc.schema import RESOURCE_SCHEMA, STEP_SCHEMA  # noqa: E402
 
@@ -43,12 +46,25 @@ def _resources(seconds: int, steps_per_s: float) -> pa.Table:
                      "cuda_peak_bytes": pa.nulls(seconds, pa.int64())}, schema=RESOURCE_SCHEMA)  # fmt: skip
 
 
+def _int64_rows(table: pa.Table, schema_name: str) -> np.ndarray:
+    """A table as the int64 rows a rank flushes (-1: not measured, booleans 0/1)."""
+    cols = []
+    for name in records.columns_of(schema_name):
+        col = table.column(name)
+        if pa.types.is_boolean(col.type):
+            col = pc.cast(col, pa.int64())
+        cols.append(pc.fill_null(pc.cast(col, pa.int64()), -1).to_numpy())
+    return np.stack(cols, axis=1)
+
+
 def _replay(directory: Path, schema: pa.Schema, table: pa.Table, rows: int, every: int) -> dict[str, float]:
-    writer = store.SegmentWriter(directory, schema)
+    name = "STEP_SCHEMA" if schema.equals(STEP_SCHEMA) else "RESOURCE_SCHEMA"
+    writer = records.RecordWriter(directory, name)
+    matrix = _int64_rows(table, name)
     alive = uncompacted = 0
     times = []
     for lo in range(0, table.num_rows, rows):
-        seg = writer.write(table.slice(lo, rows))
+        seg = writer.write_int64(matrix[lo : lo + rows])
         uncompacted += seg.stat().st_size if seg is not None else 0
         alive = max(alive, len(list(directory.iterdir())))
         t0 = time.perf_counter()
