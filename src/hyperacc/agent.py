@@ -9,16 +9,16 @@ job runs and once more, everything, when torchrun has exited. ``hyperacc run`` t
 ``HYPERACC_NODE_AGENT`` so that they do not compact themselves; a rank traced without ``hyperacc run``
 compacts its own segments from its flusher thread, as before.
 
-Which ranks: those whose metadata (``meta/rank-N.json``) names this host, so that the agents of a
+Which ranks: those whose metadata (``meta/rank-N.json``) names this agent (``HYPERACC_NODE_AGENT``,
+"host:pid" of the ``hyperacc run`` process, which every rank records), so that the agents of a
 multi-node job sharing one run directory never compact the same folder (``store.compact`` is run by
-one process per folder). Nothing here can touch the job: it runs in the agent's process, and an error
+one process per folder), even where two nodes report the same host name. Nothing here can touch the job: it runs in the agent's process, and an error
 switches compaction off with one log line; the ranks' segments stay readable as they are.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from pathlib import Path
 
@@ -33,11 +33,11 @@ class Compactor:
     """Rolls the record segments of this host's ranks into Parquet (``run``: a background thread)."""
 
     def __init__(self, run_dir: str | Path, *, every: int, period_s: float, min_rows: int,
-                 poll_s: float = 5.0, hostname: str | None = None) -> None:  # fmt: skip
+                 poll_s: float = 5.0, agent: str) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.every, self.period_s, self.min_rows = every, period_s, min_rows
         self.poll_s = poll_s
-        self.hostname = hostname if hostname is not None else socket.gethostname()
+        self.agent = agent
         self.on = every > 0
         self.compacted = 0  # files written
         self._ranks: set[int] = set()
@@ -45,11 +45,12 @@ class Compactor:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_trace_json(cls, run_dir: str | Path, trace_json: str | None) -> Compactor:
+    def from_trace_json(cls, run_dir: str | Path, trace_json: str | None, *, agent: str) -> Compactor:
         from hyperacc.trace.options import TraceOptions
 
         opts = TraceOptions.from_json(trace_json) if trace_json else TraceOptions()
-        return cls(run_dir, every=opts.compact_every, period_s=opts.compact_period_s, min_rows=opts.compact_min_rows)
+        return cls(run_dir, every=opts.compact_every, period_s=opts.compact_period_s, min_rows=opts.compact_min_rows,
+                   agent=agent)  # fmt: skip
 
     def start(self) -> None:
         if self.on:
@@ -68,14 +69,14 @@ class Compactor:
             self.pass_once(final=False)
 
     def local_ranks(self) -> set[int]:
-        """The ranks whose metadata names this host (read again for ranks not yet seen: restarts)."""
+        """The ranks whose metadata names this agent (read again for ranks not yet seen: restarts)."""
         from hyperacc import store
 
         try:
             metas = store.read_meta(self.run_dir) if (self.run_dir / "meta").is_dir() else {}
         except Exception:  # noqa: BLE001 - unreadable metadata: nothing new to compact this time
             return self._ranks
-        self._ranks |= {rank for rank, meta in metas.items() if meta.hostname == self.hostname}
+        self._ranks |= {rank for rank, meta in metas.items() if meta.agent == self.agent}
         return self._ranks
 
     def pass_once(self, *, final: bool) -> int:

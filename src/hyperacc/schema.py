@@ -145,6 +145,7 @@ class RankMeta:
     backend: str = "gloo"
     device: str = "cpu"
     source: str = "tracer"  # tracer | kineto | simulator
+    agent: str = ""  # the node agent (``hyperacc run``, "host:pid") that compacts this rank's records
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

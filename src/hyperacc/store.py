@@ -308,7 +308,7 @@ class SegmentCursor:
 
 
 _META_INTS = ("rank", "local_rank", "node", "world_size", "local_world_size", "pid")
-_META_STRS = ("hostname", "backend", "device", "source")
+_META_STRS = ("hostname", "backend", "device", "source", "agent")
 
 
 def _meta_problem(meta: RankMeta) -> str | None:

@@ -137,3 +137,24 @@ def test_a_table_sink_still_gets_arrow_tables(tmp_path: Path) -> None:
             pass
     tracer.close()
     assert got and got[0].schema == STEP_SCHEMA and sum(t.num_rows for t in got) == 3
+
+
+def test_the_node_agent_compacts_only_the_ranks_that_name_it(tmp_path: Path) -> None:
+    """Two agents sharing one run directory (two nodes, one shared file system, even with one host
+    name): each rolls only its own ranks' records, so no folder has two compactors."""
+    from hyperacc.agent import Compactor
+    from hyperacc.records import write_meta
+    from hyperacc.schema import RankMeta
+
+    for rank, agent in ((0, "host:1"), (1, "host:2")):
+        write_meta(tmp_path, RankMeta(rank=rank, local_rank=0, node=rank, world_size=2, local_world_size=1,
+                                      hostname="host", pid=10 + rank, agent=agent))  # fmt: skip
+        writer = records.RecordWriter(steps_dir(tmp_path, rank), "STEP_SCHEMA")
+        for i in range(3):
+            writer.write_int64(_rows(i * ROWS, rank))
+    first = Compactor(tmp_path, every=2, period_s=3600, min_rows=1, agent="host:1")
+    assert first.pass_once(final=False) == 1
+    assert [p.suffix for p in steps_dir(tmp_path, 0).iterdir()] == [".parquet"]
+    assert sorted(p.suffix for p in steps_dir(tmp_path, 1).iterdir()) == [".rec"] * 3
+    assert Compactor(tmp_path, every=2, period_s=3600, min_rows=1, agent="host:2").pass_once(final=True) == 1
+    assert store.read_steps(tmp_path, ["rank"]).num_rows == 6 * ROWS

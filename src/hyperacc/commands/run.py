@@ -375,11 +375,12 @@ def command(
     sys.stdout.flush()
     sys.stderr.flush()
     view = choose_view(quiet)
-    env[ENV_NODE_AGENT] = "1"  # this process rolls the ranks' record segments into Parquet (hyperacc.agent)
+    agent = f"{platform.node()}:{os.getpid()}"  # this process rolls its ranks' records into Parquet
+    env[ENV_NODE_AGENT] = agent
     if view == "panel":
         env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks' output reaches the terminal as it is written
     window = _live_window(trace_json)
-    compactor = Compactor.from_trace_json(run_dir, trace_json)
+    compactor = Compactor.from_trace_json(run_dir, trace_json, agent=agent)
     sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window, compactor=compactor).run())
 
 

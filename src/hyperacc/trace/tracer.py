@@ -521,6 +521,7 @@ class Tracer:
             pid=os.getpid(),
             backend=backend or "unknown",
             device=str(self._device) if self._device is not None else "cpu",
+            agent=os.environ.get(ENV_NODE_AGENT, ""),
         )
         try:
             records.write_meta(self.run_dir, meta)
