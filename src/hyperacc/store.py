@@ -660,5 +660,6 @@ def resource_writer(run_dir: str | os.PathLike, rank: int) -> SegmentWriter:
 
 
 def live_windows_writer(run_dir: str | os.PathLike) -> SegmentWriter:
-    """Rank 0's gathered window summaries; the schema is the first table's (summary columns grow)."""
+    """Gathered window summaries written as Parquet (benchmarks and tests; rank 0 itself writes plain
+    record segments, ``analysis.live_aggregate``); the schema is the first table's (columns grow)."""
     return SegmentWriter(live_windows_dir(run_dir), None)
