@@ -1,36 +1,89 @@
 """The node agent's work on the run directory: what ``hyperacc run`` does for the ranks of its node, so
-that a training rank keeps to timing and writing its records.
+that a training rank keeps to timing and writing its records (docs/tracing.md, "Live aggregation" and
+"Compaction").
 
-Today that is compaction. Each rank writes one plain record segment per flush (``hyperacc.records``,
-numpy and json: no pyarrow in the rank), and rank 0 its gathered window summaries (``live/windows``).
-A thread of ``hyperacc run`` rolls the segments of the ranks on its own host into Parquet, one file per rank and period (``store.compact`` with the
-tracer's ``compact_every``, ``compact_period_s`` and ``compact_min_rows``), every few seconds while the
-job runs and once more, everything, when torchrun has exited. ``hyperacc run`` tells its ranks with
-``HYPERACC_NODE_AGENT`` so that they do not compact themselves; a rank traced without ``hyperacc run``
-compacts its own segments from its flusher thread, as before.
+- ``LiveNode``: live windows. Reads the step records its ranks flushed, summarises each rank's windows,
+  and either judges them (the agent that holds rank 0: the live detector, ``live/windows``,
+  ``live/events``, live remediation decisions) or sends its node's rows to that agent.
+- ``Compactor``: each rank writes one plain record segment per flush (``hyperacc.records``, numpy and
+  json: no pyarrow in the rank); a thread rolls them into Parquet, one file per rank and period
+  (``store.compact`` with the tracer's ``compact_every``, ``compact_period_s`` and ``compact_min_rows``),
+  every few seconds while the job runs and once more, everything, when torchrun has exited.
 
-Which ranks: those whose metadata (``meta/rank-N.json``) names this agent (``HYPERACC_NODE_AGENT``,
-"host:pid" of the ``hyperacc run`` process, which every rank records), so that the agents of a
-multi-node job sharing one run directory never compact the same folder (``store.compact`` is run by
-one process per folder), even where two nodes report the same host name. Nothing here can touch the job: it runs in the agent's process, and an error
-switches compaction off with one log line; the ranks' segments stay readable as they are.
+``hyperacc run`` tells its ranks with ``HYPERACC_NODE_AGENT`` so that they do neither themselves; a rank
+traced without ``hyperacc run`` compacts its own segments from its flusher thread, and rank 0 gathers
+the windows, as before. Which ranks: those whose metadata (``meta/rank-N.json``) names this agent
+("host:pid" of the ``hyperacc run`` process, which every rank records), so that the agents of a
+multi-node job sharing one run directory never work on the same folder, even where two nodes report
+the same host name. Nothing here can touch the job: it runs in the agent's process, and an error
+switches the failing part off with one log line; the ranks' records stay readable as they are.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import math
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from hyperacc.schema import live_windows_dir, rank_name
+from hyperacc import records
+from hyperacc.schema import live_events_dir, live_windows_dir, rank_name
 
 log = logging.getLogger("hyperacc.agent")
 
 KINDS = (("steps", "STEP_SCHEMA"), ("events", "EVENT_SCHEMA"), ("resources", "RESOURCE_SCHEMA"))
 
+# Window rows a node agent keeps while the job's store does not answer (the newest; older ones dropped).
+OUTBOX_ROWS = 4096
 
-class Compactor:
+# How long the leader waits after the job for the other nodes' last windows (at most the window grace).
+FINAL_WAIT_S = 10.0
+
+
+class _Periodic:
+    """A pass over the run directory every ``poll_s`` on a thread of the agent, and a final one after
+    the job (``stop``)."""
+
+    thread_name = "hyperacc-agent"
+    poll_s: float
+    on: bool
+    _stop: threading.Event
+    _thread: threading.Thread | None
+
+    def start(self) -> None:
+        if self.on:
+            self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """After the job: stop the thread, then one final pass over everything that is left."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self.pass_once(final=True)
+        self._finish()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.pass_once(final=False)
+
+    def pass_once(self, *, final: bool) -> Any:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        """After the final pass."""
+
+
+class Compactor(_Periodic):
     """Rolls the record segments of this host's ranks into Parquet (``run``: a background thread)."""
+
+    thread_name = "hyperacc-agent-compact"
 
     def __init__(self, run_dir: str | Path, *, every: int, period_s: float, min_rows: int,
                  poll_s: float = 5.0, agent: str) -> None:  # fmt: skip
@@ -51,22 +104,6 @@ class Compactor:
         opts = TraceOptions.from_json(trace_json) if trace_json else TraceOptions()
         return cls(run_dir, every=opts.compact_every, period_s=opts.compact_period_s, min_rows=opts.compact_min_rows,
                    agent=agent)  # fmt: skip
-
-    def start(self) -> None:
-        if self.on:
-            self._thread = threading.Thread(target=self._loop, name="hyperacc-agent-compact", daemon=True)
-            self._thread.start()
-
-    def stop(self) -> None:
-        """After the job: stop the thread, then roll every segment that is left (``final``)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-        self.pass_once(final=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self.pass_once(final=False)
 
     def local_ranks(self) -> set[int]:
         """The ranks whose metadata names this agent (read again for ranks not yet seen: restarts)."""
@@ -101,9 +138,319 @@ class Compactor:
             if 0 in local and windows.is_dir():  # rank 0's gathered window summaries, columns as written
                 written += store.compact(windows, None, every=every, period_s=self.period_s,
                                          min_rows=self.min_rows) is not None  # fmt: skip
+            events = live_events_dir(self.run_dir)
+            if 0 in local and events.is_dir():  # the live verdicts of this agent (LiveNode)
+                written += store.compact(events, schema.EVENT_SCHEMA, every=every, period_s=self.period_s,
+                                         min_rows=self.min_rows) is not None  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - the ranks' segments stay readable as they are
             self.on = False
             log.warning("hyperacc run: compaction of %s switched off (%r); the records stay as written",
                         self.run_dir, exc)  # fmt: skip
         self.compacted += written
         return written
+
+
+class LiveNode(_Periodic):
+    """Live window aggregation for the ranks of this host, in the node agent (``run``: a background thread).
+
+    Every ``poll_s`` it reads the step records its ranks flushed since the last pass (``SegmentCursor``,
+    each row once across compactions), turns each rank's steps into window summaries exactly as offline
+    (``WindowStream``), and then:
+
+    - where this agent holds every rank of the job, judges the windows itself (``WindowGatherer.offer``);
+    - otherwise publishes its node's rows to the job's c10d store (one append and one count per window for
+      the whole node), and the agent that holds rank 0 gathers every node's rows from there.
+
+    The agent that holds rank 0 runs the live detector, keeps the gathered rows under
+    ``RUN_DIR/live/windows``, writes its findings and who reported each window as events under
+    ``RUN_DIR/live/events`` and, with ``--remediate``, takes the live remediation decisions
+    (``remediation.live``), which the ranks learn from the store. The ranks do none of this
+    (``analysis.live_aggregate.start_window_aggregation`` is skipped under a node agent). An unreachable
+    store is retried with backoff; any other error switches live aggregation off with one log line.
+    """
+
+    thread_name = "hyperacc-agent-live"
+
+    def __init__(self, run_dir: str | Path, *, agent: str, window: int, grace_s: float, poll_s: float = 1.0,
+                 remediate: str | None = None) -> None:  # fmt: skip
+        from hyperacc.analysis.live_aggregate import Backoff
+
+        self.run_dir = Path(run_dir)
+        self.agent = agent
+        self.window, self.grace_s, self.poll_s = window, grace_s, poll_s
+        self._steps_seen: deque[tuple[float, int]] = deque(maxlen=16)  # (wall-clock s, step) of records read
+        self.remediate = remediate  # HYPERACC_REMEDIATE as the ranks get it
+        self.on = window > 0
+        self._cursors: dict[int, Any] = {}
+        self._streams: dict[int, Any] = {}
+        self._last_step: dict[int, int] = {}
+        self._metas: dict[int, Any] = {}
+        self._held: list[dict[str, Any]] = []  # rows read before the job's shape is known
+        self._gatherer: Any = None
+        self._store: Any = None  # where the node agents meet (multi-node)
+        self._job: Any = None  # the job's own store
+        self._backoff = Backoff("node agent's window summaries")
+        self._events: Any = None
+        self._remediation: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_trace_json(cls, run_dir: str | Path, trace_json: str | None, *, agent: str,
+                        remediate: str | None = None) -> LiveNode:  # fmt: skip
+        from hyperacc.trace.options import TraceOptions
+
+        opts = TraceOptions.from_json(trace_json) if trace_json else TraceOptions()
+        return cls(run_dir, agent=agent, window=opts.window, grace_s=opts.grace_s, remediate=remediate)
+
+    def _finish(self) -> None:
+        """Every record is on disk and judged: write what is left."""
+        if self._gatherer is not None:
+            self._guard(self._gatherer.close)
+        if self._events is not None:
+            self._guard(self._events.close)
+
+    def _guard(self, fn: Callable[[], Any]) -> None:
+        if not self.on:
+            return
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
+            self.on = False
+            log.warning("hyperacc run: live window aggregation switched off (%s: %s)", type(exc).__name__, exc)
+
+    # ------------------------------------------------------------------ one pass
+
+    def pass_once(self, *, final: bool) -> None:
+        self._guard(lambda: self._pass(final))
+
+    def _pass(self, final: bool) -> None:
+        from hyperacc.analysis.live_aggregate import STORE_ERRORS, publish_rows
+
+        rows = self._held + self._read_new(final)
+        self._held = []
+        mine = {r: m for r, m in self._metas.items() if m.agent == self.agent}
+        if not mine:
+            return
+        ref = mine.get(0) or mine[min(mine)]  # every rank of a job names the same world and store
+        if len(mine) >= ref.world_size:  # every rank of the job is here: no store in between
+            gatherer = self._leader(ref)
+            gatherer.offer(rows)
+            gatherer.gather(None, final=final, final_grace_s=0.0)
+            return
+        if not ref.store or not (final or self._backoff.ready()):
+            self._held = rows[-OUTBOX_ROWS:]
+            return
+        try:
+            store = self._agents_store(ref, leader=0 in mine)
+            if store is None:  # the leader has not said where yet
+                self._held = rows[-OUTBOX_ROWS:]
+                return
+            windows = publish_rows(store, rows) if rows else []
+            if 0 in mine:
+                gatherer = self._leader(ref)
+                for w in windows:
+                    gatherer.note(w)
+                gatherer.gather(store, final=False)
+                if final:
+                    self._final_gather(store, gatherer, ref)
+            elif final:
+                store.add("final", 1)
+            self._backoff.succeeded()
+        except STORE_ERRORS as exc:  # rows kept for the next try (the newest OUTBOX_ROWS)
+            self._store = self._job = None
+            self._held = rows[-OUTBOX_ROWS:]
+            self._backoff.failed(exc)
+
+    def _final_gather(self, store: Any, gatherer: Any, ref: Any) -> None:
+        """The leader after its own torchrun exited: the other nodes' agents send their last windows once
+        their torchrun exits too; wait for them (at most ``min(grace_s, FINAL_WAIT_S)``), then judge
+        what is left at once."""
+        others = max((ref.nodes or 1) - 1, 0)
+        deadline = time.monotonic() + min(self.grace_s, FINAL_WAIT_S)
+        while int(store.add("final", 0)) < others and time.monotonic() < deadline:
+            gatherer.gather(store, final=False)
+            time.sleep(0.2)
+        gatherer.gather(store, final=True, final_grace_s=0.0)
+
+    def _agents_store(self, ref: Any, *, leader: bool) -> Any:
+        """Where the node agents of a multi-node job meet: a TCPStore that the leader (the agent that
+        holds rank 0) serves, so that it outlives torchrun's own store and the last windows of every
+        node still arrive after the job ends. The leader says where in the job's store (``ref.store``,
+        MASTER_ADDR:MASTER_PORT) and in ``RUN_DIR/live/agents`` (read first: a run directory the nodes
+        share still says it after torchrun's store is gone). None until that is known."""
+        if self._store is not None:
+            return self._store
+        import datetime
+
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=10)
+        host, _, port = ref.store.rpartition(":")
+        said = self.run_dir / "live" / "agents"
+        key = f"hyperacc/agents/{ref.run_id}/address"
+        if leader:
+            served = dist.TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)
+            address = f"{host}:{served.port}"
+            said.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps({"run_id": ref.run_id, "address": address}) + "\n"
+            records.write_atomically(said, lambda tmp: tmp.write_text(text))
+            self._job_store(ref).set(key, address)
+            self._store = served
+            return served
+        address = None
+        try:
+            text = json.loads(said.read_text())
+            address = text["address"] if text.get("run_id") == ref.run_id else None
+        except (OSError, ValueError, KeyError):
+            pass
+        if address is None:
+            job = self._job_store(ref)
+            if not job.check([key]):
+                return None
+            address = job.get(key).decode()
+        addr, _, aport = address.rpartition(":")
+        self._store = dist.TCPStore(addr, int(aport), None, False, timeout=timeout, wait_for_workers=False)
+        return self._store
+
+    def _job_store(self, ref: Any) -> Any:
+        """A client of the job's own store (torchrun's, the one its rendezvous uses), made once."""
+        if self._job is None:
+            from hyperacc.analysis.live_aggregate import connect_store
+
+            host, _, port = ref.store.rpartition(":")
+            self._job = connect_store(host, int(port))
+        return self._job
+
+    def _read_new(self, final: bool) -> list[dict[str, Any]]:
+        """The window rows this agent's ranks completed since the last pass (all of them when ``final``)."""
+        from hyperacc import store
+        from hyperacc.analysis.live_aggregate import step_columns
+        from hyperacc.analysis.options import DetectionOptions
+        from hyperacc.analysis.windows import WindowStream
+        from hyperacc.schema import STEP_SCHEMA, steps_dir
+
+        if (self.run_dir / "meta").is_dir():
+            try:
+                self._metas.update(store.read_meta(self.run_dir))
+            except Exception:  # noqa: BLE001 - metadata being written: read again next pass
+                pass
+        out: list[dict[str, Any]] = []
+        for rank, meta in sorted(self._metas.items()):
+            if meta.agent != self.agent:
+                continue
+            cursor = self._cursors.get(rank)
+            if cursor is None:
+                cursor = self._cursors[rank] = store.SegmentCursor(steps_dir(self.run_dir, rank))
+            for table in cursor.read_new(None, STEP_SCHEMA):
+                if not table.num_rows:
+                    continue
+                cols = step_columns(table, rank, meta.node)
+                first = int(cols["step"][0])
+                stream = self._streams.get(rank)
+                if stream is None or first <= self._last_step.get(rank, -1):  # a restart counts steps again
+                    stream = self._streams[rank] = WindowStream(DetectionOptions(window_steps=self.window))
+                self._last_step[rank] = int(cols["step"][-1])
+                self._sample(table)
+                out += stream.add(cols)
+            if final and rank in self._streams:
+                out += self._streams.pop(rank).close()
+        return out
+
+    def _sample(self, table: Any) -> None:
+        """(wall-clock start, step) of the first and last step of newly read records: the ranks' pace."""
+        starts = table.column("t_start_ns").to_pylist()
+        steps = table.column("step").to_pylist()
+        for i in (0, len(steps) - 1):
+            if starts[i] is not None and (not self._steps_seen or steps[i] > self._steps_seen[-1][1]):
+                self._steps_seen.append((starts[i] / 1e9, int(steps[i])))
+                if self._remediation is not None:
+                    self._remediation.observe(int(steps[i]), starts[i] / 1e9)
+
+    def step_now(self) -> int:
+        """The ranks' training step now, as far as their records tell: the newest step read, plus what
+        the pace of the recorded steps (wall clock, ``t_start_ns``) adds since it started."""
+        if not self._steps_seen:
+            return 0
+        (t0, s0), (t1, s1) = self._steps_seen[0], self._steps_seen[-1]
+        rate = (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+        return s1 + math.ceil(rate * max(time.time() - t1, 0.0))
+
+    def _leader(self, meta0: Any) -> Any:
+        """The gatherer of the agent that holds rank 0, made on first use."""
+        if self._gatherer is None:
+            from hyperacc.analysis.live_aggregate import WindowGatherer
+
+            self._gatherer = WindowGatherer(
+                meta0.world_size, window=self.window, grace_s=self.grace_s,
+                nodes=lambda: max(len({m.node for m in self._metas.values()}), 1),
+                on_finding=lambda step, text: self._event("live_finding", step, None, text),
+                on_window=self._window_event, run_dir=self.run_dir, compacts=False,
+            )  # fmt: skip
+            self._remediation = self._remediation_of(meta0)
+            if self._remediation is not None:
+                self._gatherer.on_judged = self._remediation.on_judged
+        return self._gatherer
+
+    def _window_event(self, w: int, received: list[int], missing: list[int]) -> None:
+        detail = json.dumps({"received": received, "missing": missing})
+        self._event("window_gathered", w * self.window, float(len(received)), detail)
+
+    def _event(self, kind: str, step: int, value: float | None, detail: str | None) -> None:
+        """A row of ``RUN_DIR/live/events`` (EVENT_SCHEMA; rank 0, whose verdicts these are)."""
+        if self._events is None:
+            self._events = _EventLog(records.RecordWriter(live_events_dir(self.run_dir), "EVENT_SCHEMA"))
+        self._events.add([0, step, time.time_ns(), kind, None, value, detail])
+
+    def _remediation_of(self, meta0: Any) -> Any:
+        """Live remediation's deciding half (``remediation.live``), when ``--remediate`` asks for it."""
+        if not self.remediate or self.remediate == "off":
+            return None
+        from hyperacc.remediation.config import RemediationConfig
+        from hyperacc.remediation.live import LiveRemediation
+
+        config = RemediationConfig.parse(self.remediate)
+        if config.mode == "off":
+            return None
+        if not config.run_dir:
+            config = dataclasses.replace(config, run_dir=str(self.run_dir))
+        live = LiveRemediation(config, rank=0, applies=False, store_address=meta0.store, current_step=self.step_now,
+                               prefix=f"hyperacc/remediate/{meta0.run_id}/{meta0.restart_count}/")  # fmt: skip
+        live.connect()  # now, not at the first decision: importing torch there would make the switch late
+        return live
+
+
+class _EventLog:
+    """Event rows written every few seconds as JSON-lines record segments (compacted by the agent)."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.rows: list[list[Any]] = []
+        self.at = time.monotonic()
+
+    def add(self, row: list[Any]) -> None:
+        self.rows.append(row)
+        if time.monotonic() - self.at >= 5.0:
+            self.close()
+
+    def close(self) -> None:
+        if self.rows:
+            rows, self.rows = self.rows, []
+            self.writer.write_json(rows)
+        self.at = time.monotonic()
+
+
+class NodeAgent:
+    """What ``hyperacc run`` does beside torchrun for its node's ranks: compaction and live aggregation."""
+
+    def __init__(self, *parts: Any) -> None:
+        self.parts = [p for p in parts if p is not None]
+
+    def start(self) -> None:
+        for part in self.parts:
+            part.start()
+
+    def stop(self) -> None:
+        """Live aggregation first (its last windows and events), then the final compaction of it all."""
+        for part in sorted(self.parts, key=lambda p: isinstance(p, Compactor)):
+            part.stop()

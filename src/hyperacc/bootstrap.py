@@ -55,6 +55,7 @@ def install() -> list[Any]:
     """Install chaos, tracing and stabilizers from the environment; returns what must be closed."""
     from hyperacc.options import OptionsError, env_text
     from hyperacc.trace import ENV_RUN_DIR, install_auto
+    from hyperacc.trace.options import ENV_NODE_AGENT
 
     closers: list[Any] = []
     if env_text("HYPERACC_CHAOS"):
@@ -64,9 +65,10 @@ def install() -> list[Any]:
     pace = env_text("HYPERACC_PACE")
     pacing = bool(pace) and pace != "0"
     if env_text(ENV_RUN_DIR):
-        from hyperacc.analysis import live_aggregate
+        if not env_text(ENV_NODE_AGENT):  # under hyperacc run, its node agent makes the live windows
+            from hyperacc.analysis import live_aggregate
 
-        live_aggregate.install()  # rank 0 gathers every rank's window summaries (trace/ does not import it)
+            live_aggregate.install()  # rank 0 gathers every rank's window summaries (trace/ does not import it)
         try:
             # pacing reads every rank's arrival from the in-band exchange: it asks for it
             closers.append(install_auto(**({"inband": True} if pacing else {})))

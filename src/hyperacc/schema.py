@@ -146,6 +146,10 @@ class RankMeta:
     device: str = "cpu"
     source: str = "tracer"  # tracer | kineto | simulator
     agent: str = ""  # the node agent (``hyperacc run``, "host:pid") that compacts this rank's records
+    store: str = ""  # "MASTER_ADDR:MASTER_PORT": the job's c10d store, where node agents meet
+    run_id: str = ""  # TORCHELASTIC_RUN_ID
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT when this rank started
+    nodes: int = 0  # GROUP_WORLD_SIZE: nodes (agents) in the job; 0 where unknown
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -179,6 +183,11 @@ def resources_dir(run_dir: str | os.PathLike, rank: int) -> Path:
 
 def live_windows_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "live" / "windows"
+
+
+def live_events_dir(run_dir: str | os.PathLike) -> Path:
+    """The node agent's live verdicts (``live_finding``, ``window_gathered``), EVENT_SCHEMA rows."""
+    return Path(run_dir) / "live" / "events"
 
 
 def chaos_path(run_dir: str | os.PathLike, rank: int) -> Path:

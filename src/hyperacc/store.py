@@ -52,6 +52,7 @@ from hyperacc.schema import (
     STEP_SCHEMA,
     RankMeta,
     events_dir,
+    live_events_dir,
     live_windows_dir,
     resources_dir,
     steps_dir,
@@ -645,6 +646,11 @@ def read_live_windows(run_dir: str | os.PathLike) -> pa.Table:
     paths = live_segments(live_windows_dir(check_run_dir(run_dir)))
     tables = [t for t in (read_segment(p, None) for p in paths) if t is not None]
     return pa.concat_tables(tables, promote_options="permissive") if tables else pa.table({})
+
+
+def read_live_events(run_dir: str | os.PathLike) -> pa.Table:
+    """The node agent's live verdicts (``live_finding``, ``window_gathered``; EVENT_SCHEMA), each once."""
+    return _read_segments(lambda: live_segments(live_events_dir(check_run_dir(run_dir))), EVENT_SCHEMA, None)
 
 
 def step_writer(run_dir: str | os.PathLike, rank: int) -> SegmentWriter:

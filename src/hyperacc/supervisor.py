@@ -1,12 +1,13 @@
 """What ``hyperacc run`` does while torchrun runs: it starts torchrun as its child, shows the live view of
-the run directory, rolls its node's record segments into Parquet (the node agent,
-``hyperacc.agent.Compactor``), and ends with torchrun's own exit status.
+the run directory, does the node agent's work for its node's ranks (``hyperacc.agent``: live window
+aggregation and detection, rolling their record segments into Parquet), and ends with torchrun's own
+exit status.
 
 - In a terminal (stdout is a tty, no ``--quiet``): a rich live panel refreshed every ``interval``
   seconds (``present.live_view.render``), with the job's own output printed above it line by line.
 - Not a terminal (a log, a pipe, a batch system): the job's output goes straight to the same file
   descriptors, untouched, and one line per completed window of steps (``present.live_view.line``).
-- ``--quiet``: the job's output untouched, no view (the agent's compaction still runs).
+- ``--quiet``: the job's output untouched, no view (the node agent still runs).
 
 Signals: torchrun runs in its own process group, so every signal meant for the job reaches this process
 alone and is passed on exactly once: the terminal's Ctrl-C and Ctrl-\\ (which go to the terminal's
@@ -95,7 +96,7 @@ class Supervisor:
         interval: float = 2.0,
         window: int = 50,
         out: TextIO | None = None,
-        compactor: Any = None,
+        agent: Any = None,
     ) -> None:
         if view not in VIEWS:
             raise ValueError(f"view must be one of {VIEWS} (got {view!r})")
@@ -106,7 +107,7 @@ class Supervisor:
         self.interval = interval
         self.window = window
         self.out = out if out is not None else sys.stdout
-        self.compactor = compactor  # agent.Compactor of this node's ranks, or None
+        self.agent = agent  # agent.NodeAgent: compaction and live aggregation for this node's ranks
         self.proc: subprocess.Popen[bytes] | None = None
         self._previous: dict[int, Any] = {}
         self._early: list[int] = []  # signals that came before torchrun was started
@@ -127,8 +128,8 @@ class Supervisor:
         for signum in self._early:
             self._send(signum)
         self._early.clear()
-        if self.compactor is not None:
-            self.compactor.start()
+        if self.agent is not None:
+            self.agent.start()
         try:
             if self.view == "panel":
                 self._panel()
@@ -137,16 +138,16 @@ class Supervisor:
             status = exit_status(self._wait())
         finally:
             self._restore_signals()
-        self._final_compaction()
+        self._final_pass()
         return status
 
-    def _final_compaction(self) -> None:
-        """The job has ended: roll what its ranks left into Parquet (Ctrl-C stops it; the records stay
-        readable as written)."""
-        if self.compactor is None:
+    def _final_pass(self) -> None:
+        """The job has ended: judge its last windows and roll what its ranks left into Parquet (Ctrl-C
+        stops it; the records stay readable as written)."""
+        if self.agent is None:
             return
         try:
-            self.compactor.stop()
+            self.agent.stop()
         except KeyboardInterrupt:
             log.warning("hyperacc run: final compaction interrupted; the records stay as written")
 

@@ -145,9 +145,10 @@ def test_under_hyperacc_run_the_agent_compacts_and_the_ranks_never_load_pyarrow(
                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
-    ends = re.findall(r"rank (\d) steps (\d+) pyarrow (\w+)", out)
+    ends = re.findall(r"rank (\d) steps (\d+) pyarrow (\w+) windows (\w+)", out)
     assert sorted(int(w[0]) for w in ends) == [0, 1], out[-3000:]
-    assert all(w[2] == "False" for w in ends), ends  # no pyarrow in a training rank, rank 0 gathering included
+    assert all(w[2] == "False" for w in ends), ends  # no pyarrow in a training rank
+    assert all(w[3] == "False" for w in ends), ends  # no rank summarises or gathers windows: the agent does
     steps = int(ends[0][1])
     for rank in (0, 1):
         files = _files(run_dir, "steps", rank)
@@ -157,8 +158,11 @@ def test_under_hyperacc_run_the_agent_compacts_and_the_ranks_never_load_pyarrow(
             assert all(p.suffix == ".parquet" for p in _files(run_dir, kind, rank)), _files(run_dir, kind, rank)
         got = _steps(run_dir, rank)
         assert got.size >= steps - 1 and got.tolist() == list(range(int(got[0]), int(got[0]) + got.size))
-    # rank 0's gathered window summaries, rolled into Parquet by the agent too
+    # the window summaries the agent gathered from the ranks' records, rolled into Parquet too
     windows = sorted((run_dir / "live" / "windows").iterdir())
     assert len(windows) == 1 and windows[0].suffix == ".parquet", windows
     gathered = store.read_live_windows(run_dir)
     assert set(gathered.column("rank").to_pylist()) == {0, 1} and gathered.num_rows >= 2 * (steps // 50 - 2)
+    judged = [e for e in store.read_live_events(run_dir).to_pylist() if e["kind"] == "window_gathered"]
+    assert len(judged) == gathered.num_rows // 2 and all(json.loads(e["detail"])["missing"] == [] for e in judged)
+    assert not [e for e in store.read_events(run_dir).to_pylist() if e["kind"] == "window_gathered"]

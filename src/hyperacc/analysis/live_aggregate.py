@@ -38,16 +38,17 @@ from hyperacc.trace.options import ENV_NODE_AGENT
 log = logging.getLogger("hyperacc.live")
 
 
-def connect_store(timeout_s: float = 10.0) -> Any:
+def connect_store(addr: str | None = None, port: int | None = None, timeout_s: float = 10.0) -> Any:
     """A c10d store every rank of this job can reach, or None (single process without torchrun).
 
-    Under torchrun a fresh client of the launcher's TCPStore (MASTER_ADDR:MASTER_PORT); otherwise the
-    default process group's store.
+    A fresh client of the TCPStore at ``addr:port``, by default the launcher's (MASTER_ADDR:MASTER_PORT,
+    the one torchrun's rendezvous already uses); without those, the default process group's store.
     """
     import torch.distributed as dist
 
-    here = process.place()
-    addr, port = here.master_addr, here.master_port
+    if addr is None or port is None:
+        here = process.place()
+        addr, port = here.master_addr, here.master_port
     timeout = datetime.timedelta(seconds=timeout_s)
     if addr and port:
         return dist.TCPStore(addr, port, None, False, timeout=timeout, wait_for_workers=False)
@@ -109,8 +110,289 @@ def _default_detector(world_size: int, nodes: int, window: int) -> Any:
 
 
 
+class StoreDown(Exception):
+    """The c10d store could not be reached or answered with an error (retried with backoff)."""
+
+
+class Backoff:
+    """When to try an unreachable store again: 1 s, then doubling up to ``cap_s``; says once that the
+    store is unreachable and once that it answers again (``what`` names the part)."""
+
+    def __init__(self, what: str, cap_s: float = 30.0) -> None:
+        self.what = what
+        self.cap_s = cap_s
+        self.failures = 0
+        self._until = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self._until
+
+    @property
+    def down(self) -> bool:
+        return self.failures > 0
+
+    def failed(self, exc: BaseException) -> None:
+        if self.failures == 0:
+            log.warning("hyperacc live: %s: the c10d store is unreachable (%s: %s); retrying with backoff",
+                        self.what, type(exc).__name__, exc)  # fmt: skip
+        self.failures += 1
+        self._until = time.monotonic() + min(self.cap_s, 2.0 ** (self.failures - 1))
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.warning("hyperacc live: %s: the c10d store answers again", self.what)
+        self.failures = 0
+        self._until = 0.0
+
+
+# Store errors: torch's DistStoreError and DistNetworkError are RuntimeErrors, a refused connection an OSError.
+STORE_ERRORS = (RuntimeError, OSError, TimeoutError)
+
+# Window rows kept for a store that does not answer: the newest, at most this many (older ones dropped).
+OUTBOX_ROWS = 4096
+
+# A judged window's key ``w<N>/done`` stays this many windows, so a row that comes later is dropped by its
+# publisher instead of leaving a key nobody deletes.
+DONE_KEPT = 8
+
+
+def publish_rows(store: Any, rows: list[dict[str, Any]]) -> list[int]:
+    """Append window rows to their window's key, one append and one count per window; a window already
+    judged (``w<N>/done``) takes no more rows. Returns the windows published."""
+    by_window: dict[int, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_window.setdefault(int(row["window"]), []).append(row)
+    for w, batch in sorted(by_window.items()):
+        if store.check([f"w{w}/done"]):
+            continue  # judged without these rows: they would leave a key behind
+        store.append(f"w{w}", "".join(json.dumps(r) + "\n" for r in batch))
+        store.add(f"w{w}/n", len(batch))
+    return sorted(by_window)
+
+
+class WindowGatherer:
+    """Every rank's window rows -> one judged table per window, in window order.
+
+    Rows come from a c10d store (``gather(store)``: every rank, or every node agent, published them with
+    ``publish_rows``) or directly (``offer(rows)``: a node agent that holds every rank of the job). A
+    window is judged once every rank not known to be missing has reported, or ``grace_s`` after its own
+    first report: each window's grace runs from its own first row, so a silent rank never makes the
+    windows wait in turn, and once a rank was missing from a judged window the next ones do not wait for
+    it (it counts again as soon as it reports). The ranks absent from a judged window are reported as
+    missing (``on_window``; one log line when that set changes). Each window's rows go to the live
+    detector (``hyperacc.analysis.live.LiveDetector`` unless given), whose lines are logged and passed to
+    ``on_finding``; ``on_judged`` runs after it (live remediation). With ``run_dir`` the rows are kept
+    under ``RUN_DIR/live/windows`` every few seconds, compacted with ``compaction`` unless a node
+    agent does that.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        window: int = 50,
+        grace_s: float = 30.0,
+        nodes: int | Callable[[], int] = 1,
+        detector: Any = None,
+        on_finding: Callable[[int, str], None] | None = None,
+        on_window: Callable[[int, list[int], list[int]], None] | None = None,
+        on_judged: Callable[[Any, list[dict[str, Any]], int], None] | None = None,
+        run_dir: str | os.PathLike | None = None,
+        compaction: tuple[int, float, int] = (0, 0.0, 0),
+        compacts: bool = True,
+    ) -> None:
+        self.world_size = world_size
+        self.window = window
+        self.grace_s = grace_s
+        self.nodes = nodes
+        self.on_finding = on_finding
+        self.on_window = on_window
+        self.on_judged = on_judged
+        self._detector = detector
+        self._detector_made = detector is not None
+        self._rows: dict[int, list[dict[str, Any]]] = {}  # offered rows by window (direct input)
+        self._first_seen: dict[int, float] = {}  # window -> when its first row was seen
+        self._next: int | None = None  # the next window to judge
+        self._known = -1  # the highest window known to have begun
+        self._missing_reported: frozenset[int] = frozenset()
+        self.windows_processed = 0
+        # the gathered rows under RUN_DIR/live/windows (what `watch` and the live view read first)
+        self.run_dir = run_dir
+        self._gathered: list[dict[str, Any]] = []
+        self._gathered_at = time.monotonic()
+        self._writer: Any = None
+        # (every, period_s, min_rows) of store.compact, the tracer's compaction settings: one gathered
+        # file every few seconds would otherwise grow the folder by some 17,000 files a day
+        self._compaction = compaction if compacts else (0, 0.0, 0)
+        self._compacted = 0
+
+    @property
+    def pending(self) -> bool:
+        """Windows begun and not judged yet."""
+        return self._next is not None and self._next <= self._known
+
+    # ------------------------------------------------------------------ input
+
+    def offer(self, rows: list[dict[str, Any]]) -> None:
+        """Window rows given directly (a node agent holding every rank)."""
+        now = time.monotonic()
+        for row in rows:
+            w = int(row["window"])
+            if self._next is not None and w < self._next:
+                continue  # its window was judged without it (late beyond the grace)
+            self._rows.setdefault(w, []).append(row)
+            self._first_seen.setdefault(w, now)
+            self._known = max(self._known, w)
+        if self._next is None and self._rows:
+            self._next = min(self._rows)
+
+    def note(self, w: int) -> None:
+        """A window this process published to the store itself (where to start gathering)."""
+        self._known = max(self._known, w)
+        if self._next is None:
+            self._next = w
+
+    # ------------------------------------------------------------------ judging
+
+    def gather(self, store: Any = None, *, final: bool = False, final_grace_s: float = 2.0) -> None:
+        """Judge every window that is complete or whose grace ran out (from ``store``, else from what was
+        offered). ``final``: the job is ending, a window waits at most ``final_grace_s``."""
+        grace = min(self.grace_s, final_grace_s) if final else self.grace_s
+        while self._next is not None:
+            w = self._next
+            now = time.monotonic()
+            count = self._count(store, w, now)
+            if count == 0:
+                later = [t for v, t in self._first_seen.items() if v > w]
+                if not later or now - min(later) < grace:
+                    return  # nobody has reached this window yet
+                self._next = w + 1  # every rank skipped it (a restart): go on to the next
+                continue
+            first = self._first_seen.setdefault(w, now)
+            expected = self.world_size - len(self._missing_reported)
+            if count < expected and now - first < grace:
+                return
+            rows = self._take(store, w)
+            self._first_seen.pop(w, None)
+            self._next = w + 1
+            self._process(w, rows)
+
+    def _count(self, store: Any, w: int, now: float) -> int:
+        if store is None:
+            return len(self._rows.get(w, ()))
+        count = int(store.add(f"w{w}/n", 0))
+        if count:
+            self._first_seen.setdefault(w, now)
+        # the windows after it that have begun: each waits its own grace, not its predecessor's
+        v = w + 1
+        while v <= self._known + 1:
+            if v not in self._first_seen:
+                if not store.check([f"w{v}/n"]):
+                    break
+                self._first_seen[v] = now
+                self._known = max(self._known, v)
+            v += 1
+        return count
+
+    def _take(self, store: Any, w: int) -> list[dict[str, Any]]:
+        if store is None:
+            return self._rows.pop(w, [])
+        rows = []
+        if store.check([f"w{w}"]):
+            rows = [json.loads(line) for line in store.get(f"w{w}").decode().splitlines() if line.strip()]
+        store.set(f"w{w}/done", "1")
+        for key in (f"w{w}", f"w{w}/n", f"w{w - DONE_KEPT}/done"):
+            store.delete_key(key)
+        return rows
+
+    def _process(self, w: int, rows: list[dict[str, Any]]) -> None:
+        received = sorted({int(r["rank"]) for r in rows})
+        missing = sorted(set(range(self.world_size)) - set(received))
+        self.windows_processed += 1
+        if frozenset(missing) != self._missing_reported:
+            self._missing_reported = frozenset(missing)
+            if missing:
+                log.warning(
+                    "hyperacc live: window %d: no summary from rank(s) %s (late or stopped)",
+                    w,
+                    _ranges(missing),
+                )
+            else:
+                log.warning("hyperacc live: window %d: every rank reports again", w)
+        if self.on_window is not None:
+            self.on_window(w, received, missing)
+        if not rows:
+            return
+        self._keep(rows)
+        if not self._detector_made:
+            self._detector_made = True
+            nodes = self.nodes() if callable(self.nodes) else self.nodes
+            self._detector = _default_detector(self.world_size, nodes, self.window)
+        if self._detector is None:
+            return
+        first_step = min(r["first_step"] for r in rows)
+        for message in self._detector.update(rows_columns(rows)) or []:
+            log.warning("hyperacc live: %s", message)
+            if self.on_finding is not None:
+                self.on_finding(first_step, str(message))
+        if self.on_judged is not None:
+            self.on_judged(self._detector, rows, first_step)
+
+    # ------------------------------------------------------------------ the gathered rows on disk
+
+    def _keep(self, rows: list[dict[str, Any]]) -> None:
+        if self.run_dir is None:
+            return
+        self._gathered.extend(rows)
+        if time.monotonic() - self._gathered_at >= 5.0:
+            self.write_gathered()
+
+    def write_gathered(self) -> None:
+        """Write the rows gathered since the last write (every 5 s, and at the end)."""
+        if not self._gathered or self.run_dir is None:
+            return
+        from hyperacc import records
+        from hyperacc.schema import live_windows_dir
+
+        rows, self._gathered = self._gathered, []
+        self._gathered_at = time.monotonic()
+        try:
+            if self._writer is None:
+                self._writer = records.RecordWriter(live_windows_dir(self.run_dir), "WINDOW_SCHEMA")
+            present = {k for r in rows for k in r}
+            columns = [c for c in SUMMARY_COLUMNS if c in present]
+            self._writer.write_json([[r.get(c) for c in columns] for r in rows], columns)
+        except Exception as exc:  # noqa: BLE001 - the live file is a convenience; training never waits
+            self.run_dir = None
+            switch_off("writing gathered windows", exc)
+            return
+        self.compact(final=False)
+
+    def compact(self, *, final: bool) -> None:
+        """Roll the gathered files into one per period (``store.compact``, as a rank's own segments)."""
+        every, period_s, min_rows = self._compaction
+        writer = self._writer
+        if not every or writer is None or (writer.written - self._compacted < every and not final):
+            return
+        from hyperacc import store
+
+        try:
+            store.compact(writer.directory, None, every=1 if final else every, period_s=period_s, min_rows=min_rows)
+            self._compacted = writer.written
+        except Exception as exc:  # noqa: BLE001
+            self._compaction = (0, 0.0, 0)
+            switch_off(f"compacting gathered windows in {writer.directory}", exc)
+
+    def close(self) -> None:
+        """Write what is left (and compact it, where this process compacts)."""
+        self.write_gathered()
+        if self.run_dir is not None:
+            self.compact(final=True)
+
+
 class WindowAggregator:
-    """Publishes this rank's window summaries; on rank 0 also gathers everyone's and runs detection."""
+    """One rank's part of live aggregation without a node agent: publishes its window summaries; on rank
+    0 also gathers everyone's and runs detection (a ``WindowGatherer``)."""
 
     def __init__(
         self,
@@ -135,38 +417,39 @@ class WindowAggregator:
         self.window = window
         self.grace_s = grace_s
         self.poll_s = poll_s
-        self.nodes = nodes if nodes is not None else _node_count(world_size)
-        self.on_finding = on_finding
-        self.on_window = on_window
-        self.on_judged = on_judged  # (detector, rows, first_step) after each judged window (remediation)
         self.prefix = _prefix() if prefix is None else prefix
         self._store = store
         self._store_given = store is not None
-        self._detector = detector
-        self._detector_made = detector is not None
+        self.gatherer = (
+            WindowGatherer(world_size, window=window, grace_s=grace_s,
+                           nodes=nodes if nodes is not None else _node_count(world_size), detector=detector,
+                           on_finding=on_finding, on_window=on_window, on_judged=on_judged, run_dir=run_dir,
+                           compaction=compaction, compacts=not os.environ.get(ENV_NODE_AGENT))
+            if rank == 0 else None
+        )  # fmt: skip
         # the rank's own rows: the summary ``hyperacc analyze`` makes of the same steps (analysis.windows)
         self._stream = WindowStream(DetectionOptions(window_steps=window))
-        self._outbox: deque[dict[str, Any]] = deque()
+        self._outbox: deque[dict[str, Any]] = deque(maxlen=OUTBOX_ROWS)
         self._on = True
-        self._first_seen: dict[int, float] = {}
-        self._next_window: int | None = None  # rank 0: the next window to process
         self._own_last = -1
-        self._missing_reported: frozenset[int] = frozenset()
-        self.windows_processed = 0
-        # rank 0 keeps every rank's summaries under RUN_DIR/live/windows (what `watch` and the live view
-        # read first), written every few seconds from this thread
-        self.run_dir = run_dir
-        self._gathered: list[dict[str, Any]] = []  # window rows not yet written (rank 0 only)
-        self._gathered_at = time.monotonic()
-        self._writer: Any = None
-        # (every, period_s, min_rows) of store.compact, the tracer's compaction settings: one gathered
-        # file every few seconds would otherwise grow the folder by some 17,000 files a day
-        self._compaction = compaction
-        self._compacted = 0
+        self._backoff = Backoff(f"rank {rank}'s window summaries")
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hyperacc-trace-windows", daemon=True)
         self._thread.start()
+
+    @property
+    def on_judged(self) -> Any:
+        return self.gatherer.on_judged if self.gatherer is not None else None
+
+    @on_judged.setter
+    def on_judged(self, fn: Any) -> None:
+        if self.gatherer is not None:
+            self.gatherer.on_judged = fn
+
+    @property
+    def windows_processed(self) -> int:
+        return self.gatherer.windows_processed if self.gatherer is not None else 0
 
     # ------------------------------------------------------------------ input (tracer's flusher thread)
 
@@ -195,15 +478,20 @@ class WindowAggregator:
             self._tick(final=False)
 
     def _tick(self, final: bool) -> None:
-        if not self._on:
+        if not self._on or not self._backoff.ready():
             return
         try:
             if self._store is None:
                 self._store = self._connect()
             self._publish()
-            if self.rank == 0:
-                self._gather(final)
-        except Exception as exc:  # noqa: BLE001 - a dead store stops the summaries, never training
+            if self.gatherer is not None:
+                self.gatherer.gather(self._store, final=final)
+            self._backoff.succeeded()
+        except STORE_ERRORS as exc:  # unreachable: try again later, the rows wait in the outbox
+            if not self._store_given:
+                self._store = None
+            self._backoff.failed(exc)
+        except Exception as exc:  # noqa: BLE001 - an internal error stops the summaries, never training
             self._on = False
             switch_off("window aggregation through the c10d store", exc)
 
@@ -220,137 +508,38 @@ class WindowAggregator:
         return dist.PrefixStore(self.prefix, base)
 
     def _publish(self) -> None:
-        store = self._store
-        while self._outbox:
-            row = self._outbox[0]
-            w = row["window"]
-            store.append(f"w{w}", json.dumps(row) + "\n")
-            store.add(f"w{w}/n", 1)
+        if not self._outbox:
+            return
+        rows = list(self._outbox)
+        windows = publish_rows(self._store, rows)
+        for _ in rows:
             self._outbox.popleft()
-            self._own_last = max(self._own_last, w)
-            if self._next_window is None:
-                self._next_window = w
-
-    def _gather(self, final: bool) -> None:
-        store = self._store
-        while self._next_window is not None:
-            w = self._next_window
-            count = store.add(f"w{w}/n", 0)
-            now = time.monotonic()
-            if count == 0 and w > self._own_last:
-                return  # nobody has reached this window yet
-            first = self._first_seen.setdefault(w, now)
-            grace = min(self.grace_s, 2.0) if final else self.grace_s
-            if count < self.world_size and now - first < grace:
-                return
-            rows = []
-            if count:
-                for line in store.get(f"w{w}").decode().splitlines():
-                    if line.strip():
-                        rows.append(json.loads(line))
-            store.delete_key(f"w{w}")
-            store.delete_key(f"w{w}/n")
-            self._first_seen.pop(w, None)
-            self._next_window = w + 1
-            self._process(w, rows)
-
-    def _process(self, w: int, rows: list[dict[str, Any]]) -> None:
-        received = sorted({r["rank"] for r in rows})
-        missing = sorted(set(range(self.world_size)) - set(received))
-        self.windows_processed += 1
-        if frozenset(missing) != self._missing_reported:
-            self._missing_reported = frozenset(missing)
-            if missing:
-                log.warning(
-                    "hyperacc live: window %d: no summary from rank(s) %s (late or stopped)",
-                    w,
-                    _ranges(missing),
-                )
-            else:
-                log.warning("hyperacc live: window %d: every rank reports again", w)
-        if self.on_window is not None:
-            self.on_window(w, received, missing)
-        if not rows:
-            return
-        self._keep(rows)
-        if not self._detector_made:
-            self._detector_made = True
-            self._detector = _default_detector(self.world_size, self.nodes, self.window)
-        if self._detector is None:
-            return
-        first_step = min(r["first_step"] for r in rows)
-        for message in self._detector.update(rows_columns(rows)) or []:
-            log.warning("hyperacc live: %s", message)
-            if self.on_finding is not None:
-                self.on_finding(first_step, str(message))
-        if self.on_judged is not None:
-            self.on_judged(self._detector, rows, first_step)
-
-    def _keep(self, rows: list[dict[str, Any]]) -> None:
-        if self.run_dir is None:
-            return
-        self._gathered.extend(rows)
-        if time.monotonic() - self._gathered_at >= 5.0:
-            self._write_gathered()
-
-    def _write_gathered(self) -> None:
-        if not self._gathered or self.run_dir is None:
-            return
-        from hyperacc import records
-        from hyperacc.schema import live_windows_dir
-
-        rows, self._gathered = self._gathered, []
-        self._gathered_at = time.monotonic()
-        try:
-            if self._writer is None:
-                self._writer = records.RecordWriter(live_windows_dir(self.run_dir), "WINDOW_SCHEMA")
-            present = {k for r in rows for k in r}
-            columns = [c for c in SUMMARY_COLUMNS if c in present]
-            self._writer.write_json([[r.get(c) for c in columns] for r in rows], columns)
-        except Exception as exc:  # noqa: BLE001 - the live file is a convenience; training never waits
-            self.run_dir = None
-            switch_off("writing gathered windows", exc)
-            return
-        self._compact(final=False)
-
-    def _compact(self, *, final: bool) -> None:
-        """Roll the gathered files into one per period (``store.compact``, as a rank's own segments)."""
-        every, period_s, min_rows = self._compaction
-        writer = self._writer
-        if os.environ.get(ENV_NODE_AGENT):
-            return  # the node agent compacts them (hyperacc.agent)
-        if not every or writer is None or (writer.written - self._compacted < every and not final):
-            return
-        from hyperacc import store
-
-        try:
-            store.compact(writer.directory, None, every=1 if final else every, period_s=period_s, min_rows=min_rows)
-            self._compacted = writer.written
-        except Exception as exc:  # noqa: BLE001
-            self._compaction = (0, 0.0, 0)
-            switch_off(f"compacting gathered windows in {writer.directory}", exc)
+        self._own_last = max(self._own_last, windows[-1])
+        if self.gatherer is not None:
+            for w in windows:
+                self.gatherer.note(w)
 
     # ------------------------------------------------------------------ end
 
     def close(self, wait: bool = True) -> None:
         """Publish what is complete; rank 0 waits briefly (<= 2 s) for the others' last windows, unless
-        ``wait`` is False (the job is being stopped: the others will not send theirs)."""
+        ``wait`` is False (the job is being stopped: the others will not send theirs). A store that did
+        not answer is not tried again."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=5)
         if not self._on:
             return
         self._outbox.extend(self._stream.close())
-        deadline = time.monotonic() + (min(self.grace_s, 2.0) if self.rank == 0 and wait else 0.0)
-        while True:
+        gatherer = self.gatherer
+        deadline = time.monotonic() + (min(self.grace_s, 2.0) if gatherer is not None and wait else 0.0)
+        while not self._backoff.down:
             self._tick(final=True)
-            done = self._next_window is None or self._next_window > self._own_last
-            if self.rank != 0 or done or not self._on or time.monotonic() > deadline:
+            if gatherer is None or not gatherer.pending or not self._on or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        self._write_gathered()
-        if self.run_dir is not None:
-            self._compact(final=True)
+        if gatherer is not None:
+            gatherer.close()
         if not self._store_given and self._store is not None:
             self._store = None
 
@@ -360,6 +549,8 @@ def start_window_aggregation(tracer: Any) -> None:
     options = tracer.options
     if options.window <= 0 or tracer.world_size <= 0:
         return
+    if os.environ.get(ENV_NODE_AGENT):
+        return  # hyperacc run's node agent summarises this rank's windows from its records (hyperacc.agent)
     try:
         aggregator = WindowAggregator(
             tracer.rank,

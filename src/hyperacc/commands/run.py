@@ -22,8 +22,9 @@ from pathlib import Path
 
 import click
 
-from hyperacc.agent import Compactor
+from hyperacc.agent import Compactor, LiveNode, NodeAgent
 from hyperacc.commands.params import OneLineCommand, OutputDir
+from hyperacc.remediation.config import ENV as REMEDIATE_ENV
 from hyperacc.supervisor import METRICS_ENV, Supervisor, choose_view
 from hyperacc.trace.options import ENV_NODE_AGENT
 
@@ -380,8 +381,11 @@ def command(
     if view == "panel":
         env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks' output reaches the terminal as it is written
     window = _live_window(trace_json)
-    compactor = Compactor.from_trace_json(run_dir, trace_json, agent=agent)
-    sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window, compactor=compactor).run())
+    node = NodeAgent(
+        LiveNode.from_trace_json(run_dir, trace_json, agent=agent, remediate=env.get(REMEDIATE_ENV)),
+        Compactor.from_trace_json(run_dir, trace_json, agent=agent),
+    )
+    sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window, agent=node).run())
 
 
 # Reusing a run directory (docs/reliability.md, "Run directories"): a second job's rows would be mixed

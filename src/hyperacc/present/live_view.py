@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from hyperacc import store
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.schema import EVENT_SCHEMA, RESOURCE_SCHEMA, STEP_SCHEMA
+from hyperacc.schema import EVENT_SCHEMA, RESOURCE_SCHEMA, STEP_SCHEMA, live_events_dir
 from hyperacc.stats import nan_median
 
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
@@ -127,6 +127,16 @@ class RunFollower:
             out += [(rank, t) for t in cursor.read_new(columns, schema)]
         return out
 
+    def _new_live_events(self, run_dir: Path) -> list[tuple[int, pa.Table]]:
+        """The node agent's live verdicts (``RUN_DIR/live/events``) not read yet."""
+        folder = live_events_dir(run_dir)
+        if not folder.is_dir():
+            return []
+        cursor = self._cursors.get(folder)
+        if cursor is None:
+            cursor = self._cursors[folder] = store.SegmentCursor(folder)
+        return [(0, t) for t in cursor.read_new(("kind", "detail", "rank"), EVENT_SCHEMA)]
+
     def _add(self, rank: int, table: pa.Table) -> None:
         cols = {}
         for name in _COLUMNS:
@@ -142,7 +152,9 @@ class RunFollower:
 
     def _read_events(self, run_dir: Path) -> bool:
         new = False
-        for _rank, table in self._new_tables(run_dir, "events", ("kind", "detail", "rank"), EVENT_SCHEMA):
+        tables = self._new_tables(run_dir, "events", ("kind", "detail", "rank"), EVENT_SCHEMA)
+        tables += self._new_live_events(run_dir)
+        for _rank, table in tables:
             for row in table.to_pylist():
                 if row.get("kind") == "live_finding" and row.get("detail"):
                     text = str(row["detail"])

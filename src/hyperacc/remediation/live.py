@@ -35,6 +35,7 @@ from hyperacc.remediation.drain import read_membership
 from hyperacc.remediation.executor import RemediationExecutor
 from hyperacc.remediation.policy import Decision, Finding, JobState
 from hyperacc.trace.failsafe import switch_off
+from hyperacc.trace.options import ENV_NODE_AGENT
 
 log = logging.getLogger("hyperacc.remediation")
 
@@ -78,14 +79,23 @@ class LiveRemediation:
         record: Callable[[str, int, str], None] | None = None,
         current_step: Callable[[], int] | None = None,
         poll_s: float = 0.25,
+        decides: bool | None = None,
+        applies: bool = True,
+        store_address: str | None = None,
+        prefix: str | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
         self.record = record  # (kind, step, detail) -> an event of the rank's trace
         self.current_step = current_step  # rank 0: the training thread's step (read, never waited on)
         self.poll_s = poll_s
+        # who decides: rank 0, or the node agent that holds it (``hyperacc.agent.LiveNode``: ``applies``
+        # False, the job's store at ``store_address`` "host:port" under the ranks' ``prefix``)
+        self.store_address = store_address
+        self.prefix = prefix
+        decides = rank == 0 if decides is None else decides
         self.executor = (
-            RemediationExecutor(config, handlers={a: self._publish for a in SWITCH_PARTS}) if rank == 0 else None
+            RemediationExecutor(config, handlers={a: self._publish for a in SWITCH_PARTS}) if decides else None
         )
         self.stabilizers: list[Any] = []
         self._pending: dict[str, tuple[int, str]] = {}  # action -> (agreed step, rule), set by the poll thread
@@ -95,7 +105,7 @@ class LiveRemediation:
         self._on = config.mode != "off"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="hyperacc-remediation", daemon=True)
-        if self._on:
+        if self._on and applies:
             self._thread.start()
 
     @property
@@ -117,6 +127,11 @@ class LiveRemediation:
                         nodes=int(getattr(detector, "nodes", 1)), steps_per_s=rate)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - remediation never stops training nor the aggregation
             self._off_everywhere(exc)
+
+    def observe(self, step: int, at_s: float | None = None) -> None:
+        """A sample of the training step at ``at_s`` seconds (default: now, monotonic), for the rate of
+        steps per second; one source of samples keeps to one clock."""
+        self._seen.append((time.monotonic() if at_s is None else at_s, step))
 
     def _rate(self, now: int, rows: Sequence[Mapping[str, Any]]) -> float:
         """Training steps per wall-clock second, pauses and all: the step counter sampled by the poll
@@ -158,7 +173,7 @@ class LiveRemediation:
 
     def _publish(self, decision: Decision) -> str:
         """Handler of a live switch: every rank learns the agreed step through the store."""
-        store = self._connect()
+        store = self.connect()
         store.set(f"switch/{decision.action}", json.dumps({"step": decision.step, "rule": decision.rule}))
         if not self._on:  # switched off meanwhile: the ranks must drop it too
             store.set("off", "switched off")
@@ -166,24 +181,29 @@ class LiveRemediation:
 
     # ------------------------------------------------------------------ every rank: applying
 
-    def _connect(self) -> Any:
+    def connect(self) -> Any:
+        """The job's store under this job's prefix (connected once)."""
         if self._store is None:
             import torch.distributed as dist
 
             from hyperacc.analysis.live_aggregate import connect_store
 
-            base = connect_store()
+            if self.store_address:
+                host, _, port = self.store_address.rpartition(":")
+                base = connect_store(host, int(port))
+            else:
+                base = connect_store()
             if base is None:
                 base = dist.HashStore()  # a single process: rank 0 is every rank
-            self._store = dist.PrefixStore(_prefix(), base)
+            self._store = dist.PrefixStore(self.prefix or _prefix(), base)
         return self._store
 
     def _poll(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
                 if self.current_step is not None:
-                    self._seen.append((time.monotonic(), int(self.current_step())))
-                store = self._connect()
+                    self.observe(int(self.current_step()))
+                store = self.connect()
                 if store.check(["off"]):
                     self._on = False
                     self._pending.clear()
@@ -207,7 +227,7 @@ class LiveRemediation:
         self._pending.clear()
         switch_off(part, exc)
         try:
-            self._connect().set("off", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            self.connect().set("off", f"rank {self.rank}: {type(exc).__name__}: {exc}")
         except Exception:  # noqa: BLE001 - the store itself failed: the others keep polling a silent store
             pass
 
@@ -261,16 +281,18 @@ def install(auto: Any) -> LiveRemediation | None:
     if tracer is None:
         log.warning("hyperacc: remediation needs the tracer (HYPERACC_RUN_DIR); remediation is off")
         return None
+    agent = bool(os.environ.get(ENV_NODE_AGENT))  # hyperacc run's node agent decides, not rank 0
     try:
         live = LiveRemediation(
             config, rank=tracer.rank, current_step=lambda: tracer.current_step,
             record=lambda kind, step, detail: tracer.record_event(kind, step, detail=detail),
+            decides=tracer.rank == 0 and not agent,
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - e.g. no run directory for the event log
         switch_off("remediation", exc)
         return None
     auto.add_step_callback(live.step)
-    if tracer.rank == 0:
+    if tracer.rank == 0 and not agent:
         if tracer.aggregator is None:
             log.warning("hyperacc: remediation decides from the live windows (--trace window > 0); "
                         "this job has none, so nothing will be decided")  # fmt: skip

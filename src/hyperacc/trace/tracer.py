@@ -511,6 +511,7 @@ class Tracer:
     def _write_meta(self) -> None:
         backend = _dist_backend()
         self._meta_backend = backend
+        here = process.place()
         meta = RankMeta(
             rank=self.rank,
             local_rank=self.local_rank,
@@ -522,6 +523,10 @@ class Tracer:
             backend=backend or "unknown",
             device=str(self._device) if self._device is not None else "cpu",
             agent=os.environ.get(ENV_NODE_AGENT, ""),
+            store=f"{here.master_addr}:{here.master_port}" if here.master_addr and here.master_port else "",
+            run_id=here.run_id,
+            restart_count=here.restart_count,
+            nodes=here.nodes or 0,
         )
         try:
             records.write_meta(self.run_dir, meta)

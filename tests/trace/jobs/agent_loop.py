@@ -1,7 +1,8 @@
 """A 2-rank gloo training loop with nothing of hyperacc in it (run under ``hyperacc run`` by
 tests/trace/test_compaction_job.py): a tiny DDP model, SGD, 5 ms of sleep per step; rank 0 raises a
 flag after SECONDS so that both ranks stop at the same step. Prints, on each rank at the end,
-"rank R steps N pyarrow P": P says whether pyarrow was ever loaded in the rank.
+"rank R steps N pyarrow P windows W": P says whether pyarrow was ever loaded in the rank, W whether
+the rank ran a live-window thread of its own.
 
 argv: SECONDS
 """
@@ -9,6 +10,7 @@ argv: SECONDS
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 import torch
@@ -34,7 +36,8 @@ def main() -> None:
         dist.all_reduce(flag)
         if flag.item() > 0:
             break
-    sys.stdout.write(f"rank {rank} steps {steps} pyarrow {'pyarrow' in sys.modules}\n")  # one write
+    windows = any(t.name == "hyperacc-trace-windows" for t in threading.enumerate())
+    sys.stdout.write(f"rank {rank} steps {steps} pyarrow {'pyarrow' in sys.modules} windows {windows}\n")
     sys.stdout.flush()
     dist.destroy_process_group()
 
