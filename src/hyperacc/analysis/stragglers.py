@@ -131,7 +131,14 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any], opts: DetectionOpti
             above = (values - med[None, :] >= floor) & (values >= med[None, :] * (1 + opts.min_slowdown))
         mostly = majority(judged & above, judged, 2 * opts.persist_n)
         beyond = beyond_floor(flags, judged, opts) & mostly
-        for r in range(values.shape[0]):
+        # a rule can confirm only a rank flagged in some window: an outlier, the slowest, or (with a
+        # culprit record) materially above the median; the others are not tried
+        candidates = flags.any(axis=1)
+        if top is not None:
+            candidates |= top.any(axis=1)
+            if (grid.culprit_known > 0).any():
+                candidates |= above.any(axis=1)
+        for r in np.flatnonzero(candidates):
             chosen = None
             for rule in ("outlier", "rank_order", "culprit"):
                 if rule == "outlier":
@@ -442,24 +449,25 @@ def node_flags(
     if node_ids.size < 2:
         return out, judged, chance
     n_w = values.shape[1]
-    node_med = np.full((node_ids.size, n_w), np.nan)
-    for i, n in enumerate(node_ids):
+    # Only a node that holds a window's slowest rank can be fully separated in it: the others are not
+    # tested (at thousands of ranks, testing every node against the rest costs nodes x ranks).
+    top = np.argmax(np.where(present, values, -np.inf), axis=0)
+    leaders = {int(grid.nodes[r]) for w, r in enumerate(top) if present[r, w]}
+    total = present.sum(axis=0)
+    for n in node_ids:
         sel = grid.nodes == n
-        node_med[i] = nan_median(values[sel], axis=0)
-    sizes = np.stack([present[grid.nodes == n].sum(axis=0) for n in node_ids])
-    for i, n in enumerate(node_ids):
-        sel = grid.nodes == n
-        m = sizes[i]
-        rest = present & ~sel[:, None]
-        with np.errstate(invalid="ignore"):
-            lo = np.where(present[sel], values[sel], np.inf).min(axis=0)
-            hi = np.where(rest, values, -np.inf).max(axis=0)
-            rest_med = nan_median(np.where(rest, values, np.nan), axis=0)
-            gap = node_med[i] - rest_med
-            ok = (m >= 2) & (rest.sum(axis=0) >= 2) & judged & (lo > hi)
-            ok &= (gap >= opts.floor_ns) & (gap >= opts.min_slowdown * rest_med)
+        m = present[sel].sum(axis=0)
+        ok = np.zeros(n_w, dtype=bool)
+        if int(n) in leaders:
+            rest = present & ~sel[:, None]
+            with np.errstate(invalid="ignore"):
+                lo = np.where(present[sel], values[sel], np.inf).min(axis=0)
+                hi = np.where(rest, values, -np.inf).max(axis=0)
+                rest_med = nan_median(np.where(rest, values, np.nan), axis=0)
+                gap = nan_median(values[sel], axis=0) - rest_med
+                ok = (m >= 2) & (rest.sum(axis=0) >= 2) & judged & (lo > hi)
+                ok &= (gap >= opts.floor_ns) & (gap >= opts.min_slowdown * rest_med)
         out[int(n)] = ok
-        total = present.sum(axis=0)
         chance[int(n)] = np.array(
             [1.0 / math.comb(int(t), int(k)) if t >= k >= 1 else 1.0 for t, k in zip(total, m, strict=True)]
         )
