@@ -291,7 +291,7 @@ class LiveNode(_Periodic):
         key = f"hyperacc/agents/{ref.run_id}/address"
         if leader:
             served = dist.TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)
-            address = f"{host}:{served.port}"
+            address = f"{_address_towards(host, int(port))}:{served.port}"
             said.parent.mkdir(parents=True, exist_ok=True)
             text = json.dumps({"run_id": ref.run_id, "address": address}) + "\n"
             records.write_atomically(said, lambda tmp: tmp.write_text(text))
@@ -390,6 +390,10 @@ class LiveNode(_Periodic):
             self._remediation = self._remediation_of(meta0)
             if self._remediation is not None:
                 self._gatherer.on_judged = self._remediation.on_judged
+        # after an elastic restart: the world as it is now, switches where the restarted ranks look
+        self._gatherer.world_size = meta0.world_size
+        if self._remediation is not None:
+            self._remediation.retarget(_remediate_prefix(meta0))
         return self._gatherer
 
     def _window_event(self, w: int, received: list[int], missing: list[int]) -> None:
@@ -415,9 +419,29 @@ class LiveNode(_Periodic):
         if not config.run_dir:
             config = dataclasses.replace(config, run_dir=str(self.run_dir))
         live = LiveRemediation(config, rank=0, applies=False, store_address=meta0.store, current_step=self.step_now,
-                               prefix=f"hyperacc/remediate/{meta0.run_id}/{meta0.restart_count}/")  # fmt: skip
+                               prefix=_remediate_prefix(meta0))  # fmt: skip
         live.connect()  # now, not at the first decision: importing torch there would make the switch late
         return live
+
+
+def _address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (the job's store): what the other nodes reach it
+    by, which ``host`` itself is not where the store runs elsewhere (a rendezvous endpoint on another
+    machine). ``host`` where the route cannot be found."""
+    import socket
+
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(where)  # a datagram socket sends nothing on connect: it only picks the route
+            return str(probe.getsockname()[0])
+    except OSError:
+        return host
+
+
+def _remediate_prefix(meta: Any) -> str:
+    """Where the ranks of this attempt of the job poll for live switches (``remediation.live``)."""
+    return f"hyperacc/remediate/{meta.run_id}/{meta.restart_count}/"
 
 
 class _EventLog:

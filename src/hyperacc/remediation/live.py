@@ -128,6 +128,12 @@ class LiveRemediation:
         except Exception as exc:  # noqa: BLE001 - remediation never stops training nor the aggregation
             self._off_everywhere(exc)
 
+    def retarget(self, prefix: str) -> None:
+        """Publish under ``prefix`` from now on (the node agent, after an elastic restart of the ranks)."""
+        if prefix != self.prefix:
+            self.prefix = prefix
+            self._store = None
+
     def observe(self, step: int, at_s: float | None = None) -> None:
         """A sample of the training step at ``at_s`` seconds (default: now, monotonic), for the rate of
         steps per second; one source of samples keeps to one clock."""
