@@ -85,10 +85,12 @@ def run_arm(arm: str, trace: dict | None, job: str, iters: int, nproc: int, data
         "iter_cpu_ms": statistics.fmean(r["steady_cpu_s"] / r["steps"] for r in ranks) * 1e3,
         "startup_cpu_s": statistics.fmean(r["startup_cpu_s"] for r in ranks),
         "rank_rss_mib": max(r["maxrss_mib"] for r in ranks),
-        # rank 0 gathers every rank's live windows and runs the live detector; the others only train
+        # without a node agent rank 0 gathers the live windows; under hyperacc run it is a rank like the others
         "other_rss_mib": max(r["maxrss_mib"] for k, r in by_rank.items() if k != 0 or len(by_rank) == 1),
         "tree_rss_mib": tree["maxrss_mib"],
         "tree_cpu_s": tree["cpu_s"],
+        "launcher_rss_mib": tree["own_rss_mib"],  # torchrun's launcher, or hyperacc run (the node agent)
+        "launcher_cpu_s": tree["own_cpu_s"],
     }
 
 
@@ -112,10 +114,12 @@ def compare(job: str, arms: dict[str, dict | None], pairs: int, iters: int, npro
     plain = results["plain"]
     print(f"\n{job}, {nproc} ranks, {iters} iterations, {pairs} alternated pairs")
     print(f"{'arm':<18} {'iter CPU ms':>11} {'ratio (95% interval)':>26} {'start-up CPU s':>15} "
-          f"{'largest rank MiB':>17} {'ranks but 0 MiB':>16} {'largest process MiB':>20}")  # fmt: skip
+          f"{'largest rank MiB':>17} {'ranks but 0 MiB':>16} {'largest process MiB':>20} {'launcher MiB':>13} "
+          f"{'launcher CPU s':>15}")  # fmt: skip
     base = {k: statistics.median(r[k] for r in plain) for k in plain[0]}
     print(f"{'plain torchrun':<18} {base['iter_cpu_ms']:>11.2f} {'1':>26} {base['startup_cpu_s']:>15.2f} "
-          f"{base['rank_rss_mib']:>17.0f} {base['other_rss_mib']:>16.0f} {base['tree_rss_mib']:>20.0f}")  # fmt: skip
+          f"{base['rank_rss_mib']:>17.0f} {base['other_rss_mib']:>16.0f} {base['tree_rss_mib']:>20.0f} "
+          f"{base['launcher_rss_mib']:>13.0f} {base['launcher_cpu_s']:>15.2f}")  # fmt: skip
     for name in arms:
         rows = results[name]
         ratios = [r["iter_cpu_ms"] / p["iter_cpu_ms"] for r, p in zip(rows, plain, strict=True)]
@@ -127,9 +131,11 @@ def compare(job: str, arms: dict[str, dict | None], pairs: int, iters: int, npro
         d_other = med["other_rss_mib"] - base["other_rss_mib"]
         text = f"{statistics.median(ratios):.3f} ({lo:.3f}..{hi:.3f})"
         print(f"{name:<18} {med['iter_cpu_ms']:>11.2f} {text:>26} {d_start:>+15.2f} {d_rank:>+17.0f} {d_other:>+16.0f} "
-              f"{d_tree:>+20.0f}")  # fmt: skip
+              f"{d_tree:>+20.0f} {med['launcher_rss_mib']:>13.0f} {med['launcher_cpu_s']:>15.2f}")  # fmt: skip
     print("ratio: per-iteration CPU inside the ranks, traced / plain of the same pair (median, and the 95 % "
-          "interval of the mean); start-up and memory columns of traced arms: difference from plain")
+          "interval of the mean); start-up and memory columns of traced arms: difference from plain; launcher: "
+          "the launched command's own process, peak RSS and CPU time (torchrun's launcher in the plain arm, "
+          "hyperacc run, the node agent, in the traced ones; torchrun is its child)")
 
 
 def main() -> None:
