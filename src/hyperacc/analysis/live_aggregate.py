@@ -157,15 +157,18 @@ DONE_KEPT = 8
 
 
 def publish_rows(store: Any, rows: list[dict[str, Any]]) -> list[int]:
-    """Append window rows to their window's key, one append and one count per window; a window already
-    judged (``w<N>/done``) takes no more rows. Returns the windows published."""
+    """Append window rows to their window's key, one append (one JSON line: the column names once, then
+    each row's values) and one count per window; a window already judged (``w<N>/done``) takes no more
+    rows. Returns the windows published."""
     by_window: dict[int, list[dict[str, Any]]] = {}
     for row in rows:
         by_window.setdefault(int(row["window"]), []).append(row)
     for w, batch in sorted(by_window.items()):
         if store.check([f"w{w}/done"]):
             continue  # judged without these rows: they would leave a key behind
-        store.append(f"w{w}", "".join(json.dumps(r) + "\n" for r in batch))
+        columns = list(dict.fromkeys(k for r in batch for k in r))
+        line = {"columns": columns, "values": [[r.get(c) for c in columns] for r in batch]}
+        store.append(f"w{w}", json.dumps(line, separators=(",", ":")) + "\n")
         store.add(f"w{w}/n", len(batch))
     return sorted(by_window)
 
@@ -297,9 +300,12 @@ class WindowGatherer:
     def _take(self, store: Any, w: int) -> list[dict[str, Any]]:
         if store is None:
             return self._rows.pop(w, [])
-        rows = []
+        rows: list[dict[str, Any]] = []
         if store.check([f"w{w}"]):
-            rows = [json.loads(line) for line in store.get(f"w{w}").decode().splitlines() if line.strip()]
+            for line in store.get(f"w{w}").decode().splitlines():
+                if line.strip():
+                    batch = json.loads(line)  # one sender's rows: {"columns": [...], "values": [[...], ...]}
+                    rows += [dict(zip(batch["columns"], v, strict=True)) for v in batch["values"]]
         store.set(f"w{w}/done", "1")
         for key in (f"w{w}", f"w{w}/n", f"w{w - DONE_KEPT}/done"):
             store.delete_key(key)

@@ -287,13 +287,13 @@ def rows_table(rows: Sequence[Mapping[str, Any]]) -> Any:
 def rows_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     """Window rows of any ranks -> numpy columns in (window, rank) order, as ``rows_table`` but without
     pyarrow (what rank 0's live aggregation hands the detector); None becomes NaN."""
-    present = {k for r in rows for k in r}
+    present = set().union(*(r.keys() for r in rows))
     ordered = sorted(rows, key=lambda r: (r["window"], r["rank"]))
     out: dict[str, np.ndarray] = {}
     for name in (n for n in SUMMARY_COLUMNS if n in present):
         values = [r.get(name) for r in ordered]
         if _dtype(name) is np.float64:
-            out[name] = np.array([np.nan if v is None else v for v in values], dtype=np.float64)
+            out[name] = np.array(values, dtype=np.float64)  # None -> NaN
         else:
             out[name] = np.array([-1 if v is None else v for v in values], dtype=np.int64)
     return out
