@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperacc import records
+from hyperacc.analysis.live_aggregate import STORE_ERRORS
 from hyperacc.schema import live_events_dir, live_windows_dir, rank_name
 
 log = logging.getLogger("hyperacc.agent")
@@ -158,8 +159,9 @@ class LiveNode(_Periodic):
     (``WindowStream``), and then:
 
     - where this agent holds every rank of the job, judges the windows itself (``WindowGatherer.offer``);
-    - otherwise publishes its node's rows to the job's c10d store (one append and one count per window for
-      the whole node), and the agent that holds rank 0 gathers every node's rows from there.
+    - otherwise publishes its node's rows to a TCPStore that the agent holding rank 0 serves (one append
+      and one count per window for the whole node; ``_agents_store``), and that agent gathers every
+      node's rows from there.
 
     The agent that holds rank 0 runs the live detector, keeps the gathered rows under
     ``RUN_DIR/live/windows``, writes its findings and who reported each window as events under
@@ -187,7 +189,10 @@ class LiveNode(_Periodic):
         self._metas: dict[int, Any] = {}
         self._held: list[dict[str, Any]] = []  # rows read before the job's shape is known
         self._gatherer: Any = None
-        self._store: Any = None  # where the node agents meet (multi-node)
+        self._store: Any = None  # a follower's client of the leader's store (multi-node)
+        self._served: Any = None  # the leader's own store, where the node agents meet
+        self._address = ""  # where the leader's store is, "host:port"
+        self._advertised = False  # said in the job's store
         self._job: Any = None  # the job's own store
         self._backoff = Backoff("node agent's window summaries")
         self._events: Any = None
@@ -225,7 +230,7 @@ class LiveNode(_Periodic):
         self._guard(lambda: self._pass(final))
 
     def _pass(self, final: bool) -> None:
-        from hyperacc.analysis.live_aggregate import STORE_ERRORS, publish_rows
+        from hyperacc.analysis.live_aggregate import publish_rows
 
         rows = self._held + self._read_new(final)
         self._held = []
@@ -242,7 +247,7 @@ class LiveNode(_Periodic):
             self._held = rows[-OUTBOX_ROWS:]
             return
         try:
-            store = self._agents_store(ref, leader=0 in mine)
+            store = self._agents_store(ref, leader=0 in mine, final=final)
             if store is None:  # the leader has not said where yet
                 self._held = rows[-OUTBOX_ROWS:]
                 return
@@ -273,14 +278,14 @@ class LiveNode(_Periodic):
             time.sleep(0.2)
         gatherer.gather(store, final=True, final_grace_s=0.0)
 
-    def _agents_store(self, ref: Any, *, leader: bool) -> Any:
+    def _agents_store(self, ref: Any, *, leader: bool, final: bool = False) -> Any:
         """Where the node agents of a multi-node job meet: a TCPStore that the leader (the agent that
         holds rank 0) serves, so that it outlives torchrun's own store and the last windows of every
-        node still arrive after the job ends. The leader says where in the job's store (``ref.store``,
-        MASTER_ADDR:MASTER_PORT) and in ``RUN_DIR/live/agents`` (read first: a run directory the nodes
-        share still says it after torchrun's store is gone). None until that is known."""
-        if self._store is not None:
-            return self._store
+        node still arrive after the job ends. The leader says where in ``RUN_DIR/live/agents`` (read
+        first: a run directory the nodes share says it even after torchrun's store is gone) and in the
+        job's store (``ref.store``, MASTER_ADDR:MASTER_PORT). The leader's store is made once and never
+        depends on the job's: an advertisement that fails is tried again at the next pass (not at the
+        last, when torchrun's store is gone). None until a follower knows where."""
         import datetime
 
         import torch.distributed as dist
@@ -290,14 +295,22 @@ class LiveNode(_Periodic):
         said = self.run_dir / "live" / "agents"
         key = f"hyperacc/agents/{ref.run_id}/address"
         if leader:
-            served = dist.TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)
-            address = f"{_address_towards(host, int(port))}:{served.port}"
-            said.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps({"run_id": ref.run_id, "address": address}) + "\n"
-            records.write_atomically(said, lambda tmp: tmp.write_text(text))
-            self._job_store(ref).set(key, address)
-            self._store = served
-            return served
+            if self._served is None:
+                served = dist.TCPStore(host, 0, None, True, timeout=timeout, wait_for_workers=False)
+                self._address = f"{_address_towards(host, int(port))}:{served.port}"
+                said.parent.mkdir(parents=True, exist_ok=True)
+                text = json.dumps({"run_id": ref.run_id, "address": self._address}) + "\n"
+                records.write_atomically(said, lambda tmp: tmp.write_text(text))
+                self._served = served
+            if not self._advertised and not final:
+                try:
+                    self._job_store(ref).set(key, self._address)
+                    self._advertised = True
+                except STORE_ERRORS:
+                    self._job = None  # the file says it meanwhile; the job's store is tried next pass
+            return self._served
+        if self._store is not None:
+            return self._store
         address = None
         try:
             text = json.loads(said.read_text())
