@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperacc import records
-from hyperacc.analysis.live_aggregate import STORE_ERRORS
+from hyperacc.analysis.live_aggregate import STORE_ERRORS, connect_store
 from hyperacc.schema import live_events_dir, live_windows_dir, rank_name
 
 log = logging.getLogger("hyperacc.agent")
@@ -322,17 +322,13 @@ class LiveNode(_Periodic):
             if not job.check([key]):
                 return None
             address = job.get(key).decode()
-        addr, _, aport = address.rpartition(":")
-        self._store = dist.TCPStore(addr, int(aport), None, False, timeout=timeout, wait_for_workers=False)
+        self._store = connect_store(address)
         return self._store
 
     def _job_store(self, ref: Any) -> Any:
         """A client of the job's own store (torchrun's, the one its rendezvous uses), made once."""
         if self._job is None:
-            from hyperacc.analysis.live_aggregate import connect_store
-
-            host, _, port = ref.store.rpartition(":")
-            self._job = connect_store(host, int(port))
+            self._job = connect_store(ref.store)
         return self._job
 
     def _read_new(self, final: bool) -> list[dict[str, Any]]:

@@ -38,15 +38,19 @@ from hyperacc.trace.options import ENV_NODE_AGENT
 log = logging.getLogger("hyperacc.live")
 
 
-def connect_store(addr: str | None = None, port: int | None = None, timeout_s: float = 10.0) -> Any:
+def connect_store(address: str | None = None, timeout_s: float = 10.0) -> Any:
     """A c10d store every rank of this job can reach, or None (single process without torchrun).
 
-    A fresh client of the TCPStore at ``addr:port``, by default the launcher's (MASTER_ADDR:MASTER_PORT,
-    the one torchrun's rendezvous already uses); without those, the default process group's store.
+    A fresh client of the TCPStore at ``address`` ("host:port"), by default the launcher's
+    (MASTER_ADDR:MASTER_PORT, the one torchrun's rendezvous already uses); without those, the default
+    process group's store.
     """
     import torch.distributed as dist
 
-    if addr is None or port is None:
+    if address:
+        addr, _, text = address.rpartition(":")
+        port: int | None = int(text)
+    else:
         here = process.place()
         addr, port = here.master_addr, here.master_port
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -194,11 +194,7 @@ class LiveRemediation:
 
             from hyperacc.analysis.live_aggregate import connect_store
 
-            if self.store_address:
-                host, _, port = self.store_address.rpartition(":")
-                base = connect_store(host, int(port))
-            else:
-                base = connect_store()
+            base = connect_store(self.store_address)
             if base is None:
                 base = dist.HashStore()  # a single process: rank 0 is every rank
             self._store = dist.PrefixStore(self.prefix or _prefix(), base)
