@@ -99,8 +99,9 @@ def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Pat
         values = sorted(row[col] for row in rows[r][2:])
         return values[len(values) // 2]
 
-    # chaos burns CPU after rank 2's forward (2 x forward x 3): its self-time shows it, nobody else's
-    assert median(2, "self_ns") > 1.5 * max(median(r, "self_ns") for r in (0, 1, 3))
+    # chaos burns CPU after rank 2's forward (2 x forward x 3): its CPU time shows it, nobody else's
+    # (CPU time, not self-time: on a loaded host the other ranks' self-times grow by preemption too)
+    assert median(2, "cpu_ns") > 1.5 * max(median(r, "cpu_ns") for r in (0, 1, 3))
     # the node agent holding rank 0 judged the windows, the other node's agent sent its node's rows
     assert not [e for e in store.read_events(run).to_pylist() if e["kind"] == "window_gathered"]  # no rank did
     gathered = [e for e in store.read_live_events(run).to_pylist() if e["kind"] == "window_gathered"]

@@ -28,6 +28,11 @@ def digest(tensors) -> str:
     return h.hexdigest()
 
 
+# rank 0's lateness at each synchronisation point: well above what preemption adds to any rank's
+# arrival on a loaded 2-core host (a few ms), so pacing sees a predictable spread under load too
+LEAD_S = 0.025
+
+
 def main() -> None:
     mode, run_dir, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     dist.init_process_group("gloo")
@@ -52,9 +57,9 @@ def main() -> None:
             p = t.clone()
             # rank 0 is the persistent straggler before each of the two synchronisation points, so
             # both the explicit collective and DDP's gradient all-reduce see it arrive late
-            time.sleep(0.002 + (0.006 if rank == 0 else 0.0))
+            time.sleep(0.002 + (LEAD_S if rank == 0 else 0.0))
             explicit(t)
-            time.sleep(0.002 + (0.006 if rank == 0 else 0.0))
+            time.sleep(0.002 + (LEAD_S if rank == 0 else 0.0))
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
