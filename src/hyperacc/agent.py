@@ -197,6 +197,9 @@ class LiveNode(_Periodic):
         self._backoff = Backoff("node agent's window summaries")
         self._events: Any = None
         self._remediation: Any = None
+        self._blocks: dict[int, Any] = {}  # rank -> its BlockStream (live episodes, one-node jobs)
+        self._new_blocks: list[Any] = []
+        self._episodes: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -242,7 +245,9 @@ class LiveNode(_Periodic):
             gatherer = self._leader(ref)
             gatherer.offer(rows)
             gatherer.gather(None, final=final, final_grace_s=0.0)
+            self._judge_episodes(final)
             return
+        self._new_blocks.clear()  # live episodes are judged where every rank's blocks are (one node)
         if not ref.store or not (final or self._backoff.ready()):
             self._held = rows[-OUTBOX_ROWS:]
             return
@@ -266,6 +271,19 @@ class LiveNode(_Periodic):
             self._store = self._job = None
             self._held = rows[-OUTBOX_ROWS:]
             self._backoff.failed(exc)
+
+    def _judge_episodes(self, final: bool) -> None:
+        """Live episodes (``analysis.live_episodes``) over the blocks read this pass, as live findings."""
+        if self._episodes is None:
+            from hyperacc.analysis.live_episodes import LiveEpisodes
+            from hyperacc.analysis.options import DetectionOptions
+
+            confirmed = lambda rank: rank in getattr(self._gatherer._detector, "confirmed", {})  # noqa: E731
+            self._episodes = LiveEpisodes(DetectionOptions(window_steps=self.window), straggler=confirmed)
+        blocks, self._new_blocks = self._new_blocks, []
+        said = self._episodes.update(blocks) + (self._episodes.close() if final else [])
+        for step, line in said:
+            self._event("live_finding", step, None, line)
 
     def _final_gather(self, store: Any, gatherer: Any, ref: Any) -> None:
         """The leader after its own torchrun exited: the other nodes' agents send their last windows once
@@ -335,6 +353,7 @@ class LiveNode(_Periodic):
         """The window rows this agent's ranks completed since the last pass (all of them when ``final``)."""
         from hyperacc import store
         from hyperacc.analysis.live_aggregate import step_columns
+        from hyperacc.analysis.live_episodes import BlockStream
         from hyperacc.analysis.options import DetectionOptions
         from hyperacc.analysis.windows import WindowStream
         from hyperacc.schema import STEP_SCHEMA, steps_dir
@@ -358,12 +377,16 @@ class LiveNode(_Periodic):
                 first = int(cols["step"][0])
                 stream = self._streams.get(rank)
                 if stream is None or first <= self._last_step.get(rank, -1):  # a restart counts steps again
-                    stream = self._streams[rank] = WindowStream(DetectionOptions(window_steps=self.window))
+                    opts = DetectionOptions(window_steps=self.window)
+                    stream = self._streams[rank] = WindowStream(opts)
+                    self._blocks[rank] = BlockStream(rank, meta.node, opts)
                 self._last_step[rank] = int(cols["step"][-1])
                 self._sample(table)
                 out += stream.add(cols)
+                self._new_blocks.append(self._blocks[rank].add(cols))
             if final and rank in self._streams:
                 out += self._streams.pop(rank).close()
+                self._new_blocks.append(self._blocks.pop(rank).close())
         return out
 
     def _sample(self, table: Any) -> None:

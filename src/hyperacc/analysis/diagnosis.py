@@ -75,6 +75,7 @@ class Diagnosis:
     steps_per_rank: int = 0  # the most steps any rank recorded (warm-up included)
     coordination: dict[str, Any] = dataclasses.field(default_factory=dict)  # analysis.coordination
     resources: dict[str, Any] = dataclasses.field(default_factory=dict)  # analysis.resources
+    what_if: dict[str, Any] | None = None  # analysis.whatif: the job time each culprit cost
 
     def to_dict(self) -> dict[str, Any]:
         """The document ``analyze --json`` prints: plain JSON types, no NaN (unknown values are None)."""
@@ -100,6 +101,7 @@ class Diagnosis:
                 "steps_per_rank": self.steps_per_rank,
                 "coordination": self.coordination,
                 "resources": self.resources,
+                "what_if": self.what_if,
                 "options": dict(self.options),
                 "docs": "docs/detection.md",
             }
@@ -163,15 +165,9 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"({percent(chance)} by chance)."
             )
     if d.episodes:
-        sentences.append(
-            "Earlier, "
-            + "; ".join(
-                f"rank {e['rank']} was slow from step {e['since_step']} to {e['until_step']} "
-                f"({_metric_of(e)} {_ratio(e['slowdown'])})"
-                for e in d.episodes[:3]
-            )
-            + (", then recovered." if len(d.episodes) == 1 else ", each then recovered.")
-        )
+        sentences.append(_sentence("; ".join(_episode_phrase(e) for e in d.episodes[:3])))
+        if len(d.episodes) > 3:
+            sentences.append(f"{len(d.episodes) - 3} more episodes are in the evidence.")
     too_short = (
         not d.stragglers and not d.episodes and d.ranks_analyzed >= min_ranks
         and d.windows_judged < opts.get("persist_k", 3)
@@ -188,6 +184,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             sentences.insert(0, "No straggler at the end of the run.")
         if rate >= spike_verdict_rate and top_cause:
             sentences.append(f"Separately, {percent(rate)} of steps spiked on some rank, mostly from {top_cause}.")
+        sentences += what_if_sentences(d.what_if)
         verdict = " ".join(sentences)
     elif rate >= spike_verdict_rate and cluster.get("spike_steps", 0):
         verdict = f"No straggler, but {percent(rate)} of steps spiked on at least one rank" + (
@@ -207,7 +204,10 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             f"(stragglers are not judged with {d.ranks_analyzed} rank(s))."
         )
 
-    for s in (d.stragglers + d.episodes)[:10]:
+    for e in d.episodes[:10]:
+        if e.get("rule") == "change_point":
+            evidence.append(_episode_evidence(e))
+    for s in (d.stragglers + [e for e in d.episodes if e.get("rule") != "change_point"])[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
             f"rank {s['rank']} (node {s['node']}): {_metric_of(s)} {_ratio(s['slowdown'])} the cluster "
@@ -307,6 +307,10 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
         if key == "host_work" and _gc_excess(s) >= opts.get("floor_ns", 200_000):
             steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")
+    for e in d.episodes[:3]:
+        key = "compute_or_host" if e["kind"] == "compute" and e.get("kind_basis") == "wall_time_only" else e["kind"]
+        if not any(s["rank"] == e["rank"] for s in ranks_bad[:5]):
+            steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
         if any(s["rank"] == e["rank"] and s["kind"] == key for s in ranks_bad[:5]):
@@ -326,6 +330,57 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     if not steps:
         steps.append("nothing to fix; keep tracing to catch regressions")
     d.verdict, d.evidence, d.next_step = verdict, evidence, steps
+
+
+def what_if_sentences(w: dict[str, Any] | None, most: int = 3) -> list[str]:
+    """"Without rank 2's steps 120-179 the job would have taken 9.45 s instead of 10.5 s (-10 %)", for
+    the culprits that cost most, and all of them together (docs/detection.md, "What-if")."""
+    rows = sorted((c for c in (w or {}).get("culprits", []) if c["saved_ns"] > 0), key=lambda c: -c["saved_ns"])
+    if not rows:
+        return []
+    job = w["job_ns"] / 1e9
+
+    def cost(saved: dict[str, Any]) -> str:
+        return f"{saved['job_ns_without'] / 1e9:.3g} s instead of {job:.3g} s (-{percent(saved['saved_frac'])})"
+
+    out = [f"Without {_culprit_words(c)} the job would have taken {cost(c)}." for c in rows[:most]]
+    if len(w["culprits"]) > 1:
+        out.append(f"Without all {len(w['culprits'])} culprits together: {cost(w['all'])}.")
+    return out
+
+
+def _culprit_words(c: dict[str, Any]) -> str:
+    if c["what"] == "spikes":
+        return f"rank {c['rank']}'s {c['cause']} spikes"
+    if c["what"] == "straggler":
+        return f"rank {c['rank']}'s slowness since step {c['since_step']}"
+    return f"rank {c['rank']}'s steps {c['since_step']}-{c['until_step']}"
+
+
+def _episode_phrase(e: dict[str, Any]) -> str:
+    """"Rank 2 (node 0) was slow from step 120 to 179 (...), then recovered" (docs/detection.md, "Episodes")."""
+    kind = _KIND_WORD.get(e["kind"], e["kind"])
+    what = f"{_metric(e['metric']) if e['metric'] != 'cpu_ns' else 'self-time'} {_ratio(e['slowdown'])} the cluster median"
+    lost = e.get("job_time_lost_ns")
+    cost = f", {lost / 1e9:.3g} s of job time lost" if lost else ""
+    if e["active"]:
+        return f"rank {e['rank']} (node {e['node']}) is slow since step {e['since_step']} ({kind}: {what}{cost}), still at the end"
+    return (
+        f"rank {e['rank']} (node {e['node']}) was slow from step {e['since_step']} to {e['until_step']} "
+        f"({kind}: {what}{cost}), then recovered"
+    )
+
+
+def _episode_evidence(e: dict[str, Any]) -> str:
+    channel = "CPU time" if e["metric"] == "cpu_ns" else "self-time"
+    line = (
+        f"rank {e['rank']} (node {e['node']}): an episode of steps {e['since_step']}-{e['until_step']} "
+        f"({e['steps']} steps): its {channel} against the cluster median shifted {e['shift']:.2f}x over its own "
+        f"typical ratio (noise {e['noise']:.3f} per block), confirmed at step {e['confirmed_step']} by the "
+        f"change-point rule; {_ms(e['excess_ns'])} over the median per step, {_ms(e['job_time_lost_ns'])} of job time"
+    )
+    basis = basis_phrase(e)
+    return line + (f"; {basis}" if basis else "")
 
 
 _RULE = {

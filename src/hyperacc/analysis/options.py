@@ -80,6 +80,11 @@ class DetectionOptions:
     persist_n: int = 5  # ... of the rank's last n judged windows
     top_alpha: float = 1e-3  # significance of every count test against exchangeable ranks (0: those tests off)
     top_min_windows: int = 4  # rank order: slowest in at least this many windows
+    # -- episodes: a rank's self-time against the cluster median shifts up and back (change points)
+    episode_block_steps: int = 5  # per-rank medians over blocks of this many steps
+    episode_min_effect: float = 1.3  # the shift at least this ratio (over the rank's own typical ratio) ...
+    episode_min_steps: int = 20  # ... for at least this many steps
+    episode_h: float = 5.0  # CUSUM decision interval, in noise sigmas of one block's log ratio
     # -- node grouping
     node_fraction: float = 0.5  # more than this share of a node's ranks slow: a node problem
     # -- spikes within a rank
@@ -146,6 +151,8 @@ _INT_BOUNDS: dict[str, int] = {
     "persist_k": 1,
     "persist_n": 1,
     "top_min_windows": 1,
+    "episode_block_steps": 1,
+    "episode_min_steps": 1,
     "spike_window": 3,
     "spike_floor_ns": 0,
     "excess_min_spikes": 1,
@@ -160,6 +167,8 @@ _FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "min_slowdown": (0.0, math.inf, True),
     "top_alpha": (0.0, 1.0, True),
     "node_fraction": (0.0, 1.0, True),
+    "episode_min_effect": (1.0, math.inf, False),
+    "episode_h": (0.0, math.inf, False),
     "spike_mad": (0.0, math.inf, False),
     "spike_floor_rel": (0.0, math.inf, True),
     "explain_share": (0.0, 1.0, False),

@@ -78,6 +78,21 @@ def loo_upper_fence(values: np.ndarray, k: float = 1.5) -> np.ndarray:
     A slow value cannot then widen its own fence: with four ranks, the slowest one moves Q3 a quarter
     of the way towards itself and can hide behind it.
     """
+    (q1, q3), m = _loo_quantiles(values, (0.25, 0.75))
+    fence = q3 + k * (q3 - q1)
+    return np.where((m >= 3) & ~np.isnan(values), fence, np.nan)
+
+
+def loo_median(values: np.ndarray) -> np.ndarray:
+    """For each element of a (n x m) matrix, the median of the OTHER values of its column (NaN-aware; NaN
+    where none remains). A slow value does not pull its own reference up: with four ranks the median of
+    all four is the mean of the two middle ones, and the slow rank's ratio to it comes out biased low."""
+    (med,), m = _loo_quantiles(values, (0.5,))
+    return np.where((m >= 1) & ~np.isnan(values), med, np.nan)
+
+
+def _loo_quantiles(values: np.ndarray, qs: tuple[float, ...]) -> tuple[list[np.ndarray], np.ndarray]:
+    """Linear quantiles of the other values of each element's column, and the count of those others."""
     values = np.asarray(values, dtype=np.float64)
     order = np.argsort(values, axis=0, kind="stable")  # NaN last
     ordered = np.take_along_axis(values, order, axis=0)
@@ -86,7 +101,7 @@ def loo_upper_fence(values: np.ndarray, k: float = 1.5) -> np.ndarray:
     m = np.count_nonzero(~np.isnan(values), axis=0)[None, :] - 1  # others per column
     top = np.maximum(m - 1, 0)
 
-    def quartile(q: float) -> np.ndarray:
+    def quantile(q: float) -> np.ndarray:
         p = q * top
         lo = np.floor(p).astype(np.int64)
         hi = np.minimum(lo + 1, top)
@@ -96,9 +111,7 @@ def loo_upper_fence(values: np.ndarray, k: float = 1.5) -> np.ndarray:
         b = np.take_along_axis(ordered, hi_full, axis=0)
         return a + (p - lo) * (b - a)
 
-    q1, q3 = quartile(0.25), quartile(0.75)
-    fence = q3 + k * (q3 - q1)
-    return np.where((m >= 3) & ~np.isnan(values), fence, np.nan)
+    return [quantile(q) for q in qs], m
 
 
 def rolling_median(values: np.ndarray, window: int) -> np.ndarray:

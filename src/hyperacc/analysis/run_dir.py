@@ -25,6 +25,7 @@ import numpy as np
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
+from hyperacc.analysis.episodes import RankBlocks, detect_episodes, merge_episodes, recovered_stragglers
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.projection import project
@@ -39,6 +40,7 @@ from hyperacc.analysis.run_reduce import (
 from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
 from hyperacc.analysis.spikes import communication_spikes
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
+from hyperacc.analysis.whatif import Culprit, what_if
 from hyperacc.analysis.windows import RANK_CAUSES, concat_windows
 
 
@@ -72,6 +74,7 @@ def diagnose(
     cluster = _Cluster()
     windows: list[dict[str, np.ndarray]] = []
     findings: list[RankFindings] = []
+    blocks: list[RankBlocks] = []
     events: list[_EVENT] = []
     nodes = _Nodes(opts)
     unread: list[int] = []
@@ -87,13 +90,15 @@ def diagnose(
             continue
         cluster.add(f)
         windows.append(_held(f.windows))
+        if f.blocks is not None:
+            blocks.append(f.blocks)
         nodes.add(node, f.judged, f.spikes)
         for item in f.events:
             _keep_top(events, item, opts.top_events)
         # Keep the small tallies, drop the per-step arrays.
         findings.append(dataclasses.replace(f, steps=_EMPTY, judged=_EMPTY, spikes=_EMPTY, comm_steps=_EMPTY,
                                             comm_wait=_EMPTY, windows={}, events=[], timed_steps=_EMPTY,
-                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F))  # fmt: skip
+                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F, blocks=None))  # fmt: skip
     if not findings:
         raise store.RunDirError(
             f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
@@ -109,7 +114,13 @@ def diagnose(
     found = detect_stragglers(summaries, opts)
     # A straggler is what is still slow at the end; one that recovered is an episode of the run.
     stragglers = [s.to_dict() for s in found if s.active]
-    episodes = [s.to_dict() for s in found if not s.active]
+    # Change points per rank: transient fail-slows too short for the window rules, and the precise
+    # range of a straggler that recovered (docs/detection.md, "Episodes").
+    changes = detect_episodes(blocks, opts)
+    back = recovered_stragglers(stragglers, changes)
+    stragglers = [s for s in stragglers if s["rank"] not in back]
+    episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active])
+    blocks.clear()
     windows_judged = judged_windows(summaries, opts)
     del summaries
     working = working_gap_ranks(stragglers + episodes)
@@ -129,6 +140,9 @@ def diagnose(
             grouped({c: [f.time_lost.get(c, 0.0) for f in findings] for c in RANK_CAUSES}, groups), opts,
         )
     ]  # fmt: skip
+    what_if = (
+        _what_if(cluster, stragglers, episodes, rank_causes, groups, working) if one_clock else None
+    )
     if one_clock:
         comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
     else:
@@ -187,6 +201,7 @@ def diagnose(
         steps_per_rank=max((int(f.steps_seen) for f in findings), default=0),
         coordination=_coordination_view(cluster, findings, layout, causes, one_clock, batch_size),
         resources=_resources_view(layout, opts),
+        what_if=what_if,
     )
     explain(d)
     return d
@@ -246,6 +261,28 @@ def _add_culprits(summaries: dict[str, np.ndarray], cluster: _Cluster, window_st
     summaries["culprit_steps"] = np.array([per_pair.get((r, w), 0) for r, w in pairs], dtype=np.float64)
     summaries["culprit_known"] = np.array([known.get(w, 0) for w in summaries["window"].tolist()],
                                           dtype=np.float64)  # fmt: skip
+
+
+def _what_if(
+    cluster: _Cluster, stragglers: list[dict[str, Any]], episodes: list[dict[str, Any]],
+    rank_causes: list[dict[str, Any]], groups: dict[str, tuple[str, ...]], working: set[int],
+) -> dict[str, Any] | None:  # fmt: skip
+    """The job time each culprit cost (analysis.whatif): every straggler from its onset to the end, every
+    episode over its range, every rank-specific spike cause at the rank's spikes of that cause."""
+    last = int(cluster.steps[-1]) if cluster.steps.size else 0
+    culprits = [Culprit("straggler", s["rank"], s["since_step"], last) for s in stragglers]
+    culprits += [Culprit("episode", e["rank"], e["since_step"], e["until_step"]) for e in episodes]
+    for e in rank_causes:
+        names = set(groups.get(e["cause"], (e["cause"],)))
+        if e["cause"] == "host_work" and e["rank"] in working:
+            names.add("data")  # the input gap of a rank working in it was relabelled above
+        codes = tuple(i for i, c in enumerate(cluster.causes) if c in names)
+        culprits.append(Culprit("spikes", e["rank"], 0, last, causes=codes, label=e["cause"]))
+    out = what_if(cluster.steps, cluster.step_max, cluster.wait_low, cluster.wait_rank, cluster.low_cause, culprits)
+    if out is not None:  # an episode's job time lost is the replay's figure, where there is one
+        for e, row in zip(episodes, out["culprits"][len(stragglers):], strict=False):
+            e["job_time_lost_ns"] = row["saved_ns"]
+    return out
 
 
 def _keep_top(events: list[_EVENT], item: _EVENT, n: int) -> None:

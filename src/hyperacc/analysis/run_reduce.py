@@ -7,12 +7,17 @@ import dataclasses
 
 import numpy as np
 
+from hyperacc.analysis.episodes import RankBlocks, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.spikes import judge_spikes
 from hyperacc.analysis.windows import summarize_windows
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY_F = np.zeros(0)
+_EMPTY_S = np.zeros(0, dtype=str)
+# Per step, the least waits kept (analysis.whatif): the culprits taken away together are exact up to
+# this many late ranks in one step (a node of 8 GPUs); about 100 bytes per step.
+WAIT_LOWEST = 8
 
 _EVENT = tuple[float, int, int, int, "str | None", str]  # (excess_ns, rank, node, step, phase, cause)
 
@@ -25,7 +30,7 @@ class RankFindings:
     node: int
     steps: np.ndarray  # every recorded step (warm-up included)
     judged: np.ndarray  # steps judged for spikes
-    spikes: np.ndarray  # steps that spiked
+    spikes: np.ndarray  # steps that spiked (sorted) ...
     comm_steps: np.ndarray  # steps with a measured wait in the collective ...
     comm_wait: np.ndarray  # ... and that wait
     windows: dict[str, np.ndarray]  # window summaries of the rank's typical (non-spike) steps
@@ -42,6 +47,8 @@ class RankFindings:
     comm_step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # step time at comm_steps
     self_median_ns: float = float("nan")  # median self-time (busy time where self-time was not measured)
     step_total_ns: float = 0.0  # summed step time
+    blocks: RankBlocks | None = None  # per-block medians for the episodes (analysis.episodes)
+    spike_causes: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_S)  # ... and their causes
 
     @property
     def main_cause(self) -> str | None:
@@ -88,6 +95,7 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
         cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
         timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
         self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
+        blocks=rank_blocks(rank, node, cols, opts), spike_causes=np.asarray(causes, dtype=str),
     )  # fmt: skip
 
 
@@ -107,16 +115,22 @@ class _Cluster:
     memory follows the records, not the step numbers (a step numbered 10**12 costs one entry).
     """
 
-    _FILL = {"present": False, "judged": False, "self_spike": False, "comm_min": np.inf, "comm_rank": -1,
-             "step_max": np.nan, "comm_max": -np.inf, "comm_sum": 0.0, "comm_step_sum": 0.0, "comm_ranks": 0}
+    _FILL = {"present": False, "judged": False, "self_spike": False, "wait_low": np.inf, "wait_rank": -1,
+             "low_cause": -1, "step_max": np.nan, "comm_max": -np.inf, "comm_sum": 0.0, "comm_step_sum": 0.0,
+             "comm_ranks": 0}  # fmt: skip
 
     def __init__(self) -> None:
         self.steps = np.zeros(0, dtype=np.int64)  # every step any rank recorded, sorted
         self.present = np.zeros(0, dtype=bool)  # any record (warm-up included)
         self.judged = np.zeros(0, dtype=bool)  # any judged record
         self.self_spike = np.zeros(0, dtype=bool)
-        self.comm_min = np.zeros(0)
-        self.comm_rank = np.zeros(0, dtype=np.int64)
+        # The WAIT_LOWEST least waits in the collective and their ranks, least first (the last rank to
+        # arrive, the culprit, is column 0), and the cause of that rank's spike at the step (an index
+        # into ``causes``; -1: none): what the what-if replay takes away (analysis.whatif).
+        self.wait_low = np.zeros((0, WAIT_LOWEST))
+        self.wait_rank = np.zeros((0, WAIT_LOWEST), dtype=np.int64)
+        self.low_cause = np.zeros(0, dtype=np.int64)
+        self.causes: list[str] = []
         # For the coordination view only (no detection rule reads them), after the warm-up:
         self.step_max = np.zeros(0)  # the cluster's step time (the slowest rank's), NaN: not measured
         self.comm_max = np.zeros(0)  # the largest wait
@@ -134,7 +148,7 @@ class _Cluster:
         where = np.searchsorted(merged, self.steps)
         for name, fill in self._FILL.items():
             old = getattr(self, name)
-            new = np.full(merged.size, fill, dtype=old.dtype)
+            new = np.full((merged.size, *old.shape[1:]), fill, dtype=old.dtype)
             new[where] = old
             setattr(self, name, new)
         self.steps = merged
@@ -148,10 +162,44 @@ class _Cluster:
         self.judged[self.index(f.judged)] = True
         self.self_spike[self.index(f.spikes)] = True
         pos = self.index(f.comm_steps)
-        better = f.comm_wait < self.comm_min[pos]
-        self.comm_min[pos[better]] = f.comm_wait[better]
-        self.comm_rank[pos[better]] = f.rank
+        self._add_wait(f, pos)
         self._add_coordination(f, pos)
+
+    @property
+    def comm_min(self) -> np.ndarray:
+        """The least wait of any rank per step (inf: none measured)."""
+        return self.wait_low[:, 0]
+
+    @property
+    def comm_rank(self) -> np.ndarray:
+        """The rank that waited least per step (-1: none)."""
+        return self.wait_rank[:, 0]
+
+    def _add_wait(self, f: RankFindings, pos: np.ndarray) -> None:
+        """Insert the rank's waits into the per-step least ``WAIT_LOWEST``, keeping them sorted."""
+        if not pos.size:
+            return
+        waits = np.concatenate([self.wait_low[pos], f.comm_wait[:, None]], axis=1)
+        ranks = np.concatenate([self.wait_rank[pos], np.full((pos.size, 1), f.rank)], axis=1)
+        order = np.argsort(waits, axis=1, kind="stable")[:, :WAIT_LOWEST]
+        before = self.wait_rank[pos, 0]
+        self.wait_low[pos] = np.take_along_axis(waits, order, axis=1)
+        self.wait_rank[pos] = np.take_along_axis(ranks, order, axis=1)
+        took = self.wait_rank[pos, 0] != before
+        if not took.any():
+            return
+        at = pos[took]
+        self.low_cause[at] = -1
+        if f.spikes.size:
+            codes = np.array([self._cause_code(str(c)) for c in f.spike_causes], dtype=np.int64)
+            where = np.searchsorted(f.spikes, self.steps[at])
+            hit = (where < f.spikes.size) & (f.spikes[np.minimum(where, f.spikes.size - 1)] == self.steps[at])
+            self.low_cause[at[hit]] = codes[where[hit]]
+
+    def _cause_code(self, cause: str) -> int:
+        if cause not in self.causes:
+            self.causes.append(cause)
+        return self.causes.index(cause)
 
     def _add_coordination(self, f: RankFindings, comm_pos: np.ndarray) -> None:
         """Per-step step time and waits for ``analysis.coordination`` (each step once per rank)."""

@@ -280,17 +280,34 @@ def _shows_in_whole(
 def _compute_or_host(
     grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions
 ) -> tuple[str, str, float | None]:
+    """The kind of a slow own time over the rank's flagged windows ``fw``: ``compute_or_host``."""
+    faults = grid.host.get("major_faults")
+    fault_flags = None
+    if faults is not None:
+        flags, judged, _ = outlier_flags(faults, opts, floor=1.0)
+        fault_flags = np.where(judged[r, fw], flags[r, fw], np.nan)
+    on_device = bool(fw.size and grid.device[fw].all())
+    return compute_or_host(grid.cpu[:, fw], grid.self_host[:, fw], r, opts, on_device=on_device,
+                           fault_flags=fault_flags)  # fmt: skip
+
+
+def compute_or_host(
+    cpu: np.ndarray, wall: np.ndarray, r: int, opts: DetectionOptions, *, on_device: bool = False,
+    fault_flags: np.ndarray | None = None,
+) -> tuple[str, str, float | None]:
     """The kind of a slow own time: (kind, basis, cpu share). docs/detection.md, "Kind".
+
+    ``cpu`` and ``wall``: (rank x column) CPU time and host-clock self-time over the columns in which
+    row ``r`` was slow (flagged windows of a straggler, blocks of an episode). ``fault_flags``: per
+    column, 1 where the rank's major faults were an outlier, 0 where not, NaN where not judged.
 
     On the device clock it is the device's work (compute). On the host clock, the training thread's
     CPU time tells more work (CPU time grew by more than preemption costs, ``preempt_overhead`` of the
     wall time lost, or by ``explain_share`` of the wall-time excess taken against the share of wall time
     the other ranks got to run) from preemption or blocking (wall time grew, CPU time did not: host). Without CPU time, major page faults
     in most flagged windows say host; anything else is compute, and says it was judged on wall time."""
-    if fw.size and grid.device[fw].all():
+    if on_device:
         return "compute", "device_clock", None
-    cpu = grid.cpu[:, fw]
-    wall = grid.self_host[:, fw]
     ok = ~np.isnan(cpu[r]) & ~np.isnan(wall[r])
     if ok.sum() and (~np.isnan(cpu)).sum(axis=0)[ok].min() >= opts.min_ranks:
         cpu_ex = nan_median((cpu[r] - nan_median(cpu, axis=0))[ok])
@@ -307,11 +324,9 @@ def _compute_or_host(
             # still: a rank that computes more is also preempted more on a contended host.
             grew = bool(cpu_ex >= opts.floor_ns and cpu_ex >= opts.preempt_overhead * wall_ex)
             return ("compute" if grew or share >= opts.explain_share else "host"), "cpu_time", share
-    faults = grid.host.get("major_faults")
-    if faults is not None:
-        flags, judged, _ = outlier_flags(faults, opts, floor=1.0)
-        seen = judged[r, fw]
-        if seen.sum() and flags[r, fw].sum() > seen.sum() / 2:
+    if fault_flags is not None:
+        seen = ~np.isnan(fault_flags)
+        if seen.sum() and np.nansum(fault_flags) > seen.sum() / 2:
             return "host", "major_faults", None
     return "compute", "wall_time_only", None
 

@@ -105,7 +105,7 @@ def _subset_note(n_ranks: int, drawn: int) -> str:
     return f"{drawn} of {n_ranks} ranks drawn" if drawn < n_ranks else ""
 
 
-def _step_time(step_max: _StepMax, first, width, spikes) -> dict:
+def _step_time(step_max: _StepMax, first, width, spikes, episodes=()) -> dict:
     steps, values = step_max.steps, step_max.values
     n = steps.size
     data: list[dict] = []
@@ -137,8 +137,24 @@ def _step_time(step_max: _StepMax, first, width, spikes) -> dict:
         data.append({"type": "scatter", "mode": "markers", "name": f"spike: {cause}", "x": steps, "y": ys, "text": text,
                      "hovertemplate": "step %{x}: %{y:.1f} ms<br>%{text}<extra>" + cause + "</extra>",
                      "marker": {"size": 9, "color": _CAUSE_COLOURS.get(cause, "#000"), "line": {"width": 1, "color": "#000"}}})  # fmt: skip
+    shapes, notes = _episode_bands(episodes)
     return {"data": data, "layout": _base_layout(xaxis={"title": {"text": "step"}}, yaxis={"title": {"text": "ms"}},
-                                                 legend={"orientation": "h", "y": 1.1})}  # fmt: skip
+                                                 legend={"orientation": "h", "y": 1.1}, shapes=shapes,
+                                                 annotations=notes)}  # fmt: skip
+
+
+def _episode_bands(episodes, most: int = 20) -> tuple[list[dict], list[dict]]:
+    """Each episode (docs/detection.md, "Episodes") as a shaded band over its steps, named at its top."""
+    shapes, notes = [], []
+    for e in list(episodes)[:most]:
+        x0, x1 = e["since_step"], e["until_step"]
+        shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": x0, "x1": x1, "y0": 0, "y1": 1,
+                       "fillcolor": "#d62728", "opacity": 0.12, "line": {"width": 0}, "layer": "below"})  # fmt: skip
+        lost = e.get("job_time_lost_ns")
+        text = f"rank {e['rank']}: {e.get('kind', '')}" + (f", {lost / 1e9:.3g} s lost" if lost else "")
+        notes.append({"x": (x0 + x1) / 2, "xref": "x", "y": 1, "yref": "paper", "yanchor": "bottom",
+                      "text": html.escape(text), "showarrow": False, "font": {"size": 10, "color": "#a00"}})  # fmt: skip
+    return shapes, notes
 
 
 def _box(name: str, q, colour: str, n: int) -> dict:

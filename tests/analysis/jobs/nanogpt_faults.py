@@ -4,7 +4,8 @@ DataLoader, DDP over gloo), with faults the job injects itself (no ``hyperacc.ch
 - ``--cycles-rank R --cycles N``: rank R builds N reference cycles after every ``optimizer.step()``
   (its own host work between steps, and the automatic GC that collects them);
 - ``--slow-rank R --slow-from A --slow-until B --slow-factor F``: on steps [A, B) rank R busy-loops
-  inside its forward for (F - 1) times its own median step of steps 10-59 (a transient fail-slow).
+  inside its forward for (F - 1) times its own median step of steps 10-59 (a transient fail-slow);
+  ``--slow-work sleep``: sleeps that long instead (a fail-slow off the CPU, as a blocking read).
 
 Run under ``hyperacc run`` so the tracer records it without a line of hyperacc in the loop.
 """
@@ -31,9 +32,12 @@ class TinyGPT(nn.Module):
         self.layer = nn.TransformerEncoderLayer(width, 2, 2 * width, dropout=0.0, batch_first=True)
         self.head = nn.Linear(width, vocab)
         self.spin_ns = 0
+        self.sleep = False
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        if self.spin_ns:  # the fail-slow: more work on the host, inside the forward
+        if self.spin_ns and self.sleep:  # the fail-slow off the CPU: a blocking wait inside the forward
+            time.sleep(self.spin_ns / 1e9)
+        elif self.spin_ns:  # the fail-slow: more work on the host, inside the forward
             end = time.perf_counter_ns() + self.spin_ns
             while time.perf_counter_ns() < end:
                 pass
@@ -55,11 +59,13 @@ def main() -> None:
     p.add_argument("--slow-from", type=int, default=120)
     p.add_argument("--slow-until", type=int, default=180)
     p.add_argument("--slow-factor", type=float, default=2.0)
+    p.add_argument("--slow-work", choices=("spin", "sleep"), default="spin")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     raw = TinyGPT()
+    raw.sleep = args.slow_work == "sleep"
     model = DDP(raw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, 64, (4096, 17), generator=torch.Generator().manual_seed(rank))
@@ -71,11 +77,12 @@ def main() -> None:
         return block[:, :16], block[:, 1:]
 
     own: list[int] = []
+    raw_spin = 0
     t_prev = time.perf_counter_ns()
     for it in range(args.steps):
         if rank == args.slow_rank:
-            if it == 60:
-                raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:60]))
+            if it == min(60, args.slow_from):  # the rank's own median step before the fault
+                raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:it] or own or [0]))
             raw.spin_ns = raw_spin if args.slow_from <= it < args.slow_until else 0
         x, y = get_batch()
         logits = model(x)

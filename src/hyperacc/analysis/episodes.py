@@ -1,0 +1,376 @@
+"""Episodes: stretches in which one rank's self-time, relative to the cluster median of the same steps,
+shifts up and later back (a transient fail-slow), found by change points (docs/detection.md,
+"Episodes").
+
+Two halves, so that the analysis can stream ranks:
+
+* ``rank_blocks(cols, opts)`` reduces one rank's step columns to per-block medians (blocks of
+  ``episode_block_steps`` steps, the same blocks on every rank): a few bytes per block, like the window
+  summaries;
+* ``detect_episodes(blocks, opts)`` takes every rank's blocks, divides each block by the cluster median
+  of the same block, and runs a two-sided CUSUM per rank on the log ratio against the rank's own typical
+  ratio, with a noise floor from the robust spread of the ratios (the rank's own, or the ranks' median
+  where that is larger: the host-wide floor). A segment is an episode when its shift is at least
+  ``episode_min_effect`` and it lasts at least ``episode_min_steps``.
+
+The sequential part runs over blocks, vectorised over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.robust import MAD_TO_SIGMA, loo_median, nan_median
+from hyperacc.analysis.stragglers import compute_or_host
+
+
+@dataclasses.dataclass
+class RankBlocks:
+    """One rank's per-block medians (blocks ``b`` cover steps ``[b * B, (b + 1) * B)``)."""
+
+    rank: int
+    node: int
+    block: np.ndarray  # (n,) int64 block numbers, sorted
+    self_ns: np.ndarray  # (n,) float32 median self-time (host clock; NaN: too few steps measured)
+    cpu_ns: np.ndarray  # (n,) float32 median CPU time of the training thread (NaN: not measured)
+    steps: np.ndarray  # (n,) uint16 steps recorded in the block
+
+
+@dataclasses.dataclass
+class Episode:
+    rank: int
+    node: int
+    kind: str  # compute | host (the straggler rule's CPU-versus-wall split)
+    metric: str  # self_ns
+    slowdown: float | None  # the rank's self-time / the cluster median, median over the episode's blocks
+    since_step: int  # first step of the first block of the shift
+    until_step: int  # last step of the last block before the shift back (or of the run)
+    confirmed_step: int  # last step of the block in which the CUSUM crossed its decision interval
+    active: bool  # still shifted at the rank's last block (no shift back seen)
+    steps: int  # until_step - since_step + 1
+    excess_ns: float  # self-time minus the cluster median, median over the episode's blocks
+    job_time_lost_ns: float  # that excess summed over the episode's steps
+    shift: float  # the ratio's shift over the rank's own typical ratio
+    noise: float  # the noise floor the CUSUM judged against (sigma of a block's log ratio)
+    kind_basis: str = "cpu_time"
+    cpu_share: float | None = None
+    rule: str = "change_point"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: DetectionOptions) -> RankBlocks:
+    """Per-block medians of one rank's post-warm-up steps (``cols`` sorted by step)."""
+    width = opts.episode_block_steps
+    steps = np.asarray(cols["step"], dtype=np.int64)
+    if steps.size == 0:
+        empty = np.zeros(0, dtype=np.float32)
+        return RankBlocks(rank, node, np.zeros(0, dtype=np.int64), empty, empty, np.zeros(0, dtype=np.uint16))
+    blk = steps // width
+    uniq, row = np.unique(blk, return_inverse=True)
+    offset = steps - blk * width
+
+    def medians(name: str) -> np.ndarray:
+        v = cols.get(name)
+        grid = np.full((uniq.size, width), np.nan)
+        if v is not None:
+            grid[row, offset] = np.asarray(v, dtype=np.float64)
+        n = np.count_nonzero(~np.isnan(grid), axis=1)
+        with np.errstate(all="ignore"):
+            med = nan_median(grid, axis=1)
+        # a block judged on fewer than half its steps is not judged
+        return np.where(n * 2 >= width, med, np.nan).astype(np.float32)
+
+    self_name = "self_ns" if np.isfinite(np.asarray(cols.get("self_ns", [np.nan]), dtype=float)).any() else "dev_self_ns"
+    count = np.bincount(row, minlength=uniq.size).astype(np.uint16)
+    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count)
+
+
+def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> list[Episode]:
+    """Episodes of every rank, by rank and then step (rules: docs/detection.md, "Episodes")."""
+    ranks = [b for b in blocks if b.block.size]
+    if len(ranks) < opts.min_ranks:
+        return []
+    cols = np.unique(np.concatenate([b.block for b in ranks]))
+    shape = (len(ranks), cols.size)
+    wall, cpu, count = np.full(shape, np.nan), np.full(shape, np.nan), np.zeros(shape)
+    for i, b in enumerate(ranks):
+        pos = np.searchsorted(cols, b.block)
+        wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
+    wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
+    cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
+    wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
+    width = opts.episode_block_steps
+    span = max(1, math.ceil(opts.episode_min_steps / width))  # the shortest episode, in blocks
+    found: list[Episode] = []
+    # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
+    # whose preemption makes every rank's wall time wander, a rank that computes more still shows.
+    for channel, values in (("self_ns", wall), ("cpu_ns", cpu)):
+        x = log_ratio(values)
+        if not np.isfinite(x).any():
+            continue
+        host_bar = opts.z_threshold * level_noise(x)
+        stretches = stretch_levels(x, span)
+        for r, b0, b1, confirm, active, sigma in change_points(x, opts):
+            seg = np.arange(b0, b1 + 1)
+            shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
+            # the minimum effect within two standard errors of the segment's level (a plateau of exactly
+            # min_effect is measured on either side of it); the host-wide bar without that allowance
+            judged = max(int(np.isfinite(x[r, seg]).sum()), 1)
+            effect = shift + 2.0 * sigma / math.sqrt(judged) >= math.log(opts.episode_min_effect)
+            if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not (effect and shift >= host_bar):
+                continue
+            # A change point needs a "before": a rank slow from its first judged steps has no baseline
+            # to shift from (warm-up that lasts longer on one rank looks the same); it is the straggler
+            # rules' business, which report one that recovers as an episode of their own.
+            if baseline_steps(x[r, :b0], count[r, :b0]) < opts.episode_min_steps:
+                continue
+            # The rank's own shift, not the host's: when a busy loop moves between cores, several ranks'
+            # ratios move at once (one up, another down) over the same blocks.
+            if not stands_out(x, r, seg, opts):
+                continue
+            # Beyond the host's own wander at this length: above the highest stretch of the same
+            # length anywhere else in the run, any rank, by half the minimum effect. On a busy host a
+            # clean rank's CPU time moves between two levels 1.4-1.5x apart for tens of steps, one rank
+            # after another; a level that only one rank ever reaches is no fault either, if it is no
+            # higher than what the others reached.
+            if not above_floor(stretches, r, b0, b1, span, math.log(opts.episode_min_effect) / 2.0,
+                               own=stretch_levels(x[r : r + 1, seg] - outside_level(x[r], seg), span, level=False)):
+                continue
+            excess = wall[r, seg] - wall_ref[r, seg]
+            if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
+                continue
+            kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts)
+            if channel == "cpu_ns":
+                # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
+                # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
+                # preemption costs for the wall time the rank lost (the straggler rule's bound).
+                if not more_work(cpu, wall, r, seg, opts) >= host_bar:
+                    continue
+            with np.errstate(all="ignore"):
+                slowdown = float(nan_median(wall[r, seg] / wall_ref[r, seg]))
+            found.append(Episode(
+                rank=ranks[r].rank, node=ranks[r].node, kind=kind, metric=channel,
+                slowdown=_finite_or_none(slowdown),
+                since_step=int(cols[b0] * width), until_step=int(cols[b1] * width + width - 1),
+                confirmed_step=int(cols[confirm] * width + width - 1), active=active,
+                steps=int((cols[b1] - cols[b0] + 1) * width), excess_ns=float(nan_median(excess)),
+                job_time_lost_ns=float(np.nansum(np.maximum(excess, 0) * count[r, seg])),
+                shift=float(np.exp(shift)), noise=float(sigma), kind_basis=basis, cpu_share=share,
+            ))  # fmt: skip
+    return _merged(found)
+
+
+def recovered_stragglers(stragglers: Sequence[Mapping[str, Any]], found: Sequence[Episode]) -> list[int]:
+    """Ranks the window rules still call stragglers whose change points show them back: an episode of the
+    rank over the straggler's steps whose shift back was confirmed (the CUSUM's ``D > h``), and no
+    episode of the rank still open. Windows of 50 steps say "still slow" up to two windows after a
+    rank came back; the change point says when."""
+    out = []
+    for s in stragglers:
+        mine = [e for e in found if e.rank == s["rank"] and e.until_step >= s["since_step"]]
+        if mine and not any(e.active for e in mine):
+            out.append(int(s["rank"]))
+    return out
+
+
+def merge_episodes(
+    found: Sequence[Episode], stragglers: Sequence[Mapping[str, Any]], recovered: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The ``episodes`` of the diagnosis: change-point episodes, less those of a rank that is a straggler
+    over the same steps (it stays a straggler), and the stragglers that recovered (window rules) that no
+    change-point episode already covers, with the job time they lost (their excess over their steps)."""
+
+    def overlaps(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+        return a["rank"] == b["rank"] and a["since_step"] <= b["until_step"] and b["since_step"] <= a["until_step"]
+
+    out = [e.to_dict() for e in found]
+    out = [e for e in out if not any(overlaps(e, s) or (e["active"] and e["rank"] == s["rank"]) for s in stragglers)]
+    for s in recovered:
+        if not any(overlaps(s, e) for e in out):
+            lost = max(float(s.get("excess_ns") or 0.0), 0.0) * (s["until_step"] - s["since_step"] + 1)
+            out.append({**s, "steps": s["until_step"] - s["since_step"] + 1, "job_time_lost_ns": lost})
+    return sorted(out, key=lambda e: (e["rank"], e["since_step"]))
+
+
+def _merged(found: list[Episode]) -> list[Episode]:
+    """One episode per stretch of a rank: where the two channels overlap, the CPU-time one (its range
+    is not blurred by preemption), confirmed at the earlier of the two."""
+    out: list[Episode] = []
+    for e in sorted(found, key=lambda e: (e.rank, e.metric != "cpu_ns", e.since_step)):
+        same = [o for o in out if o.rank == e.rank and o.since_step <= e.until_step and e.since_step <= o.until_step]
+        if same:
+            same[0].confirmed_step = min(same[0].confirmed_step, e.confirmed_step)
+            continue
+        out.append(e)
+    return sorted(out, key=lambda e: (e.rank, e.since_step))
+
+
+def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -> bool:
+    """Row ``r`` shifted over blocks ``seg`` while the other ranks did not: its shift (median over the
+    blocks, less its typical ratio) is a ``z_threshold`` outlier (median/MAD, MAD at least
+    ``min_mad_rel``) above the other ranks' shifts over the same blocks."""
+    with np.errstate(all="ignore"):
+        moved = nan_median(x[:, seg], axis=1) - np.array([outside_level(row, seg) for row in x])
+    others = np.delete(moved, r)
+    others = others[np.isfinite(others)]
+    if others.size == 0 or not np.isfinite(moved[r]):
+        return False
+    center = float(np.median(others))
+    spread = max(MAD_TO_SIGMA * float(np.median(np.abs(others - center))), opts.min_mad_rel)
+    return bool(moved[r] - center >= opts.z_threshold * spread)
+
+
+def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
+    """(rank x position) the median of ``span`` consecutive blocks of each rank's log ratio less its
+    typical ratio (``level``; else as given) (position ``p``: blocks ``p .. p + span - 1``; NaN where
+    none of them was judged)."""
+    y = x - nan_median(x, axis=1)[:, None] if level else x
+    n_r, n_b = y.shape
+    if n_b < span:
+        return np.full((n_r, 0), np.nan)
+    out = np.empty((n_r, n_b - span + 1))
+    chunk = max(1, _STRETCH_CELLS // max(n_b * span, 1))  # ranks at a time: a bounded copy of the windows
+    for r in range(0, n_r, chunk):
+        windows = np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1)
+        with np.errstate(all="ignore"):
+            out[r : r + chunk] = nan_median(windows, axis=2)
+    return out
+
+
+_STRETCH_CELLS = 1 << 22  # values copied at a time by ``stretch_levels`` (32 MiB)
+
+
+def above_floor(stretches: np.ndarray, r: int, b0: int, b1: int, span: int, margin: float,
+                own: np.ndarray) -> bool:  # fmt: skip
+    """The highest of ``own`` (row ``r``'s stretches within blocks ``b0..b1``, against its level outside
+    them) is at least ``margin`` above every stretch elsewhere: the other ranks' anywhere, the rank's own
+    outside the segment (log units)."""
+    if not np.isfinite(own).any():
+        return False
+    with np.errstate(all="ignore"):
+        others = np.delete(stretches, r, axis=0)
+        rest = np.concatenate([others.ravel(), stretches[r, : max(0, b0 - span + 1)], stretches[r, b1 + 1 :]])
+    rest = rest[np.isfinite(rest)]
+    return not rest.size or float(np.nanmax(own)) >= float(rest.max()) + margin
+
+
+def outside_level(row: np.ndarray, seg: np.ndarray) -> float:
+    """A rank's typical log ratio outside blocks ``seg`` (its level before and after an episode; an
+    episode longer than half the run no longer moves it)."""
+    rest = np.delete(row, seg)
+    rest = rest[np.isfinite(rest)]
+    return float(np.median(rest)) if rest.size else float("nan")
+
+
+def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
+    """The judged steps before a segment (``x``: its rank's log ratios of the blocks before it, NaN: not
+    judged; ``count``: the steps recorded in those blocks)."""
+    return int(count[np.isfinite(x)].sum())
+
+
+def more_work(cpu: np.ndarray, wall: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -> float:
+    """Row ``r``'s CPU time over blocks ``seg`` beyond the other ranks' median and beyond what
+    preemption costs for the wall time it lost (``preempt_overhead`` x its wall-time excess), as the
+    log of its ratio over the others' CPU time (median over the blocks; NaN: not judged)."""
+    with np.errstate(all="ignore"):
+        cpu_ref = loo_median(cpu)[r, seg]
+        wall_ex = np.maximum(wall[r, seg] - loo_median(wall)[r, seg], 0.0)
+        grown = nan_median(cpu[r, seg] - cpu_ref - opts.preempt_overhead * wall_ex)
+        return float(np.log((nan_median(cpu_ref) + grown) / nan_median(cpu_ref)))
+
+
+def log_ratio(values: np.ndarray) -> np.ndarray:
+    """(rank x block) log of each value over the median of the other ranks in its block (the cluster
+    median without the rank itself); NaN where not judged."""
+    with np.errstate(all="ignore"):
+        x = np.log(values / loo_median(values))
+    x[~np.isfinite(x)] = np.nan
+    return x
+
+
+def level_noise(x: np.ndarray) -> float:
+    """The host-wide noise of a block's level: the ranks' median of the robust spread (1.4826 MAD) of
+    their own log ratios. An episode's shift must stand ``z_threshold`` of these above the rank's
+    typical ratio: on a busy host every rank's ratio wanders by that much without a fault."""
+    med = nan_median(x, axis=1)
+    with np.errstate(all="ignore"):
+        mad = nan_median(np.abs(x - med[:, None]), axis=1)
+    return float(MAD_TO_SIGMA * nan_median(mad)) if np.isfinite(mad).any() else 0.0
+
+
+def noise_floor(x: np.ndarray, opts: DetectionOptions) -> np.ndarray:
+    """Per rank, the sigma of one block's log ratio: the robust spread of its successive differences
+    (``1.4826 MAD / sqrt 2``, blind to the level shifts it is looking for), at least the ranks' median of
+    the same (the noise the host gives every rank) and at least ``min_mad_rel``."""
+    sig = np.full(x.shape[0], np.nan)
+    for r in range(x.shape[0]):
+        v = x[r][np.isfinite(x[r])]
+        if v.size >= 3:
+            d = np.diff(v)
+            sig[r] = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+    floor = nan_median(sig) if np.isfinite(sig).any() else 0.0
+    return np.fmax(np.fmax(sig, floor), opts.min_mad_rel)
+
+
+def change_points(x: np.ndarray, opts: DetectionOptions) -> list[tuple[int, int, int, int, bool, float]]:
+    """Two-sided CUSUM per row of ``x`` (rank x block log ratios, NaN: not judged).
+
+    With ``y`` = x less the rank's median, ``k`` = log(episode_min_effect) / 2 and ``h`` = episode_h x
+    its noise floor: ``S = max(0, S + y - k)`` opens a segment when ``S > h``, starting after the last
+    block where ``S`` was 0; then ``D = max(0, D + k - y)`` closes it when ``D > h``, ending at the last
+    block where ``D`` was 0. Returns (row, first block, last block, confirming block, still open, sigma).
+    """
+    n_r, n_b = x.shape
+    level = nan_median(x, axis=1)
+    sigma = noise_floor(x, opts)
+    k = math.log(opts.episode_min_effect) / 2.0
+    h = opts.episode_h * sigma
+    s = np.zeros(n_r)
+    d = np.zeros(n_r)
+    inside = np.zeros(n_r, dtype=bool)
+    start = np.zeros(n_r, dtype=np.int64)  # first block after S was last 0
+    end = np.zeros(n_r, dtype=np.int64)  # last block at which D was 0
+    confirm = np.zeros(n_r, dtype=np.int64)
+    last_seen = np.full(n_r, -1, dtype=np.int64)
+    started = np.zeros(n_r, dtype=bool)  # a judged block seen since the last reset
+    out: list[tuple[int, int, int, int, bool, float]] = []
+    for b in range(n_b):
+        y = x[:, b] - level
+        seen = np.isfinite(y)
+        if not seen.any():
+            continue
+        # searching for an upward shift
+        up = seen & ~inside
+        s = np.where(up, np.maximum(0.0, s + np.nan_to_num(y) - k), s)
+        start = np.where(up & ((s == 0) | ~started), b + (s == 0), start)
+        started |= up
+        opened = up & (s > h)
+        # inside a segment, looking for the shift back
+        down = seen & inside
+        d = np.where(down, np.maximum(0.0, d + k - np.nan_to_num(y)), d)
+        end = np.where(down & (d == 0), b, end)
+        closed = down & (d > h)
+        for r in np.flatnonzero(closed):
+            out.append((int(r), int(start[r]), int(end[r]), int(confirm[r]), False, float(sigma[r])))
+        inside = (inside & ~closed) | opened
+        confirm = np.where(opened, b, confirm)
+        end = np.where(opened, b, end)
+        d = np.where(opened | closed, 0.0, d)
+        s = np.where(closed, 0.0, s)
+        start = np.where(closed, b + 1, start)
+        last_seen = np.where(seen, b, last_seen)
+    for r in np.flatnonzero(inside):
+        out.append((int(r), int(start[r]), int(last_seen[r]), int(confirm[r]), True, float(sigma[r])))
+    return out
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None

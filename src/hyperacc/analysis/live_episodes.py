@@ -1,0 +1,144 @@
+"""Episodes while training runs (docs/detection.md, "Episodes", live): the change-point rule of
+``analysis.episodes`` over a bounded history of every rank's blocks, in the node agent.
+
+* ``BlockStream``: one rank's step records as they arrive -> its per-block medians (``RankBlocks``), a
+  block once a later step shows it complete; the warm-up left out as offline.
+* ``LiveEpisodes``: keeps the newest ``keep_blocks`` blocks of every rank, runs ``detect_episodes``
+  over them when new blocks arrive, and returns a line for each episode newly confirmed and for each
+  that ended. Memory: ranks x ``keep_blocks`` x a few floats.
+
+Pure: the caller (``agent.LiveNode``) reads the records and writes the lines as live findings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, rank_blocks
+from hyperacc.analysis.options import DetectionOptions
+
+KEEP_BLOCKS = 200  # blocks of history per rank the live rule judges (1,000 steps at 5 steps a block)
+
+
+class BlockStream:
+    """One rank's step columns, in step order, -> its complete blocks (``add``) and the rest (``close``)."""
+
+    _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns")
+
+    def __init__(self, rank: int, node: int, opts: DetectionOptions) -> None:
+        self.rank, self.node, self.opts = rank, node, opts
+        self._first: int | None = None
+        self._cols: dict[str, np.ndarray] = {}
+
+    def add(self, cols: Mapping[str, np.ndarray]) -> RankBlocks | None:
+        steps = np.asarray(cols["step"], dtype=np.int64)
+        if not steps.size:
+            return None
+        if self._first is None:
+            self._first = int(steps[0])
+        keep = steps >= self._first + self.opts.warmup_steps
+        new = {k: np.asarray(cols[k], dtype=np.float64)[keep] if k != "step" else steps[keep]
+               for k in self._NAMES if k in cols}  # fmt: skip
+        self._cols = {k: np.concatenate([self._cols[k], v]) for k, v in new.items()} if self._cols else new
+        if not self._cols or not self._cols["step"].size:
+            return None
+        width = self.opts.episode_block_steps
+        done = self._cols["step"] < (int(self._cols["step"][-1]) // width) * width  # the last block may grow
+        return self._emit(done)
+
+    def close(self) -> RankBlocks | None:
+        if not self._cols or not self._cols["step"].size:
+            return None
+        return self._emit(np.ones(self._cols["step"].size, dtype=bool))
+
+    def _emit(self, done: np.ndarray) -> RankBlocks | None:
+        if not done.any():
+            return None
+        out = rank_blocks(self.rank, self.node, {k: v[done] for k, v in self._cols.items()}, self.opts)
+        self._cols = {k: v[~done] for k, v in self._cols.items()}
+        return out
+
+
+class LiveEpisodes:
+    """Confirms episodes from streaming blocks; says each once when confirmed and once when it ends."""
+
+    def __init__(self, opts: DetectionOptions, keep_blocks: int = KEEP_BLOCKS,
+                 straggler: Callable[[int], bool] | None = None) -> None:  # fmt: skip
+        self.opts = opts
+        self.keep_blocks = keep_blocks
+        self.straggler = straggler or (lambda rank: False)  # the window rules' call on a rank
+        self._history: dict[int, RankBlocks] = {}
+        self._open: dict[int, Episode] = {}  # rank -> the episode said to be going on
+        self._said: dict[int, int] = {}  # rank -> last step of the episodes already said
+
+    def update(self, blocks: Sequence[RankBlocks]) -> list[tuple[int, str]]:
+        """New blocks in; (step, line) for what is newly confirmed or ended."""
+        fresh = [b for b in blocks if b is not None and b.block.size]
+        if not fresh:
+            return []
+        for b in fresh:
+            self._history[b.rank] = _joined(self._history.get(b.rank), b)
+        newest = max(int(h.block[-1]) for h in self._history.values() if h.block.size)
+        for rank, h in self._history.items():
+            self._history[rank] = _since(h, newest - self.keep_blocks + 1)
+        out: list[tuple[int, str]] = []
+        found = detect_episodes(list(self._history.values()), self.opts)
+        for rank in [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]:
+            # no longer judged an episode (its history moved on): ended by the rank's newest block
+            going = self._open.pop(rank)
+            last = int(self._history[rank].block[-1] + 1) * self.opts.episode_block_steps - 1
+            out.append((last, f"rank {rank} (node {going.node}) was slow from step {going.since_step}; "
+                              f"no longer by step {last}"))  # fmt: skip
+            self._said[rank] = last
+        for e in found:
+            if self.straggler(e.rank) or e.until_step <= self._said.get(e.rank, -1):
+                continue
+            going = self._open.get(e.rank)
+            if going is None and e.since_step > self._said.get(e.rank, -1):
+                out.append((e.confirmed_step, _started(e)))
+                self._open[e.rank] = going = e
+            if going is not None and not e.active:
+                out.append((e.until_step, _ended(going, e)))
+                del self._open[e.rank]
+                self._said[e.rank] = e.until_step
+        return out
+
+    def close(self) -> list[tuple[int, str]]:
+        """Episodes still going on at the end of what was seen."""
+        return [(e.confirmed_step, f"rank {e.rank} (node {e.node}) was still slow at the end") for e in self._open.values()]
+
+
+def _started(e: Episode) -> str:
+    ratio = f"{e.slowdown:.2f}x" if e.slowdown is not None else "above"
+    return (
+        f"rank {e.rank} (node {e.node}) is slow since step {e.since_step} ({e.kind}: self-time {ratio} the "
+        f"cluster median), an episode confirmed at step {e.confirmed_step}"
+    )
+
+
+def _ended(first: Episode, e: Episode) -> str:
+    return f"rank {e.rank} (node {e.node}) was slow from step {first.since_step} to {e.until_step}, then recovered"
+
+
+def _overlap(a: Episode, b: Episode) -> bool:
+    return a.rank == b.rank and a.since_step <= b.until_step and b.since_step <= a.until_step
+
+
+def _joined(old: RankBlocks | None, new: RankBlocks) -> RankBlocks:
+    if old is None or not old.block.size:
+        return new
+    keep = old.block < new.block[0]  # a block seen again (the rest of a partial one) is replaced
+    return RankBlocks(
+        new.rank, new.node, np.concatenate([old.block[keep], new.block]),
+        np.concatenate([old.self_ns[keep], new.self_ns]), np.concatenate([old.cpu_ns[keep], new.cpu_ns]),
+        np.concatenate([old.steps[keep], new.steps]),
+    )  # fmt: skip
+
+
+def _since(h: RankBlocks, first_block: int) -> RankBlocks:
+    keep = h.block >= first_block
+    if keep.all():
+        return h
+    return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep])
