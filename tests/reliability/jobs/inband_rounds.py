@@ -8,9 +8,14 @@ returns, on the hook's thread), ``threads`` (a user hook whose futures are compl
 threads at once). With ``--fail-step K`` one bucket's future fails at step K (the backward raises; the
 script goes on, as a fault-tolerant loop would). No ``from __future__ import annotations``: DDP
 checks the hook's annotations as types.
+
+``--configs HOOK:K,HOOK:K,...`` runs several of these one after another in the same ranks (one job
+instead of one per configuration: starting ranks is most of a job's cost here), each with a model and a
+tracer of its own, recording into ``RUN_DIR/HOOK_K``; the result holds ``failed_at`` per configuration.
 """
 
 import argparse
+import os
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -32,18 +37,13 @@ def build() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(32, 4))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--hook", choices=("default", "early", "threads"), default="default")
-    p.add_argument("--fail-step", type=int, default=-1)
-    args = p.parse_args()
-    sys.setswitchinterval(1e-6)
+def config_dir(hook: str, fail_step: int) -> str:
+    return f"{hook}_{fail_step}"
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    tracer = Tracer(args.run_dir, probe_every=0, window=0, flush_every_s=0.5, inband=True)
+
+def run(run_dir: str, steps: int, hook_kind: str, fail_step: int) -> list[int]:
+    """One configuration: a fresh model and tracer, ``steps`` steps; the steps whose backward failed."""
+    tracer = Tracer(run_dir, probe_every=0, window=0, flush_every_s=0.5, inband=True)
     model = DDP(build(), bucket_cap_mb=0.001)  # a bucket or two per layer
     tracer.attach_ddp(model)
     pool = ThreadPoolExecutor(8)
@@ -55,7 +55,7 @@ def main() -> None:
         buf.div_(dist.get_world_size())
         work = dist.all_reduce(buf, async_op=True)
         fut: torch.futures.Future = torch.futures.Future()
-        fail = step_now[0] == args.fail_step and bucket.index() == 0
+        fail = step_now[0] == fail_step and bucket.index() == 0
 
         def complete() -> None:
             work.wait()  # the collective runs on every rank either way: the ranks stay in step
@@ -64,16 +64,16 @@ def main() -> None:
             else:
                 fut.set_result(buf)
 
-        if args.hook == "early":
+        if hook_kind == "early":
             complete()  # done before the hook returns: `then` runs the callback here, at once
         else:
             pool.submit(complete)
         return fut
 
-    if args.hook != "default":
+    if hook_kind != "default":
         model.register_comm_hook(None, hook)
     loss_fn = nn.MSELoss()
-    for step in range(args.steps):
+    for step in range(steps):
         step_now[0] = step
         g = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 32, generator=g), torch.randn(8, 4, generator=g)
@@ -89,7 +89,31 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
     threading.Thread(target=pool.shutdown).start()
     tracer.close()
-    harness.write_result({"rank": rank, "failed_at": failed_at})
+    return failed_at
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--hook", choices=("default", "early", "threads"), default="default")
+    p.add_argument("--fail-step", type=int, default=-1)
+    p.add_argument("--configs", default=None, help="HOOK:FAIL_STEP,...: each in turn, into RUN_DIR/HOOK_FAIL_STEP")
+    args = p.parse_args()
+    sys.setswitchinterval(1e-6)
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    if args.configs is None:
+        harness.write_result({"rank": rank, "failed_at": run(args.run_dir, args.steps, args.hook, args.fail_step)})
+    else:
+        failed = {}
+        for item in args.configs.split(","):
+            hook_kind, fail_step = item.split(":")
+            assert hook_kind in ("default", "early", "threads"), hook_kind
+            name = config_dir(hook_kind, int(fail_step))
+            failed[name] = run(os.path.join(args.run_dir, name), args.steps, hook_kind, int(fail_step))
+        harness.write_result({"rank": rank, "failed_at": failed})
     harness.finish()
 
 
