@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multirank  # real torchrun jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = Path(__file__).resolve().parent / "jobs" / "compact_job.py"
-SECONDS = 12.0  # long enough for a few dozen flushes and several compactions per rank
+SECONDS = 6.0  # long enough for a hundred flushes and a dozen compactions per rank (3 x EVERY segments needed)
 EVERY = 8
 
 
