@@ -13,7 +13,14 @@ import pytest
 
 from hyperacc import harness, store
 from hyperacc.analysis import diagnose
-from hyperacc.analysis.episodes import detect_episodes, merge_episodes, rank_blocks
+from hyperacc.analysis.episodes import (
+    BlockBudget,
+    RankBlocks,
+    coarsened,
+    detect_episodes,
+    merge_episodes,
+    rank_blocks,
+)
 from hyperacc.analysis.live_episodes import BlockStream, LiveEpisodes
 from hyperacc.analysis.options import DetectionOptions
 
@@ -240,3 +247,22 @@ def test_live_episodes_say_the_onset_within_the_minimum_length_and_the_end_once(
         assert quiet.update([s.add({k: v[start:start + 7] for k, v in c.items()})
                              for s, c in zip(streams, cols, strict=True)]) == []  # fmt: skip
     assert max(h.block.size for h in quiet._history.values()) <= 30
+
+
+def test_blocks_widen_to_stay_within_their_budget_and_the_episode_is_still_found():
+    """Past ``episode_max_cells`` (ranks x blocks) every rank's blocks widen x2 until they fit: memory
+    bounded whatever the run's size; a 60-step plateau is still found, its range to the wider blocks."""
+    opts = DetectionOptions(episode_max_cells=4 * 30)  # 4 ranks x 58 blocks of 5 steps do not fit
+    budget = BlockBudget(opts)
+    for b in _ranks(seed=3, noise=0.03, slow={2: (120, 180, 2.0)}):
+        budget.add(b)
+    assert budget.width == 10 and budget.cells <= 4 * 30
+    assert {b.width for b in budget.blocks} == {10}
+    found = detect_episodes(budget.blocks, opts)
+    assert [(e.rank, e.kind) for e in found] == [(2, "compute")], found
+    assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
+    # a wider block's value: the mean of the medians it joins
+    one = coarsened(RankBlocks(0, 0, np.array([0, 1, 3]), np.array([1.0, 3.0, 5.0], dtype=np.float32),
+                               np.array([2.0, np.nan, 4.0], dtype=np.float32), np.array([5, 5, 4], dtype=np.uint16)), 10)
+    assert one.block.tolist() == [0, 1] and one.self_ns.tolist() == [2.0, 5.0] and one.cpu_ns.tolist() == [2.0, 4.0]
+    assert one.steps.tolist() == [10, 4] and one.width == 10

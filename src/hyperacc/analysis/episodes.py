@@ -40,6 +40,47 @@ class RankBlocks:
     self_ns: np.ndarray  # (n,) float32 median self-time (host clock; NaN: too few steps measured)
     cpu_ns: np.ndarray  # (n,) float32 median CPU time of the training thread (NaN: not measured)
     steps: np.ndarray  # (n,) uint16 steps recorded in the block
+    width: int = 5  # steps per block (``episode_block_steps``, doubled by ``BlockBudget`` on huge runs)
+
+
+class BlockBudget:
+    """Every rank's blocks, kept within ``episode_max_cells`` (ranks x blocks): past it, every block
+    is widened x2 (``coarsened``) until they fit, so the memory of the episodes is bounded whatever the
+    run's length and size (docs/detection.md, "Episodes", "At scale")."""
+
+    def __init__(self, opts: DetectionOptions) -> None:
+        self.max_cells = opts.episode_max_cells
+        self.width = opts.episode_block_steps
+        self.blocks: list[RankBlocks] = []
+        self.cells = 0
+
+    def add(self, b: RankBlocks) -> None:
+        b = coarsened(b, self.width)
+        self.blocks.append(b)
+        self.cells += b.block.size
+        while self.cells > self.max_cells and self.cells > len(self.blocks):
+            self.width *= 2
+            self.blocks = [coarsened(x, self.width) for x in self.blocks]
+            self.cells = sum(x.block.size for x in self.blocks)
+
+
+def coarsened(b: RankBlocks, width: int) -> RankBlocks:
+    """``b`` in blocks of ``width`` steps (a multiple of its own): each wider block's value is the mean of
+    the medians of the blocks it joins (an approximation of their median), its steps their sum."""
+    if width <= b.width or not b.block.size:
+        return b if width <= b.width else dataclasses.replace(b, width=width)
+    new, row = np.unique(b.block // (width // b.width), return_inverse=True)
+
+    def mean(v: np.ndarray) -> np.ndarray:
+        ok = np.isfinite(v)
+        n = np.bincount(row[ok], minlength=new.size)
+        total = np.bincount(row[ok], weights=v[ok].astype(np.float64), minlength=new.size)
+        with np.errstate(all="ignore"):
+            return np.where(n > 0, total / n, np.nan).astype(np.float32)
+
+    steps = np.bincount(row, weights=b.steps.astype(np.float64), minlength=new.size)
+    return RankBlocks(b.rank, b.node, new, mean(b.self_ns), mean(b.cpu_ns),
+                      np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -72,7 +113,7 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     steps = np.asarray(cols["step"], dtype=np.int64)
     if steps.size == 0:
         empty = np.zeros(0, dtype=np.float32)
-        return RankBlocks(rank, node, np.zeros(0, dtype=np.int64), empty, empty, np.zeros(0, dtype=np.uint16))
+        return RankBlocks(rank, node, np.zeros(0, dtype=np.int64), empty, empty, np.zeros(0, dtype=np.uint16), width)
     blk = steps // width
     uniq, row = np.unique(blk, return_inverse=True)
     offset = steps - blk * width
@@ -90,7 +131,7 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
 
     self_name = "self_ns" if np.isfinite(np.asarray(cols.get("self_ns", [np.nan]), dtype=float)).any() else "dev_self_ns"
     count = np.bincount(row, minlength=uniq.size).astype(np.uint16)
-    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count)
+    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width)
 
 
 def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> list[Episode]:
@@ -98,22 +139,26 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
     ranks = [b for b in blocks if b.block.size]
     if len(ranks) < opts.min_ranks:
         return []
+    width = max(b.width for b in ranks)
+    ranks = [coarsened(b, width) for b in ranks]
     cols = np.unique(np.concatenate([b.block for b in ranks]))
     shape = (len(ranks), cols.size)
-    wall, cpu, count = np.full(shape, np.nan), np.full(shape, np.nan), np.zeros(shape)
+    # float32 (rank x block) matrices: about 30 bytes per cell in all while judging
+    wall, cpu = np.full(shape, np.nan, dtype=np.float32), np.full(shape, np.nan, dtype=np.float32)
+    count = np.zeros(shape, dtype=np.float32)
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
-    width = opts.episode_block_steps
+    cpu_ref = loo_median(cpu)
     span = max(1, math.ceil(opts.episode_min_steps / width))  # the shortest episode, in blocks
     found: list[Episode] = []
     # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
     # whose preemption makes every rank's wall time wander, a rank that computes more still shows.
-    for channel, values in (("self_ns", wall), ("cpu_ns", cpu)):
-        x = log_ratio(values)
+    for channel, values, ref in (("self_ns", wall, wall_ref), ("cpu_ns", cpu, cpu_ref)):
+        x = log_ratio(values, ref)
         if not np.isfinite(x).any():
             continue
         host_bar = opts.z_threshold * level_noise(x)
@@ -152,7 +197,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
                 # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
                 # preemption costs for the wall time the rank lost (the straggler rule's bound).
-                if not more_work(cpu, wall, r, seg, opts) >= host_bar:
+                if not more_work(cpu, wall, cpu_ref, wall_ref, r, seg, opts) >= host_bar:
                     continue
             with np.errstate(all="ignore"):
                 slowdown = float(nan_median(wall[r, seg] / wall_ref[r, seg]))
@@ -236,16 +281,19 @@ def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
     n_r, n_b = y.shape
     if n_b < span:
         return np.full((n_r, 0), np.nan)
-    out = np.empty((n_r, n_b - span + 1))
+    out = np.empty((n_r, n_b - span + 1), dtype=y.dtype)
     chunk = max(1, _STRETCH_CELLS // max(n_b * span, 1))  # ranks at a time: a bounded copy of the windows
     for r in range(0, n_r, chunk):
-        windows = np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1)
-        with np.errstate(all="ignore"):
-            out[r : r + chunk] = nan_median(windows, axis=2)
+        # sorted along the short last axis (NaN last), the median of the judged ones picked by count
+        windows = np.sort(np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1), axis=2)
+        n = np.count_nonzero(~np.isnan(windows), axis=2)[..., None]
+        lo = np.take_along_axis(windows, np.maximum((n - 1) // 2, 0), axis=2)[..., 0]
+        hi = np.take_along_axis(windows, np.maximum(n // 2, 0).clip(max=span - 1), axis=2)[..., 0]
+        out[r : r + chunk] = np.where(n[..., 0] > 0, (lo + hi) / 2, np.nan)
     return out
 
 
-_STRETCH_CELLS = 1 << 22  # values copied at a time by ``stretch_levels`` (32 MiB)
+_STRETCH_CELLS = 1 << 20  # values copied at a time by ``stretch_levels``
 
 
 def above_floor(stretches: np.ndarray, r: int, b0: int, b1: int, span: int, margin: float,
@@ -255,11 +303,19 @@ def above_floor(stretches: np.ndarray, r: int, b0: int, b1: int, span: int, marg
     outside the segment (log units)."""
     if not np.isfinite(own).any():
         return False
-    with np.errstate(all="ignore"):
-        others = np.delete(stretches, r, axis=0)
-        rest = np.concatenate([others.ravel(), stretches[r, : max(0, b0 - span + 1)], stretches[r, b1 + 1 :]])
-    rest = rest[np.isfinite(rest)]
-    return not rest.size or float(np.nanmax(own)) >= float(rest.max()) + margin
+    row_max = _row_max(stretches)
+    mine = np.concatenate([stretches[r, : max(0, b0 - span + 1)], stretches[r, b1 + 1 :]])
+    rest = [float(np.delete(row_max, r).max(initial=-np.inf)), float(np.nanmax(mine, initial=-np.inf))]
+    return float(np.nanmax(own)) >= max(rest) + margin
+
+
+def _row_max(stretches: np.ndarray) -> np.ndarray:
+    """Each row's highest stretch (-inf where none), without a copy of the matrix."""
+    out = np.full(stretches.shape[0], -np.inf)
+    for i in range(0, stretches.shape[0], 256):
+        with np.errstate(all="ignore"):
+            out[i : i + 256] = np.nanmax(stretches[i : i + 256], axis=1, initial=-np.inf)
+    return out
 
 
 def outside_level(row: np.ndarray, seg: np.ndarray) -> float:
@@ -276,22 +332,25 @@ def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
     return int(count[np.isfinite(x)].sum())
 
 
-def more_work(cpu: np.ndarray, wall: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -> float:
-    """Row ``r``'s CPU time over blocks ``seg`` beyond the other ranks' median and beyond what
-    preemption costs for the wall time it lost (``preempt_overhead`` x its wall-time excess), as the
-    log of its ratio over the others' CPU time (median over the blocks; NaN: not judged)."""
+def more_work(cpu: np.ndarray, wall: np.ndarray, cpu_others: np.ndarray, wall_others: np.ndarray, r: int,
+              seg: np.ndarray, opts: DetectionOptions) -> float:  # fmt: skip
+    """Row ``r``'s CPU time over blocks ``seg`` beyond the other ranks' median (``cpu_others``:
+    ``loo_median(cpu)``) and beyond what preemption costs for the wall time it lost
+    (``preempt_overhead`` x its wall-time excess over ``wall_others``), as the log of its ratio over the
+    others' CPU time (median over the blocks; NaN: not judged)."""
     with np.errstate(all="ignore"):
-        cpu_ref = loo_median(cpu)[r, seg]
-        wall_ex = np.maximum(wall[r, seg] - loo_median(wall)[r, seg], 0.0)
+        cpu_ref = cpu_others[r, seg]
+        wall_ex = np.maximum(wall[r, seg] - wall_others[r, seg], 0.0)
         grown = nan_median(cpu[r, seg] - cpu_ref - opts.preempt_overhead * wall_ex)
         return float(np.log((nan_median(cpu_ref) + grown) / nan_median(cpu_ref)))
 
 
-def log_ratio(values: np.ndarray) -> np.ndarray:
+def log_ratio(values: np.ndarray, others: np.ndarray | None = None) -> np.ndarray:
     """(rank x block) log of each value over the median of the other ranks in its block (the cluster
-    median without the rank itself); NaN where not judged."""
+    median without the rank itself: ``others``, ``loo_median(values)`` unless given); NaN where not
+    judged."""
     with np.errstate(all="ignore"):
-        x = np.log(values / loo_median(values))
+        x = np.log(values / (loo_median(values) if others is None else others))
     x[~np.isfinite(x)] = np.nan
     return x
 
@@ -326,50 +385,54 @@ def change_points(x: np.ndarray, opts: DetectionOptions) -> list[tuple[int, int,
     With ``y`` = x less the rank's median, ``k`` = log(episode_min_effect) / 2 and ``h`` = episode_h x
     its noise floor: ``S = max(0, S + y - k)`` opens a segment when ``S > h``, starting after the last
     block where ``S`` was 0; then ``D = max(0, D + k - y)`` closes it when ``D > h``, ending at the last
-    block where ``D`` was 0. Returns (row, first block, last block, confirming block, still open, sigma).
+    block where ``D`` was 0. Blocks not judged leave both unchanged. Returns (row, first block, last
+    block, confirming block, still open, sigma).
+
+    Each recursion is a cumulative sum less its running minimum (Lindley: ``S_t = C_t - min(0,
+    min_j<=t C_j)`` with ``C`` the cumulative sum of ``y - k``), so a row costs a few array passes per
+    segment, not a Python step per block.
     """
-    n_r, n_b = x.shape
     level = nan_median(x, axis=1)
     sigma = noise_floor(x, opts)
     k = math.log(opts.episode_min_effect) / 2.0
-    h = opts.episode_h * sigma
-    s = np.zeros(n_r)
-    d = np.zeros(n_r)
-    inside = np.zeros(n_r, dtype=bool)
-    start = np.zeros(n_r, dtype=np.int64)  # first block after S was last 0
-    end = np.zeros(n_r, dtype=np.int64)  # last block at which D was 0
-    confirm = np.zeros(n_r, dtype=np.int64)
-    last_seen = np.full(n_r, -1, dtype=np.int64)
-    started = np.zeros(n_r, dtype=bool)  # a judged block seen since the last reset
     out: list[tuple[int, int, int, int, bool, float]] = []
-    for b in range(n_b):
-        y = x[:, b] - level
+    for r in range(x.shape[0]):
+        y = x[r] - level[r]
         seen = np.isfinite(y)
-        if not seen.any():
+        judged = np.flatnonzero(seen)
+        if not judged.size:
             continue
-        # searching for an upward shift
-        up = seen & ~inside
-        s = np.where(up, np.maximum(0.0, s + np.nan_to_num(y) - k), s)
-        start = np.where(up & ((s == 0) | ~started), b + (s == 0), start)
-        started |= up
-        opened = up & (s > h)
-        # inside a segment, looking for the shift back
-        down = seen & inside
-        d = np.where(down, np.maximum(0.0, d + k - np.nan_to_num(y)), d)
-        end = np.where(down & (d == 0), b, end)
-        closed = down & (d > h)
-        for r in np.flatnonzero(closed):
-            out.append((int(r), int(start[r]), int(end[r]), int(confirm[r]), False, float(sigma[r])))
-        inside = (inside & ~closed) | opened
-        confirm = np.where(opened, b, confirm)
-        end = np.where(opened, b, end)
-        d = np.where(opened | closed, 0.0, d)
-        s = np.where(closed, 0.0, s)
-        start = np.where(closed, b + 1, start)
-        last_seen = np.where(seen, b, last_seen)
-    for r in np.flatnonzero(inside):
-        out.append((int(r), int(start[r]), int(last_seen[r]), int(confirm[r]), True, float(sigma[r])))
+        h = opts.episode_h * float(sigma[r])
+        up = np.where(seen, y - k, 0.0)
+        down = np.where(seen, k - y, 0.0)
+        p, start = int(judged[0]), int(judged[0])
+        while p < y.size:
+            s = _lindley(up[p:])
+            crossed = np.flatnonzero(s > h)
+            if not crossed.size:
+                break
+            t = p + int(crossed[0])
+            zero = np.flatnonzero((s[: t - p] == 0) & seen[p:t])
+            if zero.size:
+                start = p + int(zero[-1]) + 1
+            q = t + 1
+            d = _lindley(down[q:])
+            back = np.flatnonzero(d > h)
+            if not back.size:
+                out.append((r, start, int(judged[-1]), t, True, float(sigma[r])))
+                break
+            t2 = q + int(back[0])
+            zero = np.flatnonzero((d[: t2 - q] == 0) & seen[q:t2])
+            end = q + int(zero[-1]) if zero.size else t
+            out.append((r, start, end, t, False, float(sigma[r])))
+            p = start = t2 + 1
     return out
+
+
+def _lindley(z: np.ndarray) -> np.ndarray:
+    """``S_t = max(0, S_t-1 + z_t)`` from ``S = 0``, as cumulative sums."""
+    c = np.cumsum(z)
+    return c - np.minimum.accumulate(np.minimum(c, 0.0))
 
 
 def _finite_or_none(x: float) -> float | None:

@@ -133,7 +133,7 @@ def _joined(old: RankBlocks | None, new: RankBlocks) -> RankBlocks:
     return RankBlocks(
         new.rank, new.node, np.concatenate([old.block[keep], new.block]),
         np.concatenate([old.self_ns[keep], new.self_ns]), np.concatenate([old.cpu_ns[keep], new.cpu_ns]),
-        np.concatenate([old.steps[keep], new.steps]),
+        np.concatenate([old.steps[keep], new.steps]), new.width,
     )  # fmt: skip
 
 
@@ -141,4 +141,4 @@ def _since(h: RankBlocks, first_block: int) -> RankBlocks:
     keep = h.block >= first_block
     if keep.all():
         return h
-    return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep])
+    return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep], h.width)

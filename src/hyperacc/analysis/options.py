@@ -85,6 +85,7 @@ class DetectionOptions:
     episode_min_effect: float = 1.3  # the shift at least this ratio (over the rank's own typical ratio) ...
     episode_min_steps: int = 20  # ... for at least this many steps
     episode_h: float = 5.0  # CUSUM decision interval, in noise sigmas of one block's log ratio
+    episode_max_cells: int = 10_000_000  # ranks x blocks kept; past it blocks widen x2 (memory bound)
     # -- node grouping
     node_fraction: float = 0.5  # more than this share of a node's ranks slow: a node problem
     # -- spikes within a rank
@@ -153,6 +154,7 @@ _INT_BOUNDS: dict[str, int] = {
     "top_min_windows": 1,
     "episode_block_steps": 1,
     "episode_min_steps": 1,
+    "episode_max_cells": 1,
     "spike_window": 3,
     "spike_floor_ns": 0,
     "excess_min_spikes": 1,

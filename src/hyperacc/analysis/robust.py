@@ -87,8 +87,40 @@ def loo_median(values: np.ndarray) -> np.ndarray:
     """For each element of a (n x m) matrix, the median of the OTHER values of its column (NaN-aware; NaN
     where none remains). A slow value does not pull its own reference up: with four ranks the median of
     all four is the mean of the two middle ones, and the slow rank's ratio to it comes out biased low."""
-    (med,), m = _loo_quantiles(values, (0.5,))
-    return np.where((m >= 1) & ~np.isnan(values), med, np.nan)
+    values = np.asarray(values)
+    if values.dtype != np.float32:
+        values = values.astype(np.float64, copy=False)
+    if values.ndim != 2 or values.size == 0:
+        return np.full(values.shape, np.nan, dtype=values.dtype)
+    # columns are independent: a bounded slice of them at a time keeps the temporaries small
+    step = max(1, _LOO_CELLS // max(values.shape[0], 1))
+    if values.shape[1] > step:
+        return np.concatenate([loo_median(values[:, i : i + step]) for i in range(0, values.shape[1], step)], axis=1)
+    # Column by column (rows of the transpose, contiguous): only the middle of each sorted column is
+    # needed. Without an element at sorted position i, the median of the other n - 1 is, with
+    # h = (n - 2) // 2 for n even: s[h + 1] if i <= h else s[h]; for n odd, h = (n - 1) // 2:
+    # (s[h] + s[h + 1]) / 2 if i <= h - 1, (s[h - 1] + s[h + 1]) / 2 if i == h, else (s[h - 1] + s[h]) / 2.
+    # i <= h is x <= s[h] (equal values give the same others). Ties at s[h] resolve the same way.
+    cols = np.ascontiguousarray(values.T)
+    ordered = np.sort(cols, axis=1)  # NaN last
+    n = np.count_nonzero(~np.isnan(cols), axis=1)[:, None]
+    last = cols.shape[1] - 1
+
+    def at(k: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(ordered, np.clip(k, 0, last), axis=1)
+
+    even = n % 2 == 0
+    h = np.where(even, (n - 2) // 2, (n - 1) // 2)
+    s_lo, s_h, s_hi = at(h - 1), at(h), at(h + 1)
+    with np.errstate(invalid="ignore"):
+        below, equal = cols < s_h, cols == s_h
+        odd_med = np.where(below, (s_h + s_hi) / 2, np.where(equal, (s_lo + s_hi) / 2, (s_lo + s_h) / 2))
+        even_med = np.where(cols <= s_h, s_hi, s_h)
+    med = np.where(even, even_med, odd_med)
+    return np.where((n - 1 >= 1) & ~np.isnan(cols), med, np.nan).T
+
+
+_LOO_CELLS = 1 << 21  # values ``loo_median`` works on at a time
 
 
 def _loo_quantiles(values: np.ndarray, qs: tuple[float, ...]) -> tuple[list[np.ndarray], np.ndarray]:

@@ -25,7 +25,7 @@ import numpy as np
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
-from hyperacc.analysis.episodes import RankBlocks, detect_episodes, merge_episodes, recovered_stragglers
+from hyperacc.analysis.episodes import BlockBudget, detect_episodes, merge_episodes, recovered_stragglers
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.projection import project
@@ -74,7 +74,7 @@ def diagnose(
     cluster = _Cluster()
     windows: list[dict[str, np.ndarray]] = []
     findings: list[RankFindings] = []
-    blocks: list[RankBlocks] = []
+    blocks = BlockBudget(opts)
     events: list[_EVENT] = []
     nodes = _Nodes(opts)
     unread: list[int] = []
@@ -91,7 +91,7 @@ def diagnose(
         cluster.add(f)
         windows.append(_held(f.windows))
         if f.blocks is not None:
-            blocks.append(f.blocks)
+            blocks.add(f.blocks)
         nodes.add(node, f.judged, f.spikes)
         for item in f.events:
             _keep_top(events, item, opts.top_events)
@@ -116,11 +116,11 @@ def diagnose(
     stragglers = [s.to_dict() for s in found if s.active]
     # Change points per rank: transient fail-slows too short for the window rules, and the precise
     # range of a straggler that recovered (docs/detection.md, "Episodes").
-    changes = detect_episodes(blocks, opts)
+    changes = detect_episodes(blocks.blocks, opts)
     back = recovered_stragglers(stragglers, changes)
     stragglers = [s for s in stragglers if s["rank"] not in back]
     episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active])
-    blocks.clear()
+    del blocks
     windows_judged = judged_windows(summaries, opts)
     del summaries
     working = working_gap_ranks(stragglers + episodes)
