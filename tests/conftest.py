@@ -1,6 +1,7 @@
 """Suite-wide ordering for ``make test``'s parallel run (pytest-xdist, ``--dist loadfile``).
 
-Workers take whole test files in collection order. The files that start real ranks take most of the
+Workers take whole test files in collection order (pytest-xdist's own re-sorting of files by their
+number of tests is switched off below). The files that start real ranks take most of the
 suite's wall time, much of it waiting (rendezvous, torchrun's monitor, timeouts), so they are handed
 out first, longest-known first, and the many quick files fill the gaps at the end: otherwise one
 worker is left alone with a long job after the others have finished. Order within a file is kept.
@@ -47,6 +48,14 @@ _FIRST = (
     "reliability/test_export_interrupt.py",
     "reliability/test_run_dir_reuse.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist (3.6 on) re-sorts the files of `--dist loadfile` by their number of tests, most first,
+    # unless told not to: that put the many-test single-process files first and the real jobs (a few
+    # tests a file) last, whatever the order below. Keep the order this file gives.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def _file(item: pytest.Item) -> str:
