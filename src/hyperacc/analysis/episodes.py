@@ -115,7 +115,11 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
         empty = np.zeros(0, dtype=np.float32)
         return RankBlocks(rank, node, np.zeros(0, dtype=np.int64), empty, empty, np.zeros(0, dtype=np.uint16), width)
     blk = steps // width
-    uniq, row = np.unique(blk, return_inverse=True)
+    if steps.size > 1 and bool((np.diff(steps) > 0).all()):  # the usual case: sorted, one row per step
+        first = np.concatenate([[0], np.flatnonzero(np.diff(blk)) + 1])
+        uniq, row = blk[first], np.repeat(np.arange(first.size), np.diff(np.append(first, blk.size)))
+    else:
+        uniq, row = np.unique(blk, return_inverse=True)
     offset = steps - blk * width
 
     def medians(name: str) -> np.ndarray:
@@ -123,9 +127,7 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
         grid = np.full((uniq.size, width), np.nan)
         if v is not None:
             grid[row, offset] = np.asarray(v, dtype=np.float64)
-        n = np.count_nonzero(~np.isnan(grid), axis=1)
-        with np.errstate(all="ignore"):
-            med = nan_median(grid, axis=1)
+        med, n = small_nan_median(grid)
         # a block judged on fewer than half its steps is not judged
         return np.where(n * 2 >= width, med, np.nan).astype(np.float32)
 
@@ -284,13 +286,19 @@ def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
     out = np.empty((n_r, n_b - span + 1), dtype=y.dtype)
     chunk = max(1, _STRETCH_CELLS // max(n_b * span, 1))  # ranks at a time: a bounded copy of the windows
     for r in range(0, n_r, chunk):
-        # sorted along the short last axis (NaN last), the median of the judged ones picked by count
-        windows = np.sort(np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1), axis=2)
-        n = np.count_nonzero(~np.isnan(windows), axis=2)[..., None]
-        lo = np.take_along_axis(windows, np.maximum((n - 1) // 2, 0), axis=2)[..., 0]
-        hi = np.take_along_axis(windows, np.maximum(n // 2, 0).clip(max=span - 1), axis=2)[..., 0]
-        out[r : r + chunk] = np.where(n[..., 0] > 0, (lo + hi) / 2, np.nan)
+        out[r : r + chunk] = small_nan_median(np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1))[0]
     return out
+
+
+def small_nan_median(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The median over the (short) last axis of the values that are not NaN, and their count (NaN where
+    none): sorted along that axis (NaN last), the middle one or two picked by the count."""
+    ordered = np.sort(values, axis=-1)
+    n = np.count_nonzero(~np.isnan(ordered), axis=-1)
+    last = values.shape[-1] - 1
+    lo = np.take_along_axis(ordered, np.clip((n - 1) // 2, 0, last)[..., None], axis=-1)[..., 0]
+    hi = np.take_along_axis(ordered, np.clip(n // 2, 0, last)[..., None], axis=-1)[..., 0]
+    return np.where(n > 0, (lo + hi) / 2, np.nan), n
 
 
 _STRETCH_CELLS = 1 << 20  # values copied at a time by ``stretch_levels``

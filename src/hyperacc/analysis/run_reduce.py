@@ -177,18 +177,19 @@ class _Cluster:
 
     def _add_wait(self, f: RankFindings, pos: np.ndarray) -> None:
         """Insert the rank's waits into the per-step least ``WAIT_LOWEST``, keeping them sorted."""
+        lower = f.comm_wait < self.wait_low[pos, -1]  # only where it is among the least so far
+        pos, wait = pos[lower], f.comm_wait[lower]
         if not pos.size:
             return
-        waits = np.concatenate([self.wait_low[pos], f.comm_wait[:, None]], axis=1)
-        ranks = np.concatenate([self.wait_rank[pos], np.full((pos.size, 1), f.rank)], axis=1)
-        order = np.argsort(waits, axis=1, kind="stable")[:, :WAIT_LOWEST]
-        before = self.wait_rank[pos, 0]
-        self.wait_low[pos] = np.take_along_axis(waits, order, axis=1)
-        self.wait_rank[pos] = np.take_along_axis(ranks, order, axis=1)
-        took = self.wait_rank[pos, 0] != before
-        if not took.any():
+        low, ranks = self.wait_low[pos], self.wait_rank[pos]
+        # each new wait goes after the kept ones that are not larger; the ones after it shift right
+        j = np.count_nonzero(low <= wait[:, None], axis=1)[:, None]
+        col = np.arange(WAIT_LOWEST)[None, :]
+        self.wait_low[pos] = np.where(col < j, low, np.where(col == j, wait[:, None], np.roll(low, 1, axis=1)))
+        self.wait_rank[pos] = np.where(col < j, ranks, np.where(col == j, f.rank, np.roll(ranks, 1, axis=1)))
+        at = pos[j[:, 0] == 0]  # the rank is now the last to arrive there
+        if not at.size:
             return
-        at = pos[took]
         self.low_cause[at] = -1
         if f.spikes.size:
             codes = np.array([self._cause_code(str(c)) for c in f.spike_causes], dtype=np.int64)
