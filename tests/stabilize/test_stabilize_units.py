@@ -284,11 +284,12 @@ def test_valve_collects_early_when_garbage_piles_up() -> None:
     keep = []
     try:
         for step in range(2000):  # stops as soon as the valve collected
-            if step == 5:
+            stab.step(step)
+            if step == 5:  # the garbage of step 5, made once the step is under way (the valve's thread
+                # polls every 20 ms: garbage made before stab.step(5) can be seen while step 4 is the last)
                 for _ in range(30_000):
                     a: list = []
                     a.append(a)
-            stab.step(step)
             time.sleep(0.005)
             if any(r["kind"] == "gc_collect" for r in stab.records):
                 break
