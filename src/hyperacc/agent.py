@@ -273,15 +273,23 @@ class LiveNode(_Periodic):
             self._backoff.failed(exc)
 
     def _judge_episodes(self, final: bool) -> None:
-        """Live episodes (``analysis.live_episodes``) over the blocks read this pass, as live findings."""
-        if self._episodes is None:
-            from hyperacc.analysis.live_episodes import LiveEpisodes
-            from hyperacc.analysis.options import DetectionOptions
-
-            confirmed = lambda rank: rank in getattr(self._gatherer._detector, "confirmed", {})  # noqa: E731
-            self._episodes = LiveEpisodes(DetectionOptions(window_steps=self.window), straggler=confirmed)
+        """Live episodes (``analysis.live_episodes``) over the blocks read this pass, as live findings.
+        An error here switches the live episodes off, with one log line; the windows' verdicts go on."""
         blocks, self._new_blocks = self._new_blocks, []
-        said = self._episodes.update(blocks) + (self._episodes.close() if final else [])
+        if self._episodes is False:
+            return
+        try:
+            if self._episodes is None:
+                from hyperacc.analysis.live_episodes import LiveEpisodes
+                from hyperacc.analysis.options import DetectionOptions
+
+                confirmed = lambda rank: rank in getattr(self._gatherer._detector, "confirmed", {})  # noqa: E731
+                self._episodes = LiveEpisodes(DetectionOptions(window_steps=self.window), straggler=confirmed)
+            said = self._episodes.update(blocks) + (self._episodes.close() if final else [])
+        except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
+            self._episodes = False
+            log.warning("hyperacc run: live episodes switched off (%s: %s)", type(exc).__name__, exc)
+            return
         for step, line in said:
             self._event("live_finding", step, None, line)
 

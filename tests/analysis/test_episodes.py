@@ -266,3 +266,21 @@ def test_blocks_widen_to_stay_within_their_budget_and_the_episode_is_still_found
                                np.array([2.0, np.nan, 4.0], dtype=np.float32), np.array([5, 5, 4], dtype=np.uint16)), 10)
     assert one.block.tolist() == [0, 1] and one.self_ns.tolist() == [2.0, 5.0] and one.cpu_ns.tolist() == [2.0, 4.0]
     assert one.steps.tolist() == [10, 4] and one.width == 10
+
+
+def test_an_error_in_the_live_episodes_switches_them_off_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    """The node agent's live episodes fail with one log line and stay off; its window verdicts go on."""
+    from hyperacc.agent import LiveNode
+
+    class Broken:
+        def update(self, blocks: list) -> list:
+            raise ValueError("boom")
+
+    node = LiveNode(tmp_path, agent="host:1", window=10, grace_s=1.0)
+    node._episodes = Broken()
+    node._new_blocks = [None]
+    with caplog.at_level("WARNING"):
+        node._judge_episodes(final=False)
+        node._judge_episodes(final=True)
+    assert node._episodes is False and node.on and node._new_blocks == []
+    assert caplog.text.count("live episodes switched off (ValueError: boom)") == 1
