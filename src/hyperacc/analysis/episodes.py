@@ -136,8 +136,10 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width)
 
 
-def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> list[Episode]:
-    """Episodes of every rank, by rank and then step (rules: docs/detection.md, "Episodes")."""
+def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_effect: float = 0.5) -> list[Episode]:
+    """Episodes of every rank, by rank and then step (rules: docs/detection.md, "Episodes").
+    ``floor_effect``: how much of the minimum effect (in log) a segment must stand above the host's
+    floor (half offline; live, judging with less of the run, the whole of it)."""
     ranks = [b for b in blocks if b.block.size]
     if len(ranks) < opts.min_ranks:
         return []
@@ -188,7 +190,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions) -> lis
             # clean rank's CPU time moves between two levels 1.4-1.5x apart for tens of steps, one rank
             # after another; a level that only one rank ever reaches is no fault either, if it is no
             # higher than what the others reached.
-            if not above_floor(stretches, r, b0, b1, span, math.log(opts.episode_min_effect) / 2.0,
+            if not above_floor(stretches, r, b0, b1, span, math.log(opts.episode_min_effect) * floor_effect,
                                own=stretch_levels(x[r : r + 1, seg] - outside_level(x[r], seg), span, level=False)):
                 continue
             excess = wall[r, seg] - wall_ref[r, seg]

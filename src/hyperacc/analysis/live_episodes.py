@@ -83,8 +83,16 @@ class LiveEpisodes:
         newest = max(int(h.block[-1]) for h in self._history.values() if h.block.size)
         for rank, h in self._history.items():
             self._history[rank] = _since(h, newest - self.keep_blocks + 1)
+        # Live judges with less of the run than offline: the host's floor is what it did so far. So it
+        # waits until every rank's history holds spike_window steps (what the spike rule learns the
+        # host over) and asks the whole minimum effect above that floor, not half (docs/detection.md,
+        # "Episodes", Live): a clean loaded run was once given an episode at step 84 that offline,
+        # with the whole run, was not.
+        span = max(int(h.block[-1] - h.block[0] + 1) for h in self._history.values() if h.block.size)
+        if span * self.opts.episode_block_steps < self.opts.spike_window:
+            return []
         out: list[tuple[int, str]] = []
-        found = detect_episodes(list(self._history.values()), self.opts)
+        found = detect_episodes(list(self._history.values()), self.opts, floor_effect=1.0)
         for rank in [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]:
             # no longer judged an episode (its history moved on): ended by the rank's newest block
             going = self._open.pop(rank)
