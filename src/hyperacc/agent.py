@@ -172,6 +172,10 @@ class LiveNode(_Periodic):
     """
 
     thread_name = "hyperacc-agent-live"
+    # Live episodes (analysis.live_episodes) are off: judged with only the run so far, they said a false
+    # episode on a clean loaded CI job twice (steps 84-139, 104-179) where the offline rule, with the
+    # whole run, said none. A false verdict costs more than a late one: episodes come from `analyze`.
+    live_episodes = False
 
     def __init__(self, run_dir: str | Path, *, agent: str, window: int, grace_s: float, poll_s: float = 1.0,
                  remediate: str | None = None) -> None:  # fmt: skip
@@ -245,7 +249,9 @@ class LiveNode(_Periodic):
             gatherer = self._leader(ref)
             gatherer.offer(rows)
             gatherer.gather(None, final=final, final_grace_s=0.0)
-            self._judge_episodes(final)
+            if self.live_episodes:
+                self._judge_episodes(final)
+            self._new_blocks.clear()
             return
         self._new_blocks.clear()  # live episodes are judged where every rank's blocks are (one node)
         if not ref.store or not (final or self._backoff.ready()):

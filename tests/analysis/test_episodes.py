@@ -196,18 +196,12 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
     row = next(c for c in w["culprits"] if c["what"] == "episode" and c["rank"] == 2)
     assert 0 < row["saved_ns"] < w["job_ns"] and row["saved_ns"] == e["job_time_lost_ns"]
     assert f"Without rank 2's steps {e['since_step']}-{e['until_step']} the job would have taken" in d["verdict"]
-    # the node agent said it while the job ran: the onset within the shortest episode, and the end
-    lines = [(f["step"], f["detail"]) for f in d["live"] if "rank 2 " in f["detail"]]
-    started = [step for step, text in lines if "is slow since step" in text]
-    assert len(started) == 1 and 120 <= started[0] <= 120 + 20 + 10, d["live"]
-    assert any("then recovered" in text for _, text in lines), d["live"]
 
 
 @pytest.mark.multirank
 def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_and_clean):
     _, d = faulty_and_clean
     assert d["episodes"] == [] and d["stragglers"] == [], d["verdict"]
-    assert not [f for f in d["live"] if "slow since step" in f["detail"]], d["live"]
 
 
 def _step_columns(n_ranks: int, steps: int, slow: dict, seed: int = 0) -> list[dict[str, np.ndarray]]:
