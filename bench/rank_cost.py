@@ -61,9 +61,10 @@ def job_commands(job: str, iters: int, data: Path) -> list[str]:
     return [str(ROOT / "examples" / "train_ddp.py"), "--steps", str(iters), "--workers", "0"]
 
 
-def run_arm(arm: str, trace: dict | None, job: str, iters: int, nproc: int, data: Path, work: Path) -> dict:
+def run_arm(arm: str, trace: dict | None, job: str, iters: int, nproc: int, data: Path, work: Path,
+            src: Path = ROOT / "src") -> dict:  # fmt: skip
     out = Path(tempfile.mkdtemp(dir=work))
-    env = dict(os.environ, RANK_COST_OUT=str(out), PYTHONPATH=os.pathsep.join([str(SHIM), str(ROOT / "src")]))
+    env = dict(os.environ, RANK_COST_OUT=str(out), PYTHONPATH=os.pathsep.join([str(SHIM), str(src)]))
     env.pop("HYPERACC_TRACE", None)
     script = job_commands(job, iters, data)
     if arm == "plain":
@@ -105,12 +106,14 @@ def interval(ratios: list[float]) -> tuple[float, float]:
 
 
 def compare(job: str, arms: dict[str, dict | None], pairs: int, iters: int, nproc: int, data: Path,
-            work: Path) -> None:  # fmt: skip
+            work: Path, sources: dict[str, Path] | None = None) -> None:  # fmt: skip
+    """``sources``: arms that run hyperacc from another source tree (a "before" worktree)."""
+    sources = sources or {}
     results: dict[str, list[dict]] = {name: [] for name in ("plain", *arms)}
     for _ in range(pairs):
         results["plain"].append(run_arm("plain", None, job, iters, nproc, data, work))
         for name, trace in arms.items():
-            results[name].append(run_arm(name, trace, job, iters, nproc, data, work))
+            results[name].append(run_arm(name, trace, job, iters, nproc, data, work, sources.get(name, ROOT / "src")))
     plain = results["plain"]
     print(f"\n{job}, {nproc} ranks, {iters} iterations, {pairs} alternated pairs")
     print(f"{'arm':<18} {'iter CPU ms':>11} {'ratio (95% interval)':>26} {'start-up CPU s':>15} "
@@ -147,6 +150,9 @@ def main() -> None:
     p.add_argument("--components", action="store_true", help="also each part of the tracer on alone")
     p.add_argument("--job", choices=("both", "nanogpt", "train_ddp"), default="both",
                    help="which job to run (--quick runs the nanoGPT-shaped loop only)")
+    p.add_argument("--before", type=Path, default=None,
+                   help="a source tree (e.g. a git worktree of an earlier commit): one more arm runs hyperacc "
+                        "from its src/, alternated with the others, for a before/after in one run")
     args = p.parse_args()
     pairs, iters = (3, 200) if args.quick else (args.pairs, args.iters)
     print(f"machine: {machine()}")
@@ -156,11 +162,15 @@ def main() -> None:
         data = work / "tokens.bin"
         np.random.default_rng(0).integers(0, 512, 2_000_000, dtype=np.uint16).tofile(data)
         arms: dict[str, dict | None] = {"hyperacc run": None}
+        sources: dict[str, Path] = {}
+        if args.before is not None:
+            arms["before"] = None
+            sources["before"] = args.before.resolve() / "src"
         if args.components and not args.quick:
             arms |= {name: BARE | extra for name, extra in COMPONENTS.items()}
-        jobs = ("nanogpt",) if args.quick else ("nanogpt", "train_ddp") if args.job == "both" else (args.job,)
+        jobs = ("nanogpt",) if args.quick and args.job == "both" else ("nanogpt", "train_ddp") if args.job == "both" else (args.job,)
         for job in jobs:
-            compare(job, arms, pairs, iters, args.nproc, data, work)
+            compare(job, arms, pairs, iters, args.nproc, data, work, sources)
     print(f"\nbench/rank_cost.py took {time.monotonic() - t0:.0f} s; load average now "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
 

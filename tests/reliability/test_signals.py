@@ -101,6 +101,25 @@ def _started(term: Terminal, ready, timeout: float = 180) -> None:
     raise AssertionError(f"the job never got ready:\n{term.output.decode(errors='replace')[-3000:]}")
 
 
+def _interrupt(term: Terminal, how: str) -> None:
+    if how.startswith("kill"):
+        os.kill(term.pid, signal.SIGINT)
+    else:
+        term.ctrl_c()
+
+
+def _plain_code(how: str, env: dict[str, str]) -> int | None:
+    """Plain torchrun's exit status for ``how``, in a run of its own."""
+    plain = Terminal(ddp_command(None, STEPS, nproc=1), env)
+    try:
+        _started(plain, lambda: True)
+        time.sleep(1.0)
+        _interrupt(plain, how)
+        return plain.wait(120)
+    finally:
+        plain.kill_all()
+
+
 @pytest.mark.parametrize("how", ["kill -INT the launcher", "Ctrl-C in the terminal"])
 def test_sigint_stops_a_job_in_a_terminal_as_it_stops_torchrun(tmp_path: Path, how: str) -> None:
     run_dir = tmp_path / "run"
@@ -112,15 +131,17 @@ def test_sigint_stops_a_job_in_a_terminal_as_it_stops_torchrun(tmp_path: Path, h
         _started(plain, lambda: True)
         time.sleep(1.0)
         for term in (traced, plain):
-            if how.startswith("kill"):
-                os.kill(term.pid, signal.SIGINT)
-            else:
-                term.ctrl_c()
+            _interrupt(term, how)
         codes = [term.wait(120) for term in (traced, plain)]
         assert codes[1] is not None, "plain torchrun did not stop"
         log = traced.output.decode(errors="replace")[-3000:]
         assert codes[0] is not None, f"the SIGINT was ignored: the traced job still trains\n{log}"
-        assert codes[0] == codes[1] != 0, log
+        if codes[1] == 128 + signal.SIGABRT and codes[0] != codes[1]:
+            # Plain torchrun itself sometimes aborts in its own teardown after a Ctrl-C (seen once in a
+            # CI run: 134 against its usual status); that abort is not the behaviour to match, so its
+            # status is asked again in a run of its own.
+            codes[1] = _plain_code(how, env)
+        assert codes[0] == codes[1] != 0, (codes, log, plain.output.decode(errors="replace")[-2000:])
         steps = _steps(run_dir)
         assert sorted(steps) == [0]
         for s in steps.values():  # every row flushed on the way out, contiguous from step 0

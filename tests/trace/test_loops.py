@@ -57,7 +57,8 @@ def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Pat
         {"kind": "data_stall", "ranks": [1], "rate": 0.35, "ms": 80},
         {"kind": "slowdown", "ranks": [0], "factor": 3.0},
     ]}  # fmt: skip
-    args = ["--steps", str(steps), "--accum", str(accum), "--skip-steps", "5", "--eval-every", "4"]
+    args = ["--steps", str(steps), "--accum", str(accum), "--skip-steps", "5", "--eval-every", "4",
+            "--late-rank", "1", "--late-ms", "300"]  # fmt: skip
     job, rows, reference = run(tmp_path, "nanogpt", args, chaos_cfg=cfg, plain=True)
     for r in range(2):
         # the skipped update (step 5) still ends its iteration: one record per iteration, none merged
@@ -74,6 +75,13 @@ def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Pat
             assert row["data_ns"] >= 80e6, row  # the stall landed in the input phase, not in compute
     # the slowdown burns in every micro-step's backward on rank 0, before its gradient collective
     assert median([r["backward_ns"] for r in rows[0]]) > 2 * median([r["backward_ns"] for r in rows[1]])
+    # DDP kept its built-in all-reduce (no Python communication hook), and its wait is still measured:
+    # where rank 1 slept 300 ms before its synchronised backward, rank 0 waited for it and rank 1 did not
+    assert [r["comm_hooks"] for r in job.results()] == [0, 0]
+    assert all(row["comm_wait_ns"] is not None for r in range(2) for row in rows[r])
+    late = [s for s in range(steps) if s % 3 == 1]
+    assert all(rows[0][s]["comm_wait_ns"] > 150e6 for s in late), [rows[0][s]["comm_wait_ns"] for s in late]
+    assert all(rows[1][s]["comm_wait_ns"] < 150e6 for s in late), [rows[1][s]["comm_wait_ns"] for s in late]
     # tracing (and the injected faults) did not change training by a bit
     assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
     assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]

@@ -61,10 +61,11 @@ def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(
 
 
 @pytest.mark.multirank
-def test_an_internal_error_on_one_rank_keeps_the_collective_shape(tmp_path: Path) -> None:
+@pytest.mark.parametrize("inband", [True, False], ids=["in-band hook", "built-in all-reduce"])
+def test_an_internal_error_on_one_rank_keeps_the_collective_shape(tmp_path: Path, inband: bool) -> None:
     run = tmp_path / "run"
     args = ["--buckets", "many", "--break-rank", "1", "--break-round", "3", "--twin", "--steps", "8"]
-    job = harness.launch(JOB, args, nproc=2, timeout=180, traced=traced(run, inband=True))
+    job = harness.launch(JOB, args, nproc=2, timeout=180, traced=traced(run, inband=inband))
     assert job.ok, job.explain()
     for res in job.results():
         assert res["error"] is None and res["steps"] == 8

@@ -24,11 +24,15 @@ where                     what                                                  
                           time per phase; a boundary requested inside a phase
                           waits for the outermost one to close, then calls
                           ``Tracer._boundary``
-``inband.py``             ``GradientRounds.run``: DDP's comm hook per bucket:   autograd thread
-                          launch times, the all-reduce (+ in-band slots,        (launch); the process
-                          ``inband_slots.py``); completion callbacks stamp the  group's thread
-                          round's end; ``collect()`` hands the clock the wait   (completion)
-                          when backward returns                                 training (collect)
+``ddp_wait.py``           ``DDPWait`` (default): DDP keeps its built-in C++     training thread
+                          all-reduce; a forward pre-hook notes a synchronised   (hooks; autograd's
+                          backward, a parameter hook queues autograd final      final callbacks on
+                          callbacks that stamp "graph done" and "reduced";      CPU, its device
+                          ``collect()`` hands the clock the wait                thread on CUDA)
+``inband.py``             ``GradientRounds.run`` (in-band exchange or pacing    autograd thread
+                          only): DDP's comm hook per bucket: launch times, the  (launch); the process
+                          all-reduce (+ in-band slots, ``inband_slots.py``);    group's thread
+                          completion callbacks stamp the round's end            (completion)
 ``collectives.py``        the script's own collectives and ``Work.wait``:       training thread only
                           time blocked, charged as wait
 ``signals.py``            ``StepSignals.begin``/``end``: counter deltas (GC     training thread; GC

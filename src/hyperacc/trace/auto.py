@@ -15,8 +15,10 @@ tracing; calls on other threads are left alone):
 - backward: the time inside ``torch.autograd.backward`` (``loss.backward()``, accelerate's and
   Lightning's backward go through it), each micro-step's, less the collective wait inside it;
 - optimizer: ``step()`` of the optimizers (pre/post hooks) and ``GradScaler.step``;
-- gradient collectives: a DDP communication hook attached right after each DDP model is built
-  (``hyperacc.trace.inband``), composing with any hook the script registers later; the script's own
+- gradient collectives: each DDP model is attached right after it is built (``hyperacc.trace.inband``):
+  timed from autograd's final callbacks with DDP's built-in all-reduce left in place
+  (``hyperacc.trace.ddp_wait``), or through a communication hook when the in-band exchange or pacing
+  needs one, composing with any hook the script registers later; the script's own
   ``torch.distributed`` collectives and ``Work.wait`` (``hyperacc.trace.collectives``).
 
 Every hook body is guarded: an exception switches automatic tracing off with one log line and the

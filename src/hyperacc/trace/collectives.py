@@ -10,8 +10,8 @@ In automatic mode the public ``torch.distributed`` collectives are wrapped at th
 - calls on other threads (a prefetch thread, a checkpoint writer) are not the step's wait and are left
   alone; so are calls nested inside a timed one (``all_gather_object`` calling ``all_gather``).
 
-DDP's gradient all-reduce is timed by its communication hook (``hyperacc.trace.inband``), which calls
-torch's unwrapped function, so nothing is counted twice. Nothing is added to the communication.
+DDP's gradient all-reduce is timed apart (``hyperacc.trace.ddp_wait``, or the communication hook of
+``hyperacc.trace.inband``, which calls torch's unwrapped function), so nothing is counted twice. Nothing is added to the communication.
 docs/tracing.md, "Collectives".
 """
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hyperacc.trace.columns import MIN_WAIT_RANK, PACE_ON, SPREAD_NS
+from hyperacc.trace.ddp_wait import DDPWait
 from hyperacc.trace.failsafe import switch_off
 from hyperacc.trace.inband_slots import InBand, Listener, agree
 
@@ -56,13 +57,13 @@ def _patch_ddp_registration() -> None:
 
     def register_comm_hook(self: Any, state: object, hook: Callable) -> None:
         rounds = getattr(self, "_hyperacc_rounds", None)
-        if rounds is None:
+        if not isinstance(rounds, GradientRounds):
             return _original_register(self, state, hook)
         rounds.set_user_hook(state, hook)
 
     def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
         rounds = getattr(self, "_hyperacc_rounds", None)
-        if rounds is None:
+        if not isinstance(rounds, GradientRounds):
             return _original_builtin(self, comm_hook_type)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -346,7 +347,7 @@ class Exchange:
     def __init__(self, *, want: bool, agree_timeout_s: float) -> None:
         self.want = want
         self.agree_timeout_s = agree_timeout_s
-        self.models: list[GradientRounds] = []
+        self.models: list[GradientRounds | DDPWait] = []
         self.listeners: list[Listener] = []
         self.pacer: Any = None
         self.device: Any = None
@@ -355,49 +356,57 @@ class Exchange:
         self._warned = False
 
     @property
-    def primary(self) -> GradientRounds | None:
+    def primary(self) -> GradientRounds | DDPWait | None:
         return self.models[0] if self.models else None
 
     @property
     def exchanging(self) -> bool:
         """True while values ride along (agreed, default all-reduce path, more than one rank)."""
         p = self.primary
-        return bool(p is not None and p.inband is not None and p.user_hook is None and p.on)
+        return bool(isinstance(p, GradientRounds) and p.inband is not None and p.user_hook is None and p.on)
 
-    def attach(self, model: Any) -> GradientRounds:
+    def attach(self, model: Any) -> GradientRounds | DDPWait:
+        """Time this DDP model's gradient collectives: through a communication hook (``GradientRounds``)
+        on the first model when values ride along in-band (agreed by every rank) or a pacer is set,
+        otherwise from autograd's callbacks (``DDPWait``), leaving DDP its built-in C++ all-reduce."""
         existing = getattr(model, "_hyperacc_rounds", None)
         if existing is not None:
             return existing
-        if getattr(model, "_comm_hooks", None):
+        primary = not self.models
+        world = model.process_group.size()
+        inband: InBand | None = None
+        hooked = primary and world > 1 and (self.want or self.pacer is not None)
+        if hooked and getattr(model, "_comm_hooks", None):
             raise ValueError(
                 "this DDP model already has a communication hook; attach the tracer before calling "
                 "register_comm_hook (the tracer then wraps the user's hook)"
             )
-        _patch_ddp_registration()
-        rounds = GradientRounds(model, device=self.device)
-        rounds.next_row = self.next_row
-        primary = not self.models
-        if primary and rounds.world > 1:
-            if self.want:
-                try:
-                    agreed = agree(rounds.group, True, self.agree_timeout_s)
-                except Exception as exc:  # noqa: BLE001 - a store problem: everyone falls back the same way
-                    agreed = False
-                    switch_off("in-band agreement", exc)
-                if agreed:
-                    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-                    rank = rounds.group.rank()
-                    inband = InBand(rounds.world, rank, lag=2 if device.type == "cuda" else 1)
-                    inband.listeners = self.listeners
-                    inband.device_values = self.device_values if device.type == "cuda" else None
-                    rounds.inband = inband
-                else:
-                    switch_off("in-band exchange", RuntimeError("not every rank of the group agreed in time"))
-            rounds.pacer = self.pacer
-        _original_register(model, rounds, _dispatch)
-        model._hyperacc_rounds = rounds
-        self.models.append(rounds)
-        return rounds
+        if hooked and self.want:
+            try:
+                agreed = agree(model.process_group, True, self.agree_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a store problem: everyone falls back the same way
+                agreed = False
+                switch_off("in-band agreement", exc)
+            if agreed:
+                device = next((p.device for p in model.parameters()), torch.device("cpu"))
+                inband = InBand(world, model.process_group.rank(), lag=2 if device.type == "cuda" else 1)
+                inband.listeners = self.listeners
+                inband.device_values = self.device_values if device.type == "cuda" else None
+            else:
+                switch_off("in-band exchange", RuntimeError("not every rank of the group agreed in time"))
+        timer: GradientRounds | DDPWait
+        if inband is None and not (hooked and self.pacer is not None):
+            timer = DDPWait(model, device=self.device)
+        else:
+            _patch_ddp_registration()
+            timer = GradientRounds(model, device=self.device)
+            timer.inband = inband
+            timer.pacer = self.pacer
+            _original_register(model, timer, _dispatch)
+        timer.next_row = self.next_row
+        model._hyperacc_rounds = timer
+        self.models.append(timer)
+        return timer
 
     def add_listener(self, fn: Listener) -> None:
         """``fn(step, arrivals_ns, waits_ns)`` with every rank's values of an earlier round."""
@@ -423,7 +432,7 @@ class Exchange:
                 ),
             )
         p = self.primary
-        if p is not None:
+        if isinstance(p, GradientRounds):
             p.pacer = pacer
 
     def set_device(self, device: Any) -> None:
@@ -438,4 +447,7 @@ class Exchange:
 
     def close(self) -> None:
         for m in self.models:
-            m.on = False
+            if isinstance(m, DDPWait):
+                m.close()
+            else:
+                m.on = False

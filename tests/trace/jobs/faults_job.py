@@ -4,8 +4,9 @@
   other ranks must fail in their backward exactly as under plain torchrun: same exception, no
   optimizer step after it. Each surviving rank reports the exception it saw, then re-raises it.
 - ``--buckets one|many``: a ``Linear(10, 10)`` (one gradient bucket) or an MLP with 0.01 MB buckets.
-- ``--break-rank R --break-round K``: hyperacc's in-band exchange fails inside rank R at round K
-  (an internal error injected by replacing its slot writer); the job must train on, with the same
+- ``--break-rank R --break-round K``: hyperacc's gradient timing fails inside rank R at round K (an
+  internal error injected into the in-band slot writer, or, without the exchange, into the clock of the
+  autograd callbacks that time DDP's built-in all-reduce); the job must train on, with the same
   collective shapes on every rank.
 - ``--attach-ranks 0,2``: explicit API: only these ranks trace with ``Tracer(inband=True)`` and attach
   the model; the others do not trace at all.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,6 +71,17 @@ def main() -> None:
             return original(self, rnd, tail)
 
         inband.InBand.fill = fill
+        from hyperacc.trace import ddp_wait
+
+        stamps = [0]
+
+        def clock() -> int:
+            stamps[0] += 1
+            if stamps[0] > 2 * args.break_round:  # two stamps a round
+                raise RuntimeError("gradient timing failure injected by the test")
+            return time.perf_counter_ns()
+
+        ddp_wait.perf_counter_ns = clock
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1) if twin is not None else None
     done, opt_steps, exact = 0, 0, []

@@ -5,8 +5,9 @@
 - ``nanogpt``: nanoGPT's shape: batches read by hand from an ``np.memmap`` in ``get_batch`` (no
   DataLoader), gradient accumulation with ``require_backward_grad_sync`` (the next batch is read
   between a micro-step's forward and its backward), a GradScaler whose update is skipped on the steps
-  given by ``--skip-steps`` (an inf gradient is planted), and an evaluation under ``no_grad`` every
-  ``--eval-every`` steps;
+  given by ``--skip-steps`` (an inf gradient is planted), an evaluation under ``no_grad`` every
+  ``--eval-every`` steps, and ``--late-rank`` sleeping before the synchronised backward of every third
+  iteration;
 - ``prefetch``: a DataLoader consumed through hyperacc's DevicePrefetcher (its own thread);
 - ``fsdp2``: ``fully_shard`` (FSDP2) on CPU with gloo;
 - ``two_models``: two DDP models trained in the same step;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 
 import numpy as np
 import torch
@@ -67,6 +69,8 @@ def nanogpt(args: argparse.Namespace, rank: int, world: int) -> dict:
             model.require_backward_grad_sync = micro == args.accum - 1
             loss = nn.functional.cross_entropy(model(x), y) / args.accum
             x, y = get_batch()  # the next batch, read between forward and backward as nanoGPT does
+            if rank == args.late_rank and it % 3 == 1 and model.require_backward_grad_sync:
+                time.sleep(args.late_ms / 1e3)  # this rank reaches the gradient all-reduce late
             scaler.scale(loss).backward()
         if it in skip:
             next(model.parameters()).grad[0, 0] = float("inf")  # the scaler skips this update
@@ -75,7 +79,8 @@ def nanogpt(args: argparse.Namespace, rank: int, world: int) -> dict:
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss) * args.accum)
     os.unlink(data_path)
-    return {"losses": losses, "checksum": checksum(model), "scale": float(scaler.get_scale())}
+    hooks = len(model._comm_hooks)  # 0: DDP kept its built-in all-reduce
+    return {"losses": losses, "checksum": checksum(model), "scale": float(scaler.get_scale()), "comm_hooks": hooks}
 
 
 def prefetch(args: argparse.Namespace, rank: int, world: int) -> dict:
@@ -164,6 +169,8 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--skip-steps", default="")
     p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--late-rank", type=int, default=-1, help="nanogpt: this rank sleeps before the synchronised")
+    p.add_argument("--late-ms", type=float, default=300.0, help="backward of every third iteration (1, 4, ...)")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
