@@ -1,0 +1,219 @@
+"""What the tracer costs a training rank per iteration, to within 1 %: untraced and traced iterations
+alternated inside one rank, a few iterations at a time.
+
+Across separate runs (bench/rank_cost.py) this machine's CPU time per iteration drifts by tens of
+percent over seconds (a shared VM), so two runs a minute apart cannot show 1 %. Here one rank runs under
+``hyperacc run --quiet`` (the tracing a user gets, live windows in the node agent) and holds two copies
+of the job's model: one built while automatic tracing was uninstalled (never attached) and one built
+with it installed. Pairs of blocks of ``--block`` iterations alternate, the order flipping every pair;
+during an untraced block automatic tracing is paused (its hooks return at their first line, as they do
+after an internal error), so the arms differ by all the tracer's work but the hooks' entry test, a few
+attribute reads a phase. (Uninstalling and installing the hooks between blocks instead would measure
+a cold start: patching classes resets the interpreter's inline caches, and a block just after it ran
+up to 0.2 ms slower on the DDP example here, more the shorter the block.) Measured:
+
+- the training thread's CPU time per iteration of each block (``time.thread_time``): everything the
+  tracer does on the training thread (hooks, step clock, signals, the row, DDP timing);
+- the CPU time of hyperacc's own threads in the rank (the flusher: records, resource samples), read
+  from their thread clocks and charged to the traced iterations (all of it, though they also ran
+  during untraced blocks).
+
+Printed: per-iteration CPU untraced and traced, the training thread's added time with the 95 %
+interval of the mean paired difference, and the ratio (traced training thread + hyperacc's threads) /
+untraced with that interval. Jobs: the nanoGPT-shaped loop of bench/workers/nanogpt_loop.py
+(accumulation over 4 micro-steps with ``require_backward_grad_sync``, memmap-style batches, GradScaler,
+``clip_grad_norm_``) and the loop of examples/train_ddp.py (DataLoader, DDP, an MLP). One rank (the
+tracer's per-iteration work does not grow with the world size; the gradient all-reduce is gloo's, on
+one rank).
+
+    .venv/bin/python bench/tracer_cost.py --quick       # about a minute
+    .venv/bin/python bench/tracer_cost.py               # 1,500 pairs a job, a few minutes each
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def _nanogpt() -> tuple:
+    import numpy as np
+    import torch
+    from nanogpt_loop import GPT
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    data = np.random.default_rng(0).integers(0, 512, 200_000).astype(np.uint16)
+
+    def get_batch() -> tuple:
+        ix = torch.randint(len(data) - 65, (8,))
+        x = torch.stack([torch.from_numpy(data[i : i + 64].astype(np.int64)) for i in ix])
+        y = torch.stack([torch.from_numpy(data[i + 1 : i + 65].astype(np.int64)) for i in ix])
+        return x, y
+
+    def build() -> list:
+        model = DDP(GPT(512, 64, 64, 2, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=False)
+        return [model, opt, torch.amp.GradScaler("cpu"), get_batch()]
+
+    def iterate(arm: list) -> None:
+        model, opt, scaler, (x, y) = arm
+        for micro in range(4):
+            model.require_backward_grad_sync = micro == 3
+            loss = model(x, y) / 4
+            x, y = get_batch()
+            scaler.scale(loss).backward()
+        arm[3] = (x, y)
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    return build, iterate
+
+
+def _train_ddp() -> tuple:
+    import torch
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from train_ddp import SyntheticImages, build_model
+
+    dataset = SyntheticImages(1 << 20, 512, 10)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def build() -> list:
+        model = DDP(build_model(512, 512, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return [model, opt, iter(DataLoader(dataset, batch_size=32, shuffle=True))]
+
+    def iterate(arm: list) -> None:
+        model, opt, batches = arm
+        x, y = next(batches)
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return build, iterate
+
+
+JOBS = {"nanogpt": _nanogpt, "train_ddp": _train_ddp}
+
+
+def _hyperacc_threads_cpu() -> float:
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("hyperacc") and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ProcessLookupError):
+                pass  # ended meanwhile
+    return total
+
+
+def worker(job: str, pairs: int, block: int, out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hyperacc.trace import auto as auto_mod
+
+    sys.path[:0] = [str(HERE / "workers"), str(ROOT / "examples")]
+    dist.init_process_group("gloo")
+    auto = auto_mod.installed()
+    if auto is None:
+        raise SystemExit("run this worker under `hyperacc run` (automatic tracing was not installed)")
+    torch.manual_seed(0)
+    build, iterate = JOBS[job]()
+    auto.uninstall()
+    plain = build()  # built untraced: never attached
+    auto.install()
+    traced = build()
+    for _ in range(10):
+        iterate(traced)
+    auto.uninstall()
+    for _ in range(10):
+        iterate(plain)
+    auto.install()
+    auto._on = False
+    bg0 = _hyperacc_threads_cpu()
+    times: dict[str, list[float]] = {"plain": [], "traced": []}
+    for p in range(pairs):
+        for name in ("plain", "traced") if p % 2 == 0 else ("traced", "plain"):
+            arm = traced if name == "traced" else plain
+            auto._on = name == "traced"
+            t0 = time.thread_time()
+            for _ in range(block):
+                iterate(arm)
+            times[name].append((time.thread_time() - t0) / block)
+    bg = _hyperacc_threads_cpu() - bg0
+    auto._on = True
+    out.write_text(json.dumps({**times, "bg_s": bg, "traced_iterations": pairs * block}))
+    dist.destroy_process_group()
+
+
+def report(job: str, res: dict) -> None:
+    plain, traced = res["plain"], res["traced"]
+    diffs = [t - p for t, p in zip(traced, plain, strict=True)]
+    n = len(diffs)
+    base = statistics.fmean(plain)
+    mean_d = statistics.fmean(diffs)
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(n)
+    bg = res["bg_s"] / res["traced_iterations"]
+    added = mean_d + bg
+    print(f"{job:<10} {n:>6} {base * 1e3:>12.3f} {(base + mean_d) * 1e3:>12.3f} "
+          f"{mean_d * 1e6:>+10.1f} ({(mean_d - half) * 1e6:+.1f}..{(mean_d + half) * 1e6:+.1f}) {bg * 1e6:>10.1f} "
+          f"{1 + added / base:>9.4f} ({1 + (added - half) / base:.4f}..{1 + (added + half) / base:.4f})")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="150 pairs a job")
+    p.add_argument("--pairs", type=int, default=1500)
+    p.add_argument("--block", type=int, default=2, help="iterations per block")
+    p.add_argument("--job", choices=("both", *JOBS), default="both")
+    p.add_argument("--trace", default="", help="tracing options for `hyperacc run --trace` (default: its own)")
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    pairs = 150 if args.quick else args.pairs
+    if args.worker:
+        worker(args.worker, pairs, args.block, Path(args.out))
+        return
+    from _machine import describe
+
+    print(describe())
+    print(f"one rank under `hyperacc run --quiet`; {pairs} alternated pairs of {args.block}-iteration blocks a job")
+    print(f"{'job':<10} {'pairs':>6} {'untraced ms':>12} {'traced ms':>12} {'training thread +us (95 %)':>30} "
+          f"{'hyperacc threads us':>10} {'traced / untraced (95 %)':>26}")  # fmt: skip
+    jobs = list(JOBS) if args.job == "both" else [args.job]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("HYPERACC_TRACE", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        for job in jobs:
+            out = Path(tmp) / f"{job}.json"
+            cmd = [sys.executable, "-m", "hyperacc", "run", "--quiet", "--run-dir", str(Path(tmp) / job),
+                   "--nproc-per-node", "1", *(["--trace", args.trace] if args.trace else []),
+                   "--", str(Path(__file__).resolve()), "--worker", job,
+                   "--pairs", str(pairs), "--block", str(args.block), "--out", str(out)]  # fmt: skip
+            proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if proc.returncode != 0 or not out.exists():
+                raise SystemExit(f"{job}: the traced rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            report(job, json.loads(out.read_text()))
+    print("per iteration, CPU time; training thread: traced - untraced of the same pair (mean, 95 % interval); "
+          "hyperacc threads: their whole CPU time / traced iterations; ratio: (untraced + both) / untraced")
+
+
+if __name__ == "__main__":
+    main()
