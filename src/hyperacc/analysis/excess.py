@@ -33,7 +33,7 @@ import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.outliers import cross_rank_outliers
-from hyperacc.analysis.robust import binom_sf
+from hyperacc.analysis.robust import binom_sf, loo_median
 
 # Spikes of a rank's own work that no phase or signal names specifically. Without CPU time the line
 # between them is noise (a preempted step and a longer computation look alike), so they are counted
@@ -100,19 +100,21 @@ def rank_excess(
         k = np.nan_to_num(np.asarray(raw, dtype=np.float64))
         lost_c = np.nan_to_num(np.asarray(lost.get(cause, np.zeros(n.size)), dtype=np.float64))
         k_all, n_all = k.sum(), n.sum()
-        idx = np.arange(n.size)
         with np.errstate(invalid="ignore", divide="ignore"):
             rates = np.where(n > 0, k / n, np.nan)
         outlier, _, _, judged = cross_rank_outliers(rates, opts, 0.0)
         if cause not in (MERGED, *UNSPECIFIC, "host_work"):
             judged = np.zeros(n.size, dtype=bool)  # a specific signal: the binomial floor holds
-        for i in range(n.size):
-            if n[i] <= 0 or k[i] < opts.excess_min_spikes or (judged[i] and not outlier[i]):
-                continue
+        candidates = np.flatnonzero((n > 0) & (k >= opts.excess_min_spikes) & ~(judged & ~outlier))
+        if candidates.size == 0:
+            continue
+        # the median of the other ranks, for every rank at once (at thousands of ranks with many
+        # candidates, one median per rank would cost ranks squared)
+        med_k, med_n = loo_median(np.stack([k, n], axis=1)).T
+        m = float(n.size - 1)
+        for i in candidates:
             others_k, others_n = k_all - k[i], n_all - n[i]
-            rest = idx != i
-            m = float(rest.sum())
-            q = (m * float(np.median(k[rest])) + 1.0) / (m * float(np.median(n[rest])) + 2.0)
+            q = (m * float(med_k[i]) + 1.0) / (m * float(med_n[i]) + 2.0)
             rate = k[i] / n[i]
             if rate < opts.excess_ratio * q:
                 continue

@@ -126,7 +126,9 @@ _LOO_CELLS = 1 << 21  # values ``loo_median`` works on at a time
 def _loo_quantiles(values: np.ndarray, qs: tuple[float, ...]) -> tuple[list[np.ndarray], np.ndarray]:
     """Linear quantiles of the other values of each element's column, and the count of those others."""
     values = np.asarray(values, dtype=np.float64)
-    order = np.argsort(values, axis=0, kind="stable")  # NaN last
+    # NaN last. Any sort will do: tied values may swap positions, but leaving out either of two equal
+    # values leaves the same others (5x faster than a stable sort at 4,096 ranks here).
+    order = np.argsort(values, axis=0, kind="quicksort")
     ordered = np.take_along_axis(values, order, axis=0)
     pos = np.empty_like(order)
     np.put_along_axis(pos, order, np.arange(values.shape[0])[:, None], axis=0)  # each value's sorted index

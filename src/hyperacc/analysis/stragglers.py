@@ -476,11 +476,13 @@ def node_flags(
     the gap between the node's median self-time and the rest's is material (``floor_ns`` and
     ``min_slowdown``). Returns ({node: flags (W,)}, judged (W,), {node: chance per window}): among
     exchangeable ranks, whatever their noise, a given group of m of R ranks holds the m slowest values
-    with chance 1 / C(R, m), which the persistence test uses. ``metric``: self-time, or CPU time (a
-    node whose ranks all compute more, where a busy host hides it in wall time)."""
+    with chance 1 / C(R, m), which the persistence test uses. Only a node that holds some window's
+    slowest rank is tested (and has a chance); every other node's flags are all false. ``metric``:
+    self-time, or CPU time (a node whose ranks all compute more, where a busy host hides it in wall
+    time)."""
     values = grid.metrics[metric]
     present = ~np.isnan(values)
-    node_ids = np.unique(grid.nodes)
+    node_ids, node_of = np.unique(grid.nodes, return_inverse=True)
     out: dict[int, np.ndarray] = {}
     chance: dict[int, np.ndarray] = {}
     judged = present.sum(axis=0) >= opts.min_ranks
@@ -493,20 +495,21 @@ def node_flags(
     leaders = {int(grid.nodes[r]) for w, r in enumerate(top) if present[r, w]}
     total = present.sum(axis=0)
     for n in node_ids:
-        sel = grid.nodes == n
+        out[int(n)] = np.zeros(n_w, dtype=bool)
+    for i in np.flatnonzero(np.isin(node_ids, list(leaders))):
+        n = int(node_ids[i])
+        sel = node_of == i
         m = present[sel].sum(axis=0)
-        ok = np.zeros(n_w, dtype=bool)
-        if int(n) in leaders:
-            rest = present & ~sel[:, None]
-            with np.errstate(invalid="ignore"):
-                lo = np.where(present[sel], values[sel], np.inf).min(axis=0)
-                hi = np.where(rest, values, -np.inf).max(axis=0)
-                rest_med = nan_median(np.where(rest, values, np.nan), axis=0)
-                gap = nan_median(values[sel], axis=0) - rest_med
-                ok = (m >= 2) & (rest.sum(axis=0) >= 2) & judged & (lo > hi)
-                ok &= (gap >= opts.floor_ns) & (gap >= opts.min_slowdown * rest_med)
-        out[int(n)] = ok
-        chance[int(n)] = np.array(
+        rest = present & ~sel[:, None]
+        with np.errstate(invalid="ignore"):
+            lo = np.where(present[sel], values[sel], np.inf).min(axis=0)
+            hi = np.where(rest, values, -np.inf).max(axis=0)
+            rest_med = nan_median(np.where(rest, values, np.nan), axis=0)
+            gap = nan_median(values[sel], axis=0) - rest_med
+            ok = (m >= 2) & (rest.sum(axis=0) >= 2) & judged & (lo > hi)
+            ok &= (gap >= opts.floor_ns) & (gap >= opts.min_slowdown * rest_med)
+        out[n] = ok
+        chance[n] = np.array(
             [1.0 / math.comb(int(t), int(k)) if t >= k >= 1 else 1.0 for t, k in zip(total, m, strict=True)]
         )
     return out, judged, chance
