@@ -65,10 +65,10 @@ class DDPWait:
         # Bound once: the hooks run every backward and must not allocate.
         self._after_graph_cb = self._after_graph
         self._after_reduce_cb = self._after_reduce
-        self._handles = [model.register_forward_pre_hook(self._forward_pre)]
+        model.register_forward_pre_hook(self._forward_pre)
         params = [p for p in model.module.parameters() if p.requires_grad]
         for p in {id(p): p for p in (params[:1] + params[-1:])}.values():
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_ready))
+            p.register_post_accumulate_grad_hook(self._grad_ready)
 
     # ------------------------------------------------------------------ hooks and callbacks
 
@@ -133,7 +133,6 @@ class DDPWait:
         """Nothing is exchanged: the exchange's columns stay unmeasured."""
 
     def close(self) -> None:
+        """Stop timing. The hooks stay (each returns at its first test): ``close`` may run in a signal
+        handler on the training thread, in the middle of a backward that is iterating over them."""
         self.on = False
-        for h in self._handles:
-            h.remove()
-        self._handles = []

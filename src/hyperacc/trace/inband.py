@@ -447,7 +447,4 @@ class Exchange:
 
     def close(self) -> None:
         for m in self.models:
-            if isinstance(m, DDPWait):
-                m.close()
-            else:
-                m.on = False
+            m.on = False
