@@ -251,7 +251,6 @@ class LiveNode(_Periodic):
             gatherer.gather(None, final=final, final_grace_s=0.0)
             if self.live_episodes:
                 self._judge_episodes(final)
-            self._new_blocks.clear()
             return
         self._new_blocks.clear()  # live episodes are judged where every rank's blocks are (one node)
         if not ref.store or not (final or self._backoff.ready()):
@@ -367,7 +366,6 @@ class LiveNode(_Periodic):
         """The window rows this agent's ranks completed since the last pass (all of them when ``final``)."""
         from hyperacc import store
         from hyperacc.analysis.live_aggregate import step_columns
-        from hyperacc.analysis.live_episodes import BlockStream
         from hyperacc.analysis.options import DetectionOptions
         from hyperacc.analysis.windows import WindowStream
         from hyperacc.schema import STEP_SCHEMA, steps_dir
@@ -393,14 +391,19 @@ class LiveNode(_Periodic):
                 if stream is None or first <= self._last_step.get(rank, -1):  # a restart counts steps again
                     opts = DetectionOptions(window_steps=self.window)
                     stream = self._streams[rank] = WindowStream(opts)
-                    self._blocks[rank] = BlockStream(rank, meta.node, opts)
+                    if self.live_episodes:
+                        from hyperacc.analysis.live_episodes import BlockStream
+
+                        self._blocks[rank] = BlockStream(rank, meta.node, opts)
                 self._last_step[rank] = int(cols["step"][-1])
                 self._sample(table)
                 out += stream.add(cols)
-                self._new_blocks.append(self._blocks[rank].add(cols))
+                if self.live_episodes:  # off: no blocks are made (class attribute above)
+                    self._new_blocks.append(self._blocks[rank].add(cols))
             if final and rank in self._streams:
                 out += self._streams.pop(rank).close()
-                self._new_blocks.append(self._blocks.pop(rank).close())
+                if self.live_episodes:
+                    self._new_blocks.append(self._blocks.pop(rank).close())
         return out
 
     def _sample(self, table: Any) -> None:

@@ -27,7 +27,6 @@ with one log line and never reaches the backward. docs/tracing.md, "Gradient col
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from time import perf_counter_ns
 from typing import Any
 
@@ -36,7 +35,8 @@ from torch.autograd import Variable
 
 from hyperacc.trace.failsafe import switch_off
 
-_DDP_COMM = 7  # hyperacc.trace.device.DDP_COMM (not imported: device.py imports torch.cuda lazily)
+# hyperacc.trace.device.DDP_COMM (not imported: device.py imports torch.cuda lazily); inband.py uses it too
+DDP_COMM = 7
 
 
 class DDPWait:
@@ -48,12 +48,10 @@ class DDPWait:
     """
 
     inband = None  # never exchanges (``Exchange.exchanging``)
-    pacer = None
 
     def __init__(self, model: Any, *, device: Any = None) -> None:
         self.model = model
         self.device = device  # DeviceTimer (CUDA) or None
-        self.next_row: Callable[[], int] = lambda: -1
         self.on = True
         self.armed = False  # the last forward with grad prepared a synchronised backward
         self.queued = False
@@ -112,7 +110,7 @@ class DDPWait:
                 self._done_acc = t
             self._rounds_acc += 1
             if self.device is not None and self._ev_graph >= 0:
-                self.device.pair(_DDP_COMM, self._ev_graph, self.device.mark())
+                self.device.pair(DDP_COMM, self._ev_graph, self.device.mark())
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
 

@@ -34,12 +34,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from hyperacc.trace.columns import MIN_WAIT_RANK, PACE_ON, SPREAD_NS
-from hyperacc.trace.ddp_wait import DDPWait
+from hyperacc.trace.ddp_wait import DDP_COMM, DDPWait
 from hyperacc.trace.failsafe import switch_off
 from hyperacc.trace.inband_slots import InBand, Listener, agree
 
 _SLOT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-_DDP_COMM = 7  # hyperacc.trace.device.DDP_COMM (not imported: device.py imports torch.cuda lazily)
 
 _original_register: Any = None
 _original_builtin: Any = None
@@ -328,7 +327,7 @@ class GradientRounds:
         if self._delay >= 0:
             self._delay_acc = self._delay if self._delay_acc < 0 else self._delay_acc + self._delay
         if self.device is not None:
-            self.device.pair(_DDP_COMM, self._ev_launch, ev_done)
+            self.device.pair(DDP_COMM, self._ev_launch, ev_done)
 
     def fill(self, row: list[int]) -> None:
         """The exchange's columns of the step just ended."""
@@ -402,8 +401,8 @@ class Exchange:
             timer = GradientRounds(model, device=self.device)
             timer.inband = inband
             timer.pacer = self.pacer
+            timer.next_row = self.next_row
             _original_register(model, timer, _dispatch)
-        timer.next_row = self.next_row
         model._hyperacc_rounds = timer
         self.models.append(timer)
         return timer
