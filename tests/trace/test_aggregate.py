@@ -249,3 +249,38 @@ def test_a_silent_rank_delays_one_window_once_and_counts_again_when_it_reports(
     assert detector.rows == [2] * 6 + [3]
     lines = [r.message for r in caplog.records if "rank(s) 2" in r.message or "every rank" in r.message]
     assert len(lines) == 2 and "no summary" in lines[0] and "reports again" in lines[1]
+
+
+def test_window_rows_travel_as_frames_and_read_back_as_the_same_columns() -> None:
+    """Several senders' frames appended to one key read back as ``rows_columns`` makes of their rows:
+    (window, rank) order, a column one sender lacks NaN (or -1) in its rows; a cut frame is an error
+    that names the key."""
+    from hyperacc.analysis.live_aggregate import decode_frames, encode_rows
+    from hyperacc.analysis.windows import rows_columns
+
+    rng = np.random.default_rng(0)
+    senders = []
+    for node in range(4):
+        rows = [_window_row(3, r) for r in range(4 * node, 4 * node + 4)]
+        for row in rows:
+            row["node"] = node
+            row["cpu_ns_median"] = float(rng.uniform(1e6, 2e6))
+            if node == 2:
+                del row["cpu_ns_median"]  # this sender does not measure it
+            if node == 1:
+                row["launch_ns_median"] = None
+        senders.append(rows)
+    order = [2, 0, 3, 1]
+    data = b"".join(encode_rows(senders[i]) for i in order)
+    got = decode_frames(data, "w3")
+    want = rows_columns([r for i in order for r in senders[i]])
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype
+        np.testing.assert_array_equal(got[name], want[name])
+    assert got["rank"].tolist() == list(range(16))
+    assert np.isnan(got["cpu_ns_median"][8:12]).all() and not np.isnan(got["cpu_ns_median"][:8]).any()
+    with pytest.raises(ValueError, match="w3: the frame at offset .* is truncated"):
+        decode_frames(data[:-5], "w3")
+    with pytest.raises(ValueError, match="w3: bytes at offset 0 are not a window-rows frame"):
+        decode_frames(b'{"columns": []}\n' + data, "w3")

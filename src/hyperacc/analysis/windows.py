@@ -288,14 +288,23 @@ def rows_columns(rows: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
     """Window rows of any ranks -> numpy columns in (window, rank) order, as ``rows_table`` but without
     pyarrow (what rank 0's live aggregation hands the detector); None becomes NaN."""
     present = set().union(*(r.keys() for r in rows))
-    ordered = sorted(rows, key=lambda r: (r["window"], r["rank"]))
+    return float_columns({name: np.array([r.get(name) for r in rows], dtype=np.float64) for name in present})
+
+
+def float_columns(cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Window columns held as float64 (NaN: none; what the live aggregation's wire carries) -> the
+    columns of ``rows_columns``: the SUMMARY_COLUMNS present, rows in (window, rank) order, the integer
+    columns as int64 (-1: none)."""
+    if not cols or "window" not in cols or "rank" not in cols:
+        return {}
+    order = np.lexsort((cols["rank"], cols["window"]))
     out: dict[str, np.ndarray] = {}
-    for name in (n for n in SUMMARY_COLUMNS if n in present):
-        values = [r.get(name) for r in ordered]
+    for name in (n for n in SUMMARY_COLUMNS if n in cols):
+        values = np.asarray(cols[name], dtype=np.float64)[order]
         if _dtype(name) is np.float64:
-            out[name] = np.array(values, dtype=np.float64)  # None -> NaN
+            out[name] = values
         else:
-            out[name] = np.array([-1 if v is None else v for v in values], dtype=np.int64)
+            out[name] = np.where(np.isnan(values), -1, values).astype(np.int64)
     return out
 
 

@@ -114,15 +114,17 @@ class LiveRemediation:
 
     # ------------------------------------------------------------------ rank 0: deciding
 
-    def on_judged(self, detector: Any, rows: Sequence[Mapping[str, Any]], first_step: int) -> None:
-        """``WindowAggregator``'s hook after each judged window (rank 0's aggregation thread): decide on
-        the detector's active stragglers and its recent windows. Never raises."""
+    def on_judged(self, detector: Any, window: Mapping[str, np.ndarray], first_step: int) -> None:
+        """``WindowGatherer``'s hook after each judged window (the aggregation thread), with the window's
+        columns (``windows.rows_columns``): decide on the detector's active stragglers and its recent
+        windows. Never raises."""
         if self.executor is None or not self._on:
             return
         try:
-            last = max(int(r.get("last_step", first_step)) for r in rows) if rows else first_step
+            last_steps = window.get("last_step")
+            last = int(np.max(last_steps)) if last_steps is not None and len(last_steps) else first_step
             now = last if self.current_step is None else max(int(self.current_step()), last)
-            rate = self._rate(now, rows)
+            rate = self._rate(now, window)
             self.decide(detector.active_stragglers, detector.history, now, int(detector.opts.window_steps),
                         nodes=int(getattr(detector, "nodes", 1)), steps_per_s=rate)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - remediation never stops training nor the aggregation
@@ -139,7 +141,7 @@ class LiveRemediation:
         steps per second; one source of samples keeps to one clock."""
         self._seen.append((time.monotonic() if at_s is None else at_s, step))
 
-    def _rate(self, now: int, rows: Sequence[Mapping[str, Any]]) -> float:
+    def _rate(self, now: int, window: Mapping[str, np.ndarray]) -> float:
         """Training steps per wall-clock second, pauses and all: the step counter sampled by the poll
         thread over the last few seconds; without such samples, the windows' median step time (an upper
         bound of the rate, so the lead is never too short)."""
@@ -148,8 +150,9 @@ class LiveRemediation:
             (t0, s0), (t1, s1) = seen[0], seen[-1]
             if t1 - t0 >= 1.0 and s1 > s0:
                 return (s1 - s0) / (t1 - t0)
-        medians = [float(r["step_ns_median"]) for r in rows if r.get("step_ns_median")]
-        return 1e9 / float(np.median(medians)) if medians and np.median(medians) > 0 else 0.0
+        medians = np.asarray(window.get("step_ns_median", ()), dtype=np.float64)
+        medians = medians[np.isfinite(medians) & (medians != 0)]
+        return 1e9 / float(np.median(medians)) if medians.size and np.median(medians) > 0 else 0.0
 
     def lead_steps(self, steps_per_s: float) -> int:
         """How far ahead a live switch's agreed step is: ``gc_lead_steps``, and at least ``switch_lead_s``
