@@ -36,8 +36,9 @@ import numpy as np
 import torch.distributed as dist
 from _machine import describe as machine
 
-from hyperacc.analysis.live_aggregate import WindowGatherer, publish_rows
+from hyperacc.analysis.live_aggregate import WindowGatherer
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.window_store import publish_rows
 from hyperacc.analysis.windows import WindowStream
 
 WINDOW = 50

@@ -17,6 +17,11 @@ the windows, as before. Which ranks: those whose metadata (``meta/rank-N.json``)
 multi-node job sharing one run directory never work on the same folder, even where two nodes report
 the same host name. Nothing here can touch the job: it runs in the agent's process, and an error
 switches the failing part off with one log line; the ranks' records stay readable as they are.
+
+Why this module is a little over 500 lines: both parts run on the same periodic-thread scaffold
+(``_Periodic``) and decide the same way which ranks are this agent's; ``LiveNode`` is most of it, and
+its store handling (``analysis.window_store``) and judging (``analysis.live_aggregate``) already live
+beside the analysis they serve.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from hyperacc import records
-from hyperacc.analysis.live_aggregate import STORE_ERRORS, connect_store
+from hyperacc.analysis.window_store import STORE_ERRORS, connect_store
 from hyperacc.schema import live_events_dir, live_windows_dir, rank_name
 
 log = logging.getLogger("hyperacc.agent")
@@ -179,7 +184,7 @@ class LiveNode(_Periodic):
 
     def __init__(self, run_dir: str | Path, *, agent: str, window: int, grace_s: float, poll_s: float = 1.0,
                  remediate: str | None = None) -> None:  # fmt: skip
-        from hyperacc.analysis.live_aggregate import Backoff
+        from hyperacc.analysis.window_store import Backoff
 
         self.run_dir = Path(run_dir)
         self.agent = agent
@@ -237,7 +242,7 @@ class LiveNode(_Periodic):
         self._guard(lambda: self._pass(final))
 
     def _pass(self, final: bool) -> None:
-        from hyperacc.analysis.live_aggregate import publish_rows
+        from hyperacc.analysis.window_store import publish_rows
 
         rows = self._held + self._read_new(final)
         self._held = []

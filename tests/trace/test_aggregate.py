@@ -255,7 +255,7 @@ def test_window_rows_travel_as_frames_and_read_back_as_the_same_columns() -> Non
     """Several senders' frames appended to one key read back as ``rows_columns`` makes of their rows:
     (window, rank) order, a column one sender lacks NaN (or -1) in its rows; a cut frame is an error
     that names the key."""
-    from hyperacc.analysis.live_aggregate import decode_frames, encode_rows
+    from hyperacc.analysis.window_store import decode_frames, encode_rows
     from hyperacc.analysis.windows import rows_columns
 
     rng = np.random.default_rng(0)

@@ -195,7 +195,7 @@ class LiveRemediation:
         if self._store is None:
             import torch.distributed as dist
 
-            from hyperacc.analysis.live_aggregate import connect_store
+            from hyperacc.analysis.window_store import connect_store
 
             base = connect_store(self.store_address)
             if base is None:
