@@ -370,9 +370,8 @@ class LiveNode(_Periodic):
     def _read_new(self, final: bool) -> list[dict[str, Any]]:
         """The window rows this agent's ranks completed since the last pass (all of them when ``final``)."""
         from hyperacc import store
-        from hyperacc.analysis.live_aggregate import step_columns
         from hyperacc.analysis.options import DetectionOptions
-        from hyperacc.analysis.windows import WindowStream
+        from hyperacc.analysis.windows import WindowStream, step_columns
         from hyperacc.schema import STEP_SCHEMA, steps_dir
 
         if (self.run_dir / "meta").is_dir():

@@ -15,9 +15,9 @@ import pytest
 import torch.distributed as dist
 
 from hyperacc import store
-from hyperacc.analysis.live_aggregate import WindowAggregator, WindowGatherer, step_columns
+from hyperacc.analysis.live_aggregate import WindowAggregator, WindowGatherer
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.windows import summarize_windows, window_rows, window_table
+from hyperacc.analysis.windows import step_columns, summarize_windows, window_rows, window_table
 from hyperacc.schema import STEP_SCHEMA, WINDOW_SCHEMA
 
 

@@ -37,8 +37,7 @@ from hyperacc.analysis.window_store import (
     decode_frames,
     publish_rows,
 )
-from hyperacc.analysis.windows import SUMMARY_COLUMNS, WindowStream, rows_columns
-from hyperacc.schema import ANALYSIS_COLUMNS, STEP_COLUMNS
+from hyperacc.analysis.windows import SUMMARY_COLUMNS, WindowStream, row_columns, rows_columns, step_columns
 from hyperacc.trace.failsafe import switch_off
 from hyperacc.trace.options import ENV_NODE_AGENT
 
@@ -48,45 +47,6 @@ log = logging.getLogger("hyperacc.live")
 def _prefix() -> str:
     here = process.place()
     return f"hyperacc/windows/{here.run_id}/{here.restart_count}/"
-
-
-_ROW_INDEX = {name: STEP_COLUMNS.index(name) for name in ANALYSIS_COLUMNS}
-
-
-def row_columns(rows: np.ndarray) -> dict[str, np.ndarray]:
-    """Step records as the tracer writes them (int64 rows, -1: not measured) -> the columns
-    ``WindowStream`` takes; numpy only, so a rank summarising its windows never loads pyarrow."""
-    cols: dict[str, np.ndarray] = {}
-    for name, j in _ROW_INDEX.items():
-        col = rows[:, j]
-        if name in ("rank", "node", "step"):
-            cols[name] = col.astype(np.int64)
-        elif name == "data_gap":
-            cols[name] = np.where(col < 0, np.nan, (col > 0).astype(np.float64))
-        else:
-            cols[name] = np.where(col == -1, np.nan, col.astype(np.float64))
-    return cols
-
-
-def step_columns(table: Any, rank: int, node: int) -> dict[str, np.ndarray]:
-    """New step records as the columns ``WindowStream`` takes (float64, NaN where not measured)."""
-    n = table.num_rows
-    names = set(table.column_names)
-    cols: dict[str, np.ndarray] = {
-        "rank": np.full(n, rank, dtype=np.int64),
-        "node": np.full(n, node, dtype=np.int64),
-        "step": table.column("step").to_numpy(zero_copy_only=False).astype(np.int64),
-    }
-    for name in ANALYSIS_COLUMNS:
-        if name in cols:
-            continue
-        if name in names:
-            import pyarrow as pa
-
-            cols[name] = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
-        else:
-            cols[name] = np.full(n, np.nan)
-    return cols
 
 
 def _default_detector(world_size: int, nodes: int, window: int) -> Any:

@@ -20,7 +20,7 @@ import numpy as np
 from hyperacc.analysis.options import CAUSES, DetectionOptions
 from hyperacc.analysis.robust import nan_median
 from hyperacc.analysis.spikes import RankSpikes, busy_ns, judge_spikes
-from hyperacc.schema import fields
+from hyperacc.schema import ANALYSIS_COLUMNS, STEP_COLUMNS, fields
 
 # Causes a rank's own spikes can have (``communication`` belongs to the cluster, not to a rank).
 RANK_CAUSES: tuple[str, ...] = tuple(c for c in CAUSES if c != "communication")
@@ -65,6 +65,45 @@ _MEDIANS: dict[str, str] = {
     **_EXTRA_MEDIANS,
 }
 SUMMARY_COLUMNS: tuple[str, ...] = (*(f[0] for f in fields("WINDOW_SCHEMA")), *EXTRA_WINDOW_COLUMNS)
+
+
+_ROW_INDEX = {name: STEP_COLUMNS.index(name) for name in ANALYSIS_COLUMNS}
+
+
+def row_columns(rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Step records as the tracer writes them (int64 rows, -1: not measured) -> the columns
+    ``WindowStream`` takes; numpy only, so a rank summarising its windows never loads pyarrow."""
+    cols: dict[str, np.ndarray] = {}
+    for name, j in _ROW_INDEX.items():
+        col = rows[:, j]
+        if name in ("rank", "node", "step"):
+            cols[name] = col.astype(np.int64)
+        elif name == "data_gap":
+            cols[name] = np.where(col < 0, np.nan, (col > 0).astype(np.float64))
+        else:
+            cols[name] = np.where(col == -1, np.nan, col.astype(np.float64))
+    return cols
+
+
+def step_columns(table: Any, rank: int, node: int) -> dict[str, np.ndarray]:
+    """New step records as the columns ``WindowStream`` takes (float64, NaN where not measured)."""
+    n = table.num_rows
+    names = set(table.column_names)
+    cols: dict[str, np.ndarray] = {
+        "rank": np.full(n, rank, dtype=np.int64),
+        "node": np.full(n, node, dtype=np.int64),
+        "step": table.column("step").to_numpy(zero_copy_only=False).astype(np.int64),
+    }
+    for name in ANALYSIS_COLUMNS:
+        if name in cols:
+            continue
+        if name in names:
+            import pyarrow as pa
+
+            cols[name] = table.column(name).cast(pa.float64()).to_numpy(zero_copy_only=False)
+        else:
+            cols[name] = np.full(n, np.nan)
+    return cols
 
 
 def summarize_windows(
