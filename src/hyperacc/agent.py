@@ -177,10 +177,10 @@ class LiveNode(_Periodic):
     """
 
     thread_name = "hyperacc-agent-live"
-    # Live episodes (analysis.live_episodes) are off: judged with only the run so far, they said a false
-    # episode on a clean loaded CI job twice (steps 84-139, 104-179) where the offline rule, with the
-    # whole run, said none. A false verdict costs more than a late one: episodes come from `analyze`.
-    live_episodes = False
+    # Live episodes (analysis.live_episodes): the change-point rule over the ranks' blocks as they are
+    # flushed; only episodes with CPU-time evidence are said live (docs/detection.md, "Episodes", Live).
+    # A class attribute so that a deployment can switch them off.
+    live_episodes = True
 
     def __init__(self, run_dir: str | Path, *, agent: str, window: int, grace_s: float, poll_s: float = 1.0,
                  remediate: str | None = None) -> None:  # fmt: skip
@@ -402,7 +402,7 @@ class LiveNode(_Periodic):
                 self._last_step[rank] = int(cols["step"][-1])
                 self._sample(table)
                 out += stream.add(cols)
-                if self.live_episodes:  # off: no blocks are made (class attribute above)
+                if self.live_episodes:  # when off, no blocks are made
                     self._new_blocks.append(self._blocks[rank].add(cols))
             if final and rank in self._streams:
                 out += self._streams.pop(rank).close()

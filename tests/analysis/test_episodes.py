@@ -196,12 +196,19 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
     row = next(c for c in w["culprits"] if c["what"] == "episode" and c["rank"] == 2)
     assert 0 < row["saved_ns"] < w["job_ns"] and row["saved_ns"] == e["job_time_lost_ns"]
     assert f"Without rank 2's steps {e['since_step']}-{e['until_step']} the job would have taken" in d["verdict"]
+    # the node agent said it while the job ran: the onset within the shortest episode, and the end
+    lines = [(f["step"], f["detail"]) for f in d["live"] if "rank 2 " in f["detail"]]
+    started = [step for step, text in lines if "is slow since step" in text]
+    assert len(started) == 1 and 120 <= started[0] <= 120 + 20 + 10, d["live"]
+    assert any("then recovered" in text for _, text in lines), d["live"]
+    assert not [f for f in d["live"] if "slow since step" in f["detail"] and "rank 2 " not in f["detail"]], d["live"]
 
 
 @pytest.mark.multirank
 def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_and_clean):
     _, d = faulty_and_clean
     assert d["episodes"] == [] and d["stragglers"] == [], d["verdict"]
+    assert not [f for f in d["live"] if "slow since step" in f["detail"]], d["live"]
 
 
 def _step_columns(n_ranks: int, steps: int, slow: dict, seed: int = 0) -> list[dict[str, np.ndarray]]:
@@ -241,6 +248,33 @@ def test_live_episodes_say_the_onset_within_the_minimum_length_and_the_end_once(
         assert quiet.update([s.add({k: v[start:start + 7] for k, v in c.items()})
                              for s, c in zip(streams, cols, strict=True)]) == []  # fmt: skip
     assert max(h.block.size for h in quiet._history.values()) <= 30
+
+
+def test_live_episodes_wait_for_every_ranks_history_and_say_only_cpu_time_evidence():
+    """Live judges only once every rank's history holds spike_window steps, not one rank's that arrived
+    ahead; and it says only episodes with CPU-time evidence: a wall-time-only shift (a rank waiting or
+    starved) is found offline, with the whole run, and is not said live."""
+    opts = DetectionOptions()
+
+    def stream(cols: list[dict[str, np.ndarray]], order: list[tuple[int, int, int]]) -> list[tuple[int, str]]:
+        streams = [BlockStream(r, 0, opts) for r in range(len(cols))]
+        live, said = LiveEpisodes(opts), []
+        for rank, a, b in order:  # (rank, first step, end step) of each arrival
+            said += live.update([streams[rank].add({k: v[a:b] for k, v in cols[rank].items()})])
+        return said + live.update([s.close() for s in streams]) + live.close()
+
+    cols = _step_columns(4, 300, {2: (40, 65, 2.0)})  # found from a common history of steps 10-89 alone
+    ahead = [(0, 0, 200)] + [(r, 0, 90) for r in (1, 2, 3)]  # rank 0's records arrived well ahead
+    assert stream(cols, ahead) == []  # the common history is 80 steps: not judged yet
+    said = stream(cols, ahead + [(r, 90, 300) for r in (1, 2, 3)] + [(0, 200, 300)])
+    assert said and said[0][1].startswith("rank 2 (node 0) is slow since step 4"), said
+    # wall time only: rank 2 waits twice as long, its CPU time unchanged
+    waits = _step_columns(4, 300, {}, seed=2)
+    waits[2]["self_ns"][120:180] *= 2.0
+    offline = detect_episodes([rank_blocks(r, 0, {k: v[10:] for k, v in c.items()}, opts) for r, c in enumerate(waits)],
+                              opts)  # fmt: skip
+    assert [(e.rank, e.metric, e.kind) for e in offline] == [(2, "self_ns", "host")], offline
+    assert stream(waits, [(r, a, a + 7) for a in range(0, 300, 7) for r in range(4)]) == []
 
 
 def test_blocks_widen_to_stay_within_their_budget_and_the_episode_is_still_found():

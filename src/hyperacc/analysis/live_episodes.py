@@ -88,11 +88,17 @@ class LiveEpisodes:
         # host over) and asks the whole minimum effect above that floor, not half (docs/detection.md,
         # "Episodes", Live): a clean loaded run was once given an episode at step 84 that offline,
         # with the whole run, was not.
-        span = max(int(h.block[-1] - h.block[0] + 1) for h in self._history.values() if h.block.size)
+        # Every rank's: the blocks are judged only where min_ranks ranks have them, so one rank whose
+        # records arrived ahead of the others' does not make a short common history look long enough.
+        span = min(int(h.block[-1] - h.block[0] + 1) if h.block.size else 0 for h in self._history.values())
         if span * self.opts.episode_block_steps < self.opts.spike_window:
             return []
         out: list[tuple[int, str]] = []
-        found = detect_episodes(list(self._history.values()), self.opts, floor_effect=1.0)
+        # Only episodes with CPU-time evidence (more work: the metric preemption does not move). A
+        # wall-time-only stretch of a busy host's wander is, early in a run, a record of the run so far
+        # that later stretches of other ranks match; only the whole run (``analyze``) tells the two apart.
+        found = [e for e in detect_episodes(list(self._history.values()), self.opts, floor_effect=1.0)
+                 if e.metric == "cpu_ns"]  # fmt: skip
         for rank in [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]:
             # no longer judged an episode (its history moved on): ended by the rank's newest block
             going = self._open.pop(rank)
