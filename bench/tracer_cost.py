@@ -22,17 +22,22 @@ Printed: per-iteration CPU untraced and traced, the training thread's added time
 interval of the mean paired difference, and the ratio (traced training thread + hyperacc's threads) /
 untraced with that interval. Jobs: the nanoGPT-shaped loop of bench/workers/nanogpt_loop.py
 (accumulation over 4 micro-steps with ``require_backward_grad_sync``, memmap-style batches, GradScaler,
-``clip_grad_norm_``) and the loop of examples/train_ddp.py (DataLoader, DDP, an MLP). One rank (the
-tracer's per-iteration work does not grow with the world size; the gradient all-reduce is gloo's, on
-one rank).
+``clip_grad_norm_``) and the loop of examples/train_ddp.py (DataLoader, DDP, an MLP); and, where they are
+installed, examples/train_hf.py's HF Trainer job and examples/train_lightning.py's Lightning job (a
+tiny GPT-2, DDP). A trainer owns its loop, so there the blocks alternate inside ``train()``/``fit()``,
+switched from the trainer's own step callback, on the one model the trainer built (``_Alternation``).
+One rank (the tracer's per-iteration work does not grow with the world size; the gradient all-reduce
+is gloo's, on one rank).
 
-    .venv/bin/python bench/tracer_cost.py --quick       # about a minute
+    .venv/bin/python bench/tracer_cost.py --quick       # a few minutes (150 pairs a job)
     .venv/bin/python bench/tracer_cost.py               # 1,500 pairs a job, a few minutes each
+    .venv/bin/python bench/tracer_cost.py --job hf      # one job
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -112,6 +117,106 @@ def _train_ddp() -> tuple:
 JOBS = {"nanogpt": _nanogpt, "train_ddp": _train_ddp}
 
 
+class _Alternation:
+    """For a trainer that owns its loop: blocks of ``block`` steps alternate traced and paused, the order
+    flipping every pair, driven from the trainer's own step callback (``at_step`` at each step's
+    start). Both arms run the same model, the one the trainer built with automatic tracing installed,
+    so the untraced arm still pays the hooks' entry test (a few attribute reads a phase): the added time
+    is, if anything, a little under the tracer's whole cost."""
+
+    def __init__(self, auto, pairs: int, block: int, warm: int = 10) -> None:
+        self.auto, self.block, self.warm = auto, block, warm
+        self.order = [arm for p in range(pairs) for arm in (("plain", "traced") if p % 2 == 0 else ("traced", "plain"))]
+        self.times: dict[str, list[float]] = {"plain": [], "traced": []}
+        self.arm: str | None = None
+        self.t0 = self.bg = self.bg0 = 0.0
+        self.calls = 0
+
+    @property
+    def steps(self) -> int:
+        return self.warm + len(self.order) * self.block + 1
+
+    def at_step(self) -> None:
+        i, self.calls = self.calls, self.calls + 1
+        if i < self.warm or (i - self.warm) % self.block:
+            return
+        now = time.thread_time()
+        if self.arm is not None:
+            self.times[self.arm].append((now - self.t0) / self.block)
+        k = (i - self.warm) // self.block
+        if k == 0:
+            self.bg0 = _hyperacc_threads_cpu()
+        if k >= len(self.order):
+            if self.arm is not None:
+                self.bg = _hyperacc_threads_cpu() - self.bg0
+            self.arm, self.auto._on = None, True
+            return
+        self.arm = self.order[k]
+        self.auto._on = self.arm == "traced"
+        self.t0 = time.thread_time()
+
+    def result(self) -> dict:
+        return {**self.times, "bg_s": self.bg, "traced_iterations": len(self.times["traced"]) * self.block}
+
+
+def _hf(alt: _Alternation) -> None:
+    """examples/train_hf.py's job (a tiny GPT-2, HF Trainer, DDP over gloo), timed by a TrainerCallback."""
+    import torch
+    import transformers
+    from train_hf import Tokens
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    class Step(TrainerCallback):
+        def on_step_begin(self, *args: object, **kwargs: object) -> None:
+            alt.at_step()
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=32))
+    targs = TrainingArguments(
+        output_dir=tempfile.mkdtemp(prefix="hf-cost-"), per_device_train_batch_size=4, max_steps=alt.steps,
+        learning_rate=1e-3, logging_steps=10**9, save_strategy="no", report_to=[], use_cpu=True,
+        ddp_backend="gloo", seed=0, data_seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=targs, train_dataset=Tokens(4096, 32, 256), callbacks=[Step()])
+    trainer.train()
+
+
+def _lightning(alt: _Alternation) -> None:
+    """examples/train_lightning.py's job (the same GPT-2 in a LightningModule, DDP), timed by a Callback."""
+    import lightning as L
+    import torch
+    from train_lightning import Tokens
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class TinyGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, n_positions=32))
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    class Step(L.Callback):
+        def on_train_batch_start(self, *args: object, **kwargs: object) -> None:
+            alt.at_step()
+
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy="ddp", max_steps=alt.steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tempfile.mkdtemp(prefix="pl-cost-"), callbacks=[Step()],
+    )  # fmt: skip
+    trainer.fit(TinyGPT(), torch.utils.data.DataLoader(Tokens(4096, 32, 256), batch_size=4, shuffle=False))
+
+
+TRAINERS = {"hf": ("transformers", _hf), "lightning": ("lightning", _lightning)}
+
+
 def _hyperacc_threads_cpu() -> float:
     total = 0.0
     for t in threading.enumerate():
@@ -130,6 +235,14 @@ def worker(job: str, pairs: int, block: int, out: Path) -> None:
     from hyperacc.trace import auto as auto_mod
 
     sys.path[:0] = [str(HERE / "workers"), str(ROOT / "examples")]
+    if job in TRAINERS:  # the trainer sets up the process group and owns the loop
+        auto = auto_mod.installed()
+        if auto is None:
+            raise SystemExit("run this worker under `hyperacc run` (automatic tracing was not installed)")
+        alt = _Alternation(auto, pairs, block)
+        TRAINERS[job][1](alt)
+        out.write_text(json.dumps(alt.result()))
+        return
     dist.init_process_group("gloo")
     auto = auto_mod.installed()
     if auto is None:
@@ -182,7 +295,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="150 pairs a job")
     p.add_argument("--pairs", type=int, default=1500)
     p.add_argument("--block", type=int, default=2, help="iterations per block")
-    p.add_argument("--job", choices=("both", *JOBS), default="both")
+    p.add_argument("--job", choices=("all", *JOBS, *TRAINERS), default="all",
+                   help="all: the two loops, and HF Trainer and Lightning where installed")
     p.add_argument("--trace", default="", help="tracing options for `hyperacc run --trace` (default: its own)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -197,7 +311,12 @@ def main() -> None:
     print(f"one rank under `hyperacc run --quiet`; {pairs} alternated pairs of {args.block}-iteration blocks a job")
     print(f"{'job':<10} {'pairs':>6} {'untraced ms':>12} {'traced ms':>12} {'training thread +us (95 %)':>30} "
           f"{'hyperacc threads us':>10} {'traced / untraced (95 %)':>26}")  # fmt: skip
-    jobs = list(JOBS) if args.job == "both" else [args.job]
+    if args.job == "all":
+        jobs = [*JOBS, *(name for name, (package, _) in TRAINERS.items() if importlib.util.find_spec(package))]
+        for name in sorted(set(TRAINERS) - set(jobs)):
+            print(f"{name:<10} skipped: {TRAINERS[name][0]} is not installed")
+    else:
+        jobs = [args.job]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     env.pop("HYPERACC_TRACE", None)
     with tempfile.TemporaryDirectory() as tmp:
