@@ -363,7 +363,11 @@ def _node_steps(judged: list[np.ndarray], spikes: list[np.ndarray]) -> tuple[int
     judged = [j for j in judged if j.size]
     if not judged:
         return 0, np.zeros(0, dtype=np.int64)
-    seen = np.unique(np.concatenate(judged))
+    first = judged[0]
+    if all(np.array_equal(j, first) for j in judged[1:]) and bool((np.diff(first) > 0).all()):
+        seen = first  # the usual node: every rank judged the same steps (a hash of them all costs 60 ms)
+    else:
+        seen = np.unique(np.concatenate(judged))
     hits = np.bincount(np.searchsorted(seen, np.concatenate(spikes)), minlength=seen.size)
     return int(seen.size), hits
 

@@ -121,6 +121,7 @@ class _Cluster:
 
     def __init__(self) -> None:
         self.steps = np.zeros(0, dtype=np.int64)  # every step any rank recorded, sorted
+        self._first: int | None = None  # steps[0] where ``steps`` is every step from it on, without a gap
         self.present = np.zeros(0, dtype=bool)  # any record (warm-up included)
         self.judged = np.zeros(0, dtype=bool)  # any judged record
         self.self_spike = np.zeros(0, dtype=bool)
@@ -138,8 +139,16 @@ class _Cluster:
         self.comm_step_sum = np.zeros(0)  # ... their summed step time ...
         self.comm_ranks = np.zeros(0, dtype=np.int64)  # ... and how many they are
 
+    def _within(self, steps: np.ndarray) -> bool:
+        """Whether every one of ``steps`` is a step held, known without a search: the usual run, whose
+        steps have no gap, holds every integer between its first and last step."""
+        return (self._first is not None and steps.size > 0 and int(steps.min()) >= self._first
+                and int(steps.max()) < self._first + self.steps.size)  # fmt: skip
+
     def cover(self, steps: np.ndarray) -> None:
         """Make room for ``steps`` (sorted); existing facts keep their steps."""
+        if self._within(steps):
+            return
         pos = np.searchsorted(self.steps, steps)
         inside = pos < self.steps.size
         if inside.all() and np.array_equal(self.steps[pos], steps):
@@ -152,8 +161,13 @@ class _Cluster:
             new[where] = old
             setattr(self, name, new)
         self.steps = merged
+        gapless = merged.size > 0 and int(merged[-1]) - int(merged[0]) + 1 == merged.size
+        self._first = int(merged[0]) if gapless else None
 
     def index(self, steps: np.ndarray) -> np.ndarray:
+        """Positions of ``steps`` (steps held) in the per-step arrays."""
+        if self._within(steps):
+            return steps.astype(np.int64, copy=False) - self._first
         return np.searchsorted(self.steps, steps)
 
     def add(self, f: RankFindings) -> None:
