@@ -15,6 +15,7 @@ from hyperacc import harness, store
 from hyperacc.analysis import diagnose
 from hyperacc.analysis.episodes import (
     BlockBudget,
+    Episode,
     RankBlocks,
     coarsened,
     detect_episodes,
@@ -275,6 +276,28 @@ def test_live_episodes_wait_for_every_ranks_history_and_say_only_cpu_time_eviden
                               opts)  # fmt: skip
     assert [(e.rank, e.metric, e.kind) for e in offline] == [(2, "self_ns", "host")], offline
     assert stream(waits, [(r, a, a + 7) for a in range(0, 300, 7) for r in range(4)]) == []
+
+
+def test_live_says_an_episode_ended_only_once_the_rank_is_seen_back_at_its_level():
+    """An end is said once the rank's ratio to the others, over episode_min_steps after it, is back
+    within half the minimum effect of its level before the onset: early in a run a lasting episode is
+    most of the history, and a shift back measured against the rank's median then is no recovery."""
+    opts = DetectionOptions()
+
+    def live_after(cols: list[dict[str, np.ndarray]], upto: int) -> LiveEpisodes:
+        streams = [BlockStream(r, 0, opts) for r in range(4)]
+        live = LiveEpisodes(opts)
+        live.update([s.add({k: v[:upto] for k, v in c.items()}) for s, c in zip(streams, cols, strict=True)])
+        return live
+
+    episode = Episode(rank=2, node=0, kind="compute", metric="cpu_ns", slowdown=2.0, since_step=60, until_step=84,
+                      confirmed_step=74, active=False, steps=25, excess_ns=1.0, job_time_lost_ns=1.0, shift=2.0,
+                      noise=0.03)  # fmt: skip
+    still = live_after(_step_columns(4, 300, {2: (60, 250, 2.0)}), 150)  # slow until step 249
+    assert not still._back(episode, 84)
+    back = live_after(_step_columns(4, 300, {2: (60, 85, 2.0)}), 150)  # back from step 85
+    assert back._back(episode, 84)
+    assert not back._back(episode, 140)  # fewer than episode_min_steps seen after it
 
 
 def test_blocks_widen_to_stay_within_their_budget_and_the_episode_is_still_found():

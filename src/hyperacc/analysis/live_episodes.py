@@ -12,12 +12,14 @@ Pure: the caller (``agent.LiveNode``) reads the records and writes the lines as 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.stats import nan_median
 
 KEEP_BLOCKS = 200  # blocks of history per rank the live rule judges (1,000 steps at 5 steps a block)
 
@@ -100,7 +102,10 @@ class LiveEpisodes:
         found = [e for e in detect_episodes(list(self._history.values()), self.opts, floor_effect=1.0)
                  if e.metric == "cpu_ns"]  # fmt: skip
         for rank in [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]:
-            # no longer judged an episode (its history moved on): ended by the rank's newest block
+            # no longer judged an episode (its history moved on): ended by the rank's newest block, once the
+            # rank is seen back at its level (below)
+            if not self._back(self._open[rank], self._open[rank].until_step):
+                continue
             going = self._open.pop(rank)
             last = int(self._history[rank].block[-1] + 1) * self.opts.episode_block_steps - 1
             out.append((last, f"rank {rank} (node {going.node}) was slow from step {going.since_step}; "
@@ -113,7 +118,7 @@ class LiveEpisodes:
             if going is None and e.since_step > self._said.get(e.rank, -1):
                 out.append((e.confirmed_step, _started(e)))
                 self._open[e.rank] = going = e
-            if going is not None and not e.active:
+            if going is not None and not e.active and self._back(going, e.until_step):
                 out.append((e.until_step, _ended(going, e)))
                 del self._open[e.rank]
                 self._said[e.rank] = e.until_step
@@ -121,7 +126,47 @@ class LiveEpisodes:
 
     def close(self) -> list[tuple[int, str]]:
         """Episodes still going on at the end of what was seen."""
-        return [(e.confirmed_step, f"rank {e.rank} (node {e.node}) was still slow at the end") for e in self._open.values()]
+        out = []
+        for e in self._open.values():
+            h = self._history.get(e.rank)
+            span = math.ceil(self.opts.episode_min_steps / self.opts.episode_block_steps)
+            last = int(h.block[-span] * self.opts.episode_block_steps) - 1 if h is not None and h.block.size >= span else -1
+            if last >= e.since_step and self._back(e, last):
+                out.append((e.confirmed_step, f"rank {e.rank} (node {e.node}) was slow from step {e.since_step}; "
+                                              f"back at its level by step {last + 1}"))  # fmt: skip
+            else:
+                out.append((e.confirmed_step, f"rank {e.rank} (node {e.node}) was still slow at the end"))
+        return out
+
+    def _back(self, e: Episode, until_step: int) -> bool:
+        """Whether the rank is seen back after ``until_step``: over at least ``episode_min_steps`` of blocks
+        after it, the median of its log ratio to the other ranks' median (in the episode's channel) is
+        within half the minimum effect of that median before the onset. The change points measure the
+        shift back against the rank's typical level (the median of its history), which is its level
+        outside the episode only while the episode is less than half of that history; early in a run a
+        lasting episode is most of it, and a shift back measured then is the typical level moving into
+        the episode (a replayed 150-step fault from step 60 was said to have ended at step 84)."""
+        h = self._history.get(e.rank)
+        if h is None or not h.block.size:
+            return False
+        name = "cpu_ns" if e.metric == "cpu_ns" else "self_ns"
+        others = [o for r, o in self._history.items() if r != e.rank and o.block.size]
+        if not others:
+            return False
+        grid = np.full((len(others), h.block.size), np.nan)
+        for i, o in enumerate(others):
+            _, mine, theirs = np.intersect1d(h.block, o.block, return_indices=True)
+            grid[i, mine] = getattr(o, name)[theirs]
+        ref = nan_median(grid, axis=0)  # the other ranks' median of each of the rank's blocks
+        with np.errstate(all="ignore"):
+            x = np.log(getattr(h, name).astype(np.float64) / ref)
+        width = self.opts.episode_block_steps
+        first = h.block * width
+        before = x[(first + width - 1 < e.since_step) & np.isfinite(x)]
+        after = x[(first > until_step) & np.isfinite(x)]
+        if before.size == 0 or after.size * width < self.opts.episode_min_steps:
+            return False
+        return float(np.median(after) - np.median(before)) < math.log(self.opts.episode_min_effect) / 2
 
 
 def _started(e: Episode) -> str:
