@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, rank_blocks
+from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, log_ratio, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
 
@@ -157,9 +157,8 @@ class LiveEpisodes:
         for i, o in enumerate(others):
             _, mine, theirs = np.intersect1d(h.block, o.block, return_indices=True)
             grid[i, mine] = getattr(o, name)[theirs]
-        ref = nan_median(grid, axis=0)  # the other ranks' median of each of the rank's blocks
-        with np.errstate(all="ignore"):
-            x = np.log(getattr(h, name).astype(np.float64) / ref)
+        # the log ratio to the other ranks' median of each of the rank's blocks (NaN: not judged)
+        x = log_ratio(getattr(h, name).astype(np.float64)[None, :], nan_median(grid, axis=0)[None, :])[0]
         width = self.opts.episode_block_steps
         first = h.block * width
         before = x[(first + width - 1 < e.since_step) & np.isfinite(x)]
