@@ -15,6 +15,7 @@ A baseline whose estimated memory exceeds half of this machine's RAM is skipped 
     .venv/bin/python bench/analyze_scale.py            # 1,000 ranks x 100,000 steps (~10 GB on disk)
     .venv/bin/python bench/analyze_scale.py --quick    # 100 ranks x 10,000 steps (< 60 s)
     .venv/bin/python bench/analyze_scale.py --keep /tmp/big   # keep (or reuse) the run directory
+    .venv/bin/python bench/analyze_scale.py --ranks 10000 --keep /tmp/big --no-segments   # the big run only
 
 First, the segment-count case: the same records written as one segment per rank and as ``--segments``
 (2,000) per rank, analysed by ``diagnose`` and by DuckDB in the same run (quick: 2 ranks x 20,000
@@ -168,6 +169,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="write (or reuse) the run directory here")
     ap.add_argument("--segments", type=int, default=2000, help="segments per rank of the segment-count case")
     ap.add_argument("--no-big", action="store_true", help="only the segment-count case")
+    ap.add_argument("--no-segments", action="store_true", help="only the big run (skip the segment-count case)")
     args = ap.parse_args()
     ranks = args.ranks or (100 if args.quick else 1000)
     steps = args.steps or (10_000 if args.quick else 100_000)
@@ -181,7 +183,8 @@ def main() -> None:
     try:
         # the segment-count case: quick 2 ranks x 20,000 steps, full 32 x 100,000 (issue 21's figures)
         seg_ranks, seg_steps = (2, 20_000) if args.quick else (32, 100_000)
-        segment_count(root.with_name(root.name + "-segments"), seg_ranks, seg_steps, args.segments)
+        if not args.no_segments:
+            segment_count(root.with_name(root.name + "-segments"), seg_ranks, seg_steps, args.segments)
         if args.no_big:
             return
         generate(root, ranks, steps)
