@@ -127,9 +127,9 @@ class LiveEpisodes:
     def close(self) -> list[tuple[int, str]]:
         """Episodes still going on at the end of what was seen."""
         out = []
+        span = math.ceil(self.opts.episode_min_steps / self.opts.episode_block_steps)  # the shortest episode's blocks
         for e in self._open.values():
             h = self._history.get(e.rank)
-            span = math.ceil(self.opts.episode_min_steps / self.opts.episode_block_steps)
             last = int(h.block[-span] * self.opts.episode_block_steps) - 1 if h is not None and h.block.size >= span else -1
             if last >= e.since_step and self._back(e, last):
                 out.append((e.confirmed_step, f"rank {e.rank} (node {e.node}) was slow from step {e.since_step}; "
