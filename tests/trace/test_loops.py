@@ -1,5 +1,6 @@
 """Steps and phases right on the loops people write: no DataLoader (nanoGPT), gradient accumulation, a
-skipped GradScaler update, a prefetch thread, FSDP2, two DDP models, hand-written async collectives.
+skipped GradScaler update, a prefetch thread, FSDP2, two DDP models, hand-written async collectives, a
+model and an optimizer step compiled with ``torch.compile``.
 
 Real ranks under ``hyperacc run`` with an unmodified script; where training is deterministic the final
 parameters are compared with the same script under plain torchrun, bit for bit.
@@ -116,3 +117,22 @@ def test_prefetch_thread_two_models_and_positional_async_collectives(tmp_path: P
         check_nesting(rows[r])
         # six async all-reduces (async_op given by position), each waited for: six waits a step
         assert all(row["collectives"] == 6 and row["comm_wait_ns"] > 0 for row in rows[r])
+
+
+@pytest.mark.multirank
+def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: Path) -> None:
+    # torch.compile traces the hooks of automatic tracing with the model (fullgraph: any graph break
+    # fails the script) and with a compiled optimizer step: they must vanish from the user's graph
+    steps, compiled_updates = 8, 3
+    args = ["--steps", str(steps), "--compiled-updates", str(compiled_updates)]
+    job, rows, reference = run(tmp_path, "compiled", args, plain=True)
+    for r in range(2):
+        # the steps whose optimizer step ran eagerly are recorded, the model's forward timed from outside
+        # its compiled graph; a compiled optimizer step is not seen, so the iterations after it are one
+        # open step (docs/tracing.md, "Trainers and loops")
+        assert [row["step"] for row in rows[r]][: steps - compiled_updates] == list(range(steps - compiled_updates))
+        assert all(row["forward_ns"] > 0 and row["backward_ns"] > 0 for row in rows[r][: steps - compiled_updates])
+        check_nesting(rows[r])
+    assert [r["graph_breaks"] for r in job.results()] == [r["graph_breaks"] for r in reference.results()]
+    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
+    assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]

@@ -209,3 +209,24 @@ def test_trace_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         pass
     tracer.close()
     assert store.read_steps(tmp_path / "env-run").num_rows == 1
+
+
+def test_a_step_that_never_ends_is_said_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # An update the tracer cannot see (written by hand, or a compiled optimizer step in automatic mode)
+    # leaves one step open for ever: the flusher says so once, and training is not touched.
+    from hyperacc.trace.tracer import UNENDED_MICRO_STEPS
+
+    tracer = make(tmp_path, flush_every_s=0.05)
+    with caplog.at_level(logging.WARNING, logger="hyperacc.trace"), tracer.step():
+        for _ in range(2 * UNENDED_MICRO_STEPS):
+            with tracer.phase("backward"):
+                pass
+        deadline = time.monotonic() + 30
+        while "without a step boundary" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # several more flusher rounds: still one line
+    tracer.close()
+    said = [r for r in caplog.records if "without a step boundary" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert "step 0 has run" in said[0].getMessage()
+    assert [r["micro_steps"] for r in store.read_steps(tmp_path / "run").to_pylist()] == [2 * UNENDED_MICRO_STEPS]

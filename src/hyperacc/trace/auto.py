@@ -33,6 +33,7 @@ from time import perf_counter_ns
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 
 from hyperacc.trace.failsafe import switch_off
 from hyperacc.trace.step_clock import BACKWARD, DATA, EVAL, FORWARD, OPTIMIZER
@@ -99,7 +100,7 @@ class AutoTrace:
         orig_next = dataloader._BaseDataLoaderIter.__next__
 
         def __next__(it: Any) -> Any:
-            if not auto._on or threading.get_ident() != auto.thread_id:
+            if is_compiling() or not auto._on or threading.get_ident() != auto.thread_id:
                 return orig_next(it)
             auto._enter(DATA)
             try:
@@ -113,7 +114,7 @@ class AutoTrace:
 
         @functools.wraps(orig_backward)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if not auto._on or threading.get_ident() != auto.thread_id:
+            if is_compiling() or not auto._on or threading.get_ident() != auto.thread_id:
                 return orig_backward(*args, **kwargs)
             auto._enter(BACKWARD)
             try:
@@ -129,7 +130,7 @@ class AutoTrace:
 
         @functools.wraps(orig_scaler_step)
         def scaler_step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-            if not auto._on or threading.get_ident() != auto.thread_id:
+            if is_compiling() or not auto._on or threading.get_ident() != auto.thread_id:
                 return orig_scaler_step(scaler, *args, **kwargs)
             before = auto._opt_steps
             auto._enter(OPTIMIZER)
@@ -235,6 +236,8 @@ class AutoTrace:
             switch_off("gradient collective timing", exc)
 
     def _global_pre(self, module: torch.nn.Module, args: Any) -> None:
+        if is_compiling():
+            return
         if self._depth == 0 and self._detecting and threading.get_ident() == self.thread_id:
             outer = self._outermost
             if len(outer) < _MAX_OUTERMOST and not any(m is module for m in outer):
@@ -245,7 +248,7 @@ class AutoTrace:
         self._post(module, args, output)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
             return
         if self._depth == 0:
             kind = FORWARD if torch.is_grad_enabled() else EVAL
@@ -256,7 +259,7 @@ class AutoTrace:
         self._depth += 1
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
             return
         self._depth -= 1
         if self._depth == 0:
@@ -265,14 +268,14 @@ class AutoTrace:
             self._depth = 0
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
             return
         if self._optimizer is None:
             self._optimizer = id(optimizer)
         self._enter(OPTIMIZER)
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
             return
         self._exit(OPTIMIZER)
         try:
@@ -334,6 +337,8 @@ class _ForwardWrapper:
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if is_compiling():
+                return original(*args, **kwargs)
             pre(module, args)
             try:
                 return original(*args, **kwargs)

@@ -62,9 +62,13 @@ class CollectiveClock:
         self.on = True
         self._originals: dict[str, Any] = {}
         self._wait: Any = None
+        self._compiling: Any = lambda: False
 
     def install(self) -> None:
         import torch.distributed as dist
+        from torch.compiler import is_compiling
+
+        self._compiling = is_compiling  # a collective traced by torch.compile is left to it
 
         for name, pos in _collectives().items():
             if name in self._originals:
@@ -116,7 +120,7 @@ class CollectiveClock:
 
     def _timed(self, fn: Any, args: Any, kwargs: Any) -> Any:
         clock = self.clock
-        if not self.on or threading.get_ident() != self.thread_id or clock.open_by_kind[COMM]:
+        if self._compiling() or not self.on or threading.get_ident() != self.thread_id or clock.open_by_kind[COMM]:
             return fn(*args, **kwargs)
         try:
             clock.enter(COMM, perf_counter_ns())

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch.autograd import Variable
+from torch.compiler import is_compiling
 
 from hyperacc.trace.failsafe import switch_off
 
@@ -71,6 +72,8 @@ class DDPWait:
     # ------------------------------------------------------------------ hooks and callbacks
 
     def _forward_pre(self, module: Any, args: Any) -> None:
+        if is_compiling():  # traced by torch.compile: nothing of this belongs in the user's graph
+            return
         try:
             if self.on and torch.is_grad_enabled():
                 self.armed = bool(self.model.require_backward_grad_sync)
@@ -78,7 +81,7 @@ class DDPWait:
             self._fail(exc)
 
     def _grad_ready(self, param: Any) -> None:
-        if not (self.armed and self.on) or self.queued:
+        if is_compiling() or not (self.armed and self.on) or self.queued:
             return
         try:
             self.queued = True

@@ -66,6 +66,9 @@ RowSink = Callable[[np.ndarray], None]  # called with int64 rows, columns as tra
 
 _current: Tracer | None = None
 _CPU = torch.device("cpu")
+# Backward passes in one open step after which the flusher says the step boundary is not seen
+# (``Tracer._check_boundaries``); gradient accumulation runs far fewer micro-steps per update.
+UNENDED_MICRO_STEPS = 1000
 
 
 def current() -> Tracer | None:
@@ -217,6 +220,7 @@ class Tracer:
         self._sinks: list[list[Any]] = []  # [fn, enabled, takes rows (not a table)]
         self._write_on = True
         self._closed = False
+        self._unended_said = False
         self._closing = False
         self._terminate_after_close: Callable[[], None] | None = None
         self._events_closed = False
@@ -542,12 +546,31 @@ class Tracer:
         half = self._ring.capacity // 2
         while not self._stop.wait(poll):
             self._sample_resources()
+            self._check_boundaries()
             ring = self._ring
             now = time.monotonic()
             if now - last >= self.options.flush_every_s or ring.ready - ring.tail >= half:
                 last = now
                 self.flush()
                 self.compact()
+
+    def _check_boundaries(self) -> None:
+        """Say once if a step stays open across ``UNENDED_MICRO_STEPS`` backward passes: the loop's
+        step boundary is not seen (automatic mode ends a step at a ``torch.optim`` optimizer's step;
+        an update written by hand, or an optimizer step traced by ``torch.compile``, is invisible to
+        it), so no step is recorded. A racy read of two ints of the training thread's clock."""
+        clock = self.clock
+        if self._unended_said or not clock.step_open or clock.micro < UNENDED_MICRO_STEPS:
+            return
+        self._unended_said = True
+        log.warning(
+            "hyperacc trace: step %d has run %d backward passes without a step boundary, so no step is "
+            "recorded: automatic tracing ends a step at a torch.optim optimizer's step(), and an update "
+            "written by hand or an optimizer step inside torch.compile is not seen (docs/tracing.md, "
+            "\"Trainers and loops\")",
+            self.current_step,
+            clock.micro,
+        )
 
     def compact(self, *, final: bool = False) -> None:
         """Roll this rank's small segments into its Parquet file of the period (``store.compact``), once

@@ -11,7 +11,9 @@
 - ``prefetch``: a DataLoader consumed through hyperacc's DevicePrefetcher (its own thread);
 - ``fsdp2``: ``fully_shard`` (FSDP2) on CPU with gloo;
 - ``two_models``: two DDP models trained in the same step;
-- ``explicit``: a hand-written gradient all-reduce, ``async_op`` given by position, then ``wait()``.
+- ``explicit``: a hand-written gradient all-reduce, ``async_op`` given by position, then ``wait()``;
+- ``compiled``: nanoGPT's order, ``torch.compile(model, fullgraph=True)`` then DDP, and for the last
+  ``--compiled-updates`` iterations an optimizer step compiled too (``aot_eager``: no C++ compiler needed).
 
 Each rank reports its final parameters' checksum and losses; under the harness, ``--plain-check``
 trains an untouched copy beside it where that makes sense.
@@ -159,7 +161,26 @@ def explicit(args: argparse.Namespace, rank: int, world: int) -> dict:
     return {"losses": losses, "checksum": checksum(model)}
 
 
-LOOPS = {"nanogpt": nanogpt, "prefetch": prefetch, "fsdp2": fsdp2, "two_models": two_models, "explicit": explicit}
+def compiled(args: argparse.Namespace, rank: int, world: int) -> dict:
+    from torch._dynamo.utils import counters
+
+    model = DDP(torch.compile(mlp(), backend="aot_eager", fullgraph=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled_step = torch.compile(opt.step, backend="aot_eager")
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for i in range(args.steps):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        (compiled_step if i >= args.steps - args.compiled_updates else opt.step)()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "checksum": checksum(model), "graph_breaks": sum(counters["graph_break"].values())}
+
+
+LOOPS = {"nanogpt": nanogpt, "prefetch": prefetch, "fsdp2": fsdp2, "two_models": two_models, "explicit": explicit,
+         "compiled": compiled}  # fmt: skip
 
 
 def main() -> None:
@@ -171,6 +192,7 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--late-rank", type=int, default=-1, help="nanogpt: this rank sleeps before the synchronised")
     p.add_argument("--late-ms", type=float, default=300.0, help="backward of every third iteration (1, 4, ...)")
+    p.add_argument("--compiled-updates", type=int, default=0, help="compiled: iterations whose optimizer step is compiled")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
