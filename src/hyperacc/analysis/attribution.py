@@ -115,7 +115,7 @@ def attribute_spikes(
         _noise(cols, "cpu_ns", at, w, opts), opts,
     )  # fmt: skip
     signal = _elevated(cols, "major_faults", idx, w, opts) | _elevated_rate(cols, "invol_ctx_switches", span, idx, w, opts)
-    gap_kind = np.where((gap_kind == "data") & signal[between], "host", gap_kind)
+    gap_kind = np.where(np.isin(gap_kind, ("data", "unknown")) & signal[between], "host", gap_kind)
     # The rest of the step is the rank's own code between the timed phases (a loss, a hook, logging):
     # with no stall signal, that is compute on the host, and the event names the phase.
     causes[work] = "compute"
@@ -143,7 +143,10 @@ def gap_causes(
 
     * ``gc`` when GC time grew and either explains ``explain_share`` of the gap or is the only signal;
     * ``host_work`` when the rank worked (its own code between ``optimizer.step()`` and the next forward);
-    * ``data`` only when neither grew: waiting off the CPU with no other signal.
+    * ``data`` only when neither grew and the CPU time accounts for less than ``explain_share`` of the
+      gap's excess: waiting off the CPU with no other signal;
+    * ``unknown`` otherwise: the CPU time grew by half the gap or more, but within its noise, so neither
+      work nor waiting is shown (a busy loop preempted on a loaded host; never called input).
 
     docs/detection.md, "The work between steps"."""
     gap, gc, cpu = (np.asarray(a, dtype=np.float64) for a in (gap, gc, cpu))
@@ -152,7 +155,9 @@ def gap_causes(
         worked = (cpu >= opts.floor_ns) & (cpu >= opts.preempt_overhead * gap) & (cpu > np.nan_to_num(cpu_noise))
         collected = (g >= opts.floor_ns) & (g > np.nan_to_num(gc_noise))
         by_gc = collected & ((g >= opts.explain_share * gap) | ~worked)
-    out = np.full(gap.shape, "data", dtype=object)
+        off_cpu = ~(cpu >= opts.explain_share * gap)  # an unmeasured CPU time (NaN) shows no work
+    out = np.full(gap.shape, "unknown", dtype=object)
+    out[off_cpu] = "data"
     out[worked] = "host_work"
     out[by_gc] = "gc"
     return out

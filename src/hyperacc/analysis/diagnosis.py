@@ -422,7 +422,7 @@ def _straggler_phrase(s: dict[str, Any]) -> str:
     return f"{text}: {between}" if between else text
 
 
-_KIND_WORD = {"host_work": "host-work"}
+_KIND_WORD = {"host_work": "host-work", "unknown": "unexplained"}
 
 
 def kind_word(kind: str) -> str:
@@ -450,6 +450,9 @@ def _between_phrase(s: dict[str, Any]) -> str:
         what = "garbage collection" if s["kind"] == "gc" else "its own CPU work"
         text = f"{what} between `optimizer.step()` and the next forward"
         return f"{text} ({gc_text})" if gc_text else text
+    if s["kind"] == "unknown":
+        return ("its CPU time grew by half the gap or more, but within the other ranks' spread: neither its "
+                "own work nor a wait for input is shown")  # fmt: skip
     return "it waits off the CPU for its input (no DataLoader; its CPU time did not grow with the gap)"
 
 

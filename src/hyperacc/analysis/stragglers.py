@@ -347,7 +347,7 @@ def _in_gap(grid: WindowGrid, r: int, fw: np.ndarray) -> bool:
 def _between_steps(
     grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions
 ) -> tuple[str, str, float | None]:
-    """The kind of a slow input gap (a loop without a DataLoader): gc, host_work or data, by the rule of
+    """The kind of a slow input gap (a loop without a DataLoader): gc, host_work, data or unknown, by the rule of
     ``attribution.gap_causes`` on the medians over the flagged windows of the gap's, the GC time's and
     the CPU time's excess over the cluster median and, as the noise bar, the other ranks' spread of
     CPU time (docs/detection.md, "The work between steps").
