@@ -3,6 +3,7 @@ the input gap is GC, the rank's own host work, or input, by what the step record
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from hyperacc import harness
 from hyperacc.analysis import diagnose
 from hyperacc.analysis.attribution import attribute_spikes, gap_causes
+from hyperacc.analysis.diagnosis import _straggler_phrase
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.stragglers import detect_stragglers
 from hyperacc.analysis.windows import summarize_windows
@@ -98,3 +100,16 @@ def test_gc_and_host_work_after_optimizer_step_are_never_a_data_straggler(tmp_pa
     assert "data straggler" not in d["verdict"] and "loader workers" not in " ".join(d["next_step"]), d
     assert "of GC per step" in d["verdict"], d["verdict"]
     assert not [e for e in d["rank_causes"] if e["rank"] == 0 and e["cause"] == "data"], d["rank_causes"]
+
+
+def test_a_slow_gap_whose_cpu_time_grew_within_the_others_spread_is_not_called_input():
+    # the other ranks' CPU time per step differs widely, so a CPU excess of more than half the gap is
+    # within their spread: neither work nor waiting is shown, and the text says so
+    rng = np.random.default_rng(5)
+    ranks = [_rank(r, 400, 0.4, cpu, 0.0, rng) for r, cpu in zip(range(1, 5), (0.3, 6.0, 12.0, 18.0), strict=True)]
+    found = detect_stragglers(_windows([*ranks, _rank(0, 400, 10, 25, 0, rng)]), DetectionOptions())
+    gap = [s for s in found if s.metric == "data_ns"]
+    assert [(s.rank, s.kind, s.between_steps) for s in gap] == [(0, "unknown", True)], found
+    text = _straggler_phrase(dataclasses.asdict(gap[0]))
+    assert "unexplained straggler" in text and "neither its own work nor a wait for input" in text, text
+    assert "input (no DataLoader" not in text
