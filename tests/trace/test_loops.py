@@ -1,6 +1,6 @@
 """Steps and phases right on the loops people write: no DataLoader (nanoGPT), gradient accumulation, a
 skipped GradScaler update, a prefetch thread, FSDP2, two DDP models, hand-written async collectives, a
-model and an optimizer step compiled with ``torch.compile``.
+model and an optimizer step compiled with ``torch.compile``, an update written by hand.
 
 Real ranks under ``hyperacc run`` with an unmodified script; where training is deterministic the final
 parameters are compared with the same script under plain torchrun, bit for bit.
@@ -127,12 +127,26 @@ def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: 
     args = ["--steps", str(steps), "--compiled-updates", str(compiled_updates)]
     job, rows, reference = run(tmp_path, "compiled", args, plain=True)
     for r in range(2):
-        # the steps whose optimizer step ran eagerly are recorded, the model's forward timed from outside
-        # its compiled graph; a compiled optimizer step is not seen, so the iterations after it are one
-        # open step (docs/tracing.md, "Trainers and loops")
-        assert [row["step"] for row in rows[r]][: steps - compiled_updates] == list(range(steps - compiled_updates))
-        assert all(row["forward_ns"] > 0 and row["backward_ns"] > 0 for row in rows[r][: steps - compiled_updates])
+        # the model's forward is timed from outside its compiled graph; a compiled optimizer step is not
+        # seen by the optimizer hooks, so those steps end at the next forward, when a parameter has
+        # changed with no optimizer step seen: every iteration is one record but the last, which no
+        # forward follows (docs/tracing.md, "Trainers and loops")
+        assert [row["step"] for row in rows[r]] == list(range(steps - 1))
+        assert all(row["forward_ns"] > 0 and row["backward_ns"] > 0 and row["micro_steps"] == 1 for row in rows[r])
+        assert all(row["optimizer_ns"] is None for row in rows[r][steps - compiled_updates :])
         check_nesting(rows[r])
     assert [r["graph_breaks"] for r in job.results()] == [r["graph_breaks"] for r in reference.results()]
     assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
     assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]
+
+
+@pytest.mark.multirank
+def test_an_update_written_by_hand_ends_each_accumulated_step(tmp_path: Path) -> None:
+    # no torch.optim: the step ends at the forward after the parameters changed, never between the
+    # micro-steps of one accumulation (they change no parameter)
+    steps, accum = 6, 3
+    _, rows, _ = run(tmp_path, "manual", ["--steps", str(steps), "--accum", str(accum)])
+    for r in range(2):
+        assert [row["step"] for row in rows[r]] == list(range(steps - 1))
+        assert all(row["micro_steps"] == accum and row["collectives"] == 1 for row in rows[r])
+        check_nesting(rows[r])

@@ -6,6 +6,8 @@ tracing; calls on other threads are left alone):
 - step boundaries: the end of ``step()`` of the first optimizer that steps (global optimizer hooks),
   or the end of ``GradScaler.step`` when it skipped the optimizer (inf/NaN gradients), so a skipped
   update never merges two iterations; a boundary inside an open phase takes effect when it closes;
+  an update those hooks cannot see (compiled, or written by hand) ends the step at the next training
+  forward, when a watched parameter changed with no optimizer step seen (``_unseen_update``);
 - data: ``DataLoader`` iterators' ``__next__`` (wrapped at the class edge); without any fetch in a
   step, the input gap (see ``step_clock``);
 - forward: the outermost modules only. Global module hooks find the modules called at depth 0 during
@@ -61,6 +63,14 @@ class AutoTrace:
         self._hooked = 0
         self._redetections = 0
         self._saw_forward = False
+        # An update the optimizer hooks cannot see (an optimizer step inside torch.compile, or one written
+        # by hand): a watched parameter changed between two training forwards with no optimizer step
+        # seen in between ends the step before the second forward (``_unseen_update``).
+        self._watched: torch.nn.Parameter | None = None
+        self._watched_version = -1
+        self._stepped = False  # an optimizer step was seen since the last training forward
+        self._forward_boundary = False  # a boundary is being taken inside a module's forward pre-hook
+        self._finish_after_forward = False  # detection ends when that forward returns
         self._originals: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
         self._installed = False
         self._on = True
@@ -212,7 +222,10 @@ class AutoTrace:
         no_forward = not self._saw_forward
         self._saw_forward = False
         tr.end_step()
-        if self._detecting:
+        if self._detecting and self._forward_boundary:
+            # inside the global pre-hook: its post-hook must still close this forward
+            self._finish_after_forward = True
+        elif self._detecting:
             self._finish_detection()
         elif no_forward and self._redetections < _MAX_REDETECTIONS:
             self._restart_detection()  # a model built later (a new stage) has not been seen yet
@@ -254,6 +267,11 @@ class AutoTrace:
             kind = FORWARD if torch.is_grad_enabled() else EVAL
             self._fwd_kind = kind
             if kind == FORWARD:
+                p = self._watched
+                if p is not None and p._version == self._watched_version:
+                    self._stepped = False  # no parameter changed since the last forward or optimizer step
+                else:
+                    self._unseen_update(module)
                 self._saw_forward = True
             self._enter(kind)
         self._depth += 1
@@ -264,8 +282,42 @@ class AutoTrace:
         self._depth -= 1
         if self._depth == 0:
             self._exit(self._fwd_kind)
+            if self._finish_after_forward:
+                self._finish_after_forward = False
+                try:
+                    self._finish_detection()
+                except Exception as exc:  # noqa: BLE001
+                    self._fail(exc)
         elif self._depth < 0:
             self._depth = 0
+
+    def _unseen_update(self, module: torch.nn.Module) -> None:
+        """At a training forward of an outermost module: if the watched parameter (the first plain
+        trainable ``nn.Parameter`` of the first such module) changed since the last training forward
+        and no optimizer step was seen in between, the update was one the hooks cannot see, and the
+        step ends here, before this forward. Gradient accumulation changes no parameter between its
+        micro-steps, so it ends no step. Sharded parameters (FSDP2's DTensors) are not watched."""
+        try:
+            stepped, self._stepped = self._stepped, False
+            p = self._watched
+            if p is None:
+                p = next((q for q in module.parameters() if q.requires_grad and type(q) is torch.nn.Parameter), None)
+                if p is None:
+                    return
+                self._watched, self._watched_version = p, p._version
+                return
+            version = p._version
+            if version == self._watched_version:
+                return
+            self._watched_version = version
+            if not stepped and self.tracer.step_open:
+                self._forward_boundary = True
+                try:
+                    self._request_end()
+                finally:
+                    self._forward_boundary = False
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
@@ -278,6 +330,9 @@ class AutoTrace:
         if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
             return
         self._exit(OPTIMIZER)
+        self._stepped = True
+        if self._watched is not None:
+            self._watched_version = self._watched._version  # this update was seen
         try:
             if id(optimizer) != self._optimizer:
                 # A second optimizer stepping twice with no step of the first one in between: the first

@@ -556,18 +556,19 @@ class Tracer:
 
     def _check_boundaries(self) -> None:
         """Say once if a step stays open across ``UNENDED_MICRO_STEPS`` backward passes: the loop's
-        step boundary is not seen (automatic mode ends a step at a ``torch.optim`` optimizer's step;
-        an update written by hand, or an optimizer step traced by ``torch.compile``, is invisible to
-        it), so no step is recorded. A racy read of two ints of the training thread's clock."""
+        step boundary is not seen (automatic mode ends a step at a ``torch.optim`` optimizer's step
+        or, failing that, at the next forward after a watched parameter changed; an update the hooks
+        cannot see of parameters that are not watched ends neither), so no step is recorded. A racy
+        read of two ints of the training thread's clock."""
         clock = self.clock
         if self._unended_said or not clock.step_open or clock.micro < UNENDED_MICRO_STEPS:
             return
         self._unended_said = True
         log.warning(
             "hyperacc trace: step %d has run %d backward passes without a step boundary, so no step is "
-            "recorded: automatic tracing ends a step at a torch.optim optimizer's step(), and an update "
-            "written by hand or an optimizer step inside torch.compile is not seen (docs/tracing.md, "
-            "\"Trainers and loops\")",
+            "recorded: automatic tracing ends a step at a torch.optim optimizer's step() or at the next "
+            "forward after a plain parameter changed, and saw neither (docs/tracing.md, \"Trainers and "
+            "loops\")",
             self.current_step,
             clock.micro,
         )

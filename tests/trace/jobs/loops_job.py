@@ -13,7 +13,8 @@
 - ``two_models``: two DDP models trained in the same step;
 - ``explicit``: a hand-written gradient all-reduce, ``async_op`` given by position, then ``wait()``;
 - ``compiled``: nanoGPT's order, ``torch.compile(model, fullgraph=True)`` then DDP, and for the last
-  ``--compiled-updates`` iterations an optimizer step compiled too (``aot_eager``: no C++ compiler needed).
+  ``--compiled-updates`` iterations an optimizer step compiled too (``aot_eager``: no C++ compiler needed);
+- ``manual``: gradient accumulation and an update written by hand (no ``torch.optim``).
 
 Each rank reports its final parameters' checksum and losses; under the harness, ``--plain-check``
 trains an untouched copy beside it where that makes sense.
@@ -179,8 +180,26 @@ def compiled(args: argparse.Namespace, rank: int, world: int) -> dict:
     return {"losses": losses, "checksum": checksum(model), "graph_breaks": sum(counters["graph_break"].values())}
 
 
+def manual(args: argparse.Namespace, rank: int, world: int) -> dict:
+    model = DDP(mlp())
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(args.steps):
+        for micro in range(args.accum):
+            model.require_backward_grad_sync = micro == args.accum - 1
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+            loss = nn.functional.cross_entropy(model(x), y) / args.accum
+            loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.05 * p.grad
+                p.grad = None
+        losses.append(float(loss))
+    return {"losses": losses, "checksum": checksum(model)}
+
+
 LOOPS = {"nanogpt": nanogpt, "prefetch": prefetch, "fsdp2": fsdp2, "two_models": two_models, "explicit": explicit,
-         "compiled": compiled}  # fmt: skip
+         "compiled": compiled, "manual": manual}  # fmt: skip
 
 
 def main() -> None:
