@@ -129,9 +129,9 @@ def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: 
     for r in range(2):
         # the model's forward is timed from outside its compiled graph; a compiled optimizer step is not
         # seen by the optimizer hooks, so those steps end at the next forward, when a parameter has
-        # changed with no optimizer step seen: every iteration is one record but the last, which no
-        # forward follows (docs/tracing.md, "Trainers and loops")
-        assert [row["step"] for row in rows[r]] == list(range(steps - 1))
+        # changed with no optimizer step seen, and the last one when tracing closes: every iteration is
+        # one record (docs/tracing.md, "Trainers and loops")
+        assert [row["step"] for row in rows[r]] == list(range(steps))
         assert all(row["forward_ns"] > 0 and row["backward_ns"] > 0 and row["micro_steps"] == 1 for row in rows[r])
         assert all(row["optimizer_ns"] is None for row in rows[r][steps - compiled_updates :])
         check_nesting(rows[r])
@@ -142,11 +142,11 @@ def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: 
 
 @pytest.mark.multirank
 def test_an_update_written_by_hand_ends_each_accumulated_step(tmp_path: Path) -> None:
-    # no torch.optim: the step ends at the forward after the parameters changed, never between the
-    # micro-steps of one accumulation (they change no parameter)
+    # no torch.optim: the step ends at the forward after the parameters changed (the last one when
+    # tracing closes), never between the micro-steps of one accumulation (they change no parameter)
     steps, accum = 6, 3
     _, rows, _ = run(tmp_path, "manual", ["--steps", str(steps), "--accum", str(accum)])
     for r in range(2):
-        assert [row["step"] for row in rows[r]] == list(range(steps - 1))
+        assert [row["step"] for row in rows[r]] == list(range(steps))
         assert all(row["micro_steps"] == accum and row["collectives"] == 1 for row in rows[r])
         check_nesting(rows[r])

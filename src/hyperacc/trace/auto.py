@@ -91,6 +91,8 @@ class AutoTrace:
         if self._installed:
             return self
         self._installed = True
+        if self._end_unseen not in self.tracer.before_close:
+            self.tracer.before_close.append(self._end_unseen)
         self.clock.input_gap = True
         self.clock.on_end = self._boundary
         self._handles = [
@@ -185,6 +187,17 @@ class AutoTrace:
         """Remove the hooks and flush the tracer (``stopping``: see ``Tracer.close``)."""
         self.uninstall()
         self.tracer.close(stopping=stopping)
+
+    def _end_unseen(self, stopping: bool) -> None:
+        """``Tracer.before_close``: at a normal end on the training thread, a last iteration whose update
+        the hooks could not see (no forward follows it to end its step) ends here, when the watched
+        parameter shows that update (``_unseen_update``)."""
+        if stopping or not self._on or threading.get_ident() != self.thread_id:
+            return
+        p = self._watched
+        if (p is not None and self._saw_forward and not self._stepped and self.tracer.step_open
+                and self.clock.depth == 0 and p._version != self._watched_version):  # fmt: skip
+            self.tracer.end_step()  # the row only: no step callbacks (they may be closed), no next step
 
     def _fail(self, exc: BaseException) -> None:
         self._on = False

@@ -221,6 +221,10 @@ class Tracer:
         self._write_on = True
         self._closed = False
         self._unended_said = False
+        # Called first by ``close(stopping)``, with the step still open (automatic mode ends a last
+        # step whose update its hooks could not see); ``close`` runs from ``hyperacc.process``'s exit
+        # hooks too, so the owner of the tracer may never see it.
+        self.before_close: list[Callable[[bool], None]] = []
         self._closing = False
         self._terminate_after_close: Callable[[], None] | None = None
         self._events_closed = False
@@ -695,6 +699,11 @@ class Tracer:
         if self._closing:
             return
         self._closing = True
+        for fn in self.before_close:
+            try:
+                fn(stopping)
+            except Exception as exc:  # noqa: BLE001
+                switch_off(f"closing {getattr(fn, '__qualname__', fn)!s}", exc)
         self._on = False
         self._open = False
         try:
