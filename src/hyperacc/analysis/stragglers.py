@@ -72,7 +72,7 @@ _PARTS: dict[str, str] = {"forward_ns": "self", "backward_ns": "self", "data_ns"
 class Straggler:
     rank: int
     node: int
-    kind: str  # compute | data | launch | gc | host | host_work | node
+    kind: str  # compute | data | launch | gc | host | host_work | unknown (a gap neither work nor waiting shows) | node
     metric: str  # self_ns | forward_ns | backward_ns | data_ns | launch_ns | gc_ns
     slowdown: float | None  # the metric's ratio to the cluster median (None when that median is 0)
     since_step: int
