@@ -41,6 +41,11 @@ def mlp(width: int = 64) -> nn.Module:
     return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
 
 
+def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """16 random samples of the MLP's input and class labels, drawn from ``g``."""
+    return torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+
+
 def checksum(model: nn.Module) -> float:
     return float(sum(p.detach().double().sum() for p in model.parameters()))
 
@@ -118,7 +123,7 @@ def fsdp2(args: argparse.Namespace, rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(args.steps):
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        x, y = batch(g)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
@@ -133,7 +138,7 @@ def two_models(args: argparse.Namespace, rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(args.steps):
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        x, y = batch(g)
         loss = nn.functional.cross_entropy(a(x), y) + nn.functional.cross_entropy(b(x), y)
         loss.backward()
         opt.step()
@@ -148,7 +153,7 @@ def explicit(args: argparse.Namespace, rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(args.steps):
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        x, y = batch(g)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         works = [dist.all_reduce(p.grad, dist.ReduceOp.SUM, None, True) for p in model.parameters()]
@@ -171,7 +176,7 @@ def compiled(args: argparse.Namespace, rank: int, world: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     losses = []
     for i in range(args.steps):
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+        x, y = batch(g)
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
         (compiled_step if i >= args.steps - args.compiled_updates else opt.step)()
@@ -187,7 +192,7 @@ def manual(args: argparse.Namespace, rank: int, world: int) -> dict:
     for _ in range(args.steps):
         for micro in range(args.accum):
             model.require_backward_grad_sync = micro == args.accum - 1
-            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
+            x, y = batch(g)
             loss = nn.functional.cross_entropy(model(x), y) / args.accum
             loss.backward()
         with torch.no_grad():
