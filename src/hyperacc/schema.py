@@ -77,6 +77,9 @@ _STEP_FIELDS: tuple[tuple[str, str, bool], ...] = (
     ("micro_steps", "int32", True),  # backward passes in the step (gradient accumulation)
     ("collectives", "int32", True),  # collective calls (and DDP bucket rounds) timed in the step
     ("data_gap", "bool_", True),  # data_ns is the input gap: no DataLoader fetch was seen
+    # voluntary context switches of the training thread over the step: it blocked (a read, a queue, a
+    # sleep), as a wait for input does and preemption does not
+    ("vol_ctx_switches", "int64", True),
 )
 
 STEP_COLUMNS: tuple[str, ...] = tuple(f[0] for f in _STEP_FIELDS)
@@ -86,7 +89,7 @@ ANALYSIS_COLUMNS: tuple[str, ...] = (
     "data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns", "other_ns",
     "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
     "pace_delay_ns", "cpu_ns", "dev_step_ns", "dev_self_ns", "dev_comm_wait_ns", "dev_forward_ns",
-    "dev_backward_ns", "data_gap",
+    "dev_backward_ns", "data_gap", "vol_ctx_switches",
 )  # fmt: skip
 
 # Columns where -1 is a value, not "not measured" (``gc_max_gen``: no collection in the step).

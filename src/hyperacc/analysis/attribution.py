@@ -116,6 +116,9 @@ def attribute_spikes(
     )  # fmt: skip
     signal = _elevated(cols, "major_faults", idx, w, opts) | _elevated_rate(cols, "invol_ctx_switches", span, idx, w, opts)
     gap_kind = np.where(np.isin(gap_kind, ("data", "unknown")) & signal[between], "host", gap_kind)
+    # Off the CPU is input only if the rank blocked (a read, a queue, a sleep): where voluntary switches
+    # were measured and did not rise, it was runnable and not running, which no input wait explains.
+    gap_kind = np.where((gap_kind == "data") & ~_blocked(cols, idx, w, opts)[between], "unknown", gap_kind)
     # The rest of the step is the rank's own code between the timed phases (a loss, a hook, logging):
     # with no stall signal, that is compute on the host, and the event names the phase.
     causes[work] = "compute"
@@ -161,6 +164,16 @@ def gap_causes(
     out[worked] = "host_work"
     out[by_gc] = "gc"
     return out
+
+
+def _blocked(cols: Mapping[str, np.ndarray], idx: np.ndarray, w: int, opts: DetectionOptions) -> np.ndarray:
+    """The training thread blocked more than usual at each step: its voluntary context switches rose
+    (``_elevated``); True where they were not measured (older records), so the rule abstains there."""
+    values = cols.get("vol_ctx_switches")
+    if values is None:
+        return np.ones(idx.size, dtype=bool)
+    unmeasured = np.isnan(np.asarray(values, dtype=np.float64)[idx])
+    return unmeasured | _elevated(cols, "vol_ctx_switches", idx, w, opts)
 
 
 def _in_gap(cols: Mapping[str, np.ndarray], idx: np.ndarray) -> np.ndarray:

@@ -94,6 +94,7 @@ class HostSyncCounter:
 
 _GC_NS, _GC_COUNT, _GC_MAX_GEN = _C["gc_ns"], _C["gc_count"], _C["gc_max_gen"]
 _MAJOR_FAULTS, _INVOL_CTX, _CPU_NS = _C["major_faults"], _C["invol_ctx_switches"], _C["cpu_ns"]
+_VOL_CTX = _C["vol_ctx_switches"]
 _ALLOC_COLS = tuple(_C[name] for name, _ in _ALLOC_KEYS)
 _HOST_SYNCS = _C["host_syncs"]
 
@@ -113,6 +114,7 @@ class StepSignals:
         self._gc_count = 0
         self._faults = 0
         self._nivcsw = 0
+        self._nvcsw = 0
         self._cpu_us = 0
         self._rusage_on = True
         self.alloc_every = alloc_every
@@ -152,7 +154,7 @@ class StepSignals:
         if self._rusage_on:
             try:
                 ru = resource.getrusage(_RUSAGE_WHO)
-                self._faults, self._nivcsw = ru.ru_majflt, ru.ru_nivcsw
+                self._faults, self._nivcsw, self._nvcsw = ru.ru_majflt, ru.ru_nivcsw, ru.ru_nvcsw
                 self._cpu_us = _cpu_us(ru)
             except OSError as exc:
                 self._rusage_on = False
@@ -170,11 +172,12 @@ class StepSignals:
         if self._rusage_on:
             try:
                 ru = resource.getrusage(_RUSAGE_WHO)
-                faults, nivcsw, cpu = ru.ru_majflt, ru.ru_nivcsw, _cpu_us(ru)
+                faults, nivcsw, nvcsw, cpu = ru.ru_majflt, ru.ru_nivcsw, ru.ru_nvcsw, _cpu_us(ru)
                 row[_MAJOR_FAULTS] = faults - self._faults
                 row[_INVOL_CTX] = nivcsw - self._nivcsw
+                row[_VOL_CTX] = nvcsw - self._nvcsw
                 row[_CPU_NS] = (cpu - self._cpu_us) * 1000
-                self._faults, self._nivcsw, self._cpu_us = faults, nivcsw, cpu
+                self._faults, self._nivcsw, self._nvcsw, self._cpu_us = faults, nivcsw, nvcsw, cpu
             except OSError as exc:
                 self._rusage_on = False
                 switch_off("getrusage signals", exc)

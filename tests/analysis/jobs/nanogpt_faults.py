@@ -5,7 +5,9 @@ DataLoader, DDP over gloo), with faults the job injects itself (no ``hyperacc.ch
   (its own host work between steps, and the automatic GC that collects them);
 - ``--slow-rank R --slow-from A --slow-until B --slow-factor F``: on steps [A, B) rank R busy-loops
   inside its forward for (F - 1) times its own median step of steps 10-59 (a transient fail-slow);
-  ``--slow-work sleep``: sleeps that long instead (a fail-slow off the CPU, as a blocking read).
+  ``--slow-work sleep``: sleeps that long instead (a fail-slow off the CPU, as a blocking read);
+- ``--input-rank R --input-ms M --input-every K``: every K-th step rank R waits M ms for its batch (a
+  blocking read of the next batch, between ``optimizer.step()`` and the next forward).
 
 Run under ``hyperacc run`` so the tracer records it without a line of hyperacc in the loop.
 """
@@ -60,6 +62,9 @@ def main() -> None:
     p.add_argument("--slow-until", type=int, default=180)
     p.add_argument("--slow-factor", type=float, default=2.0)
     p.add_argument("--slow-work", choices=("spin", "sleep"), default="spin")
+    p.add_argument("--input-rank", type=int, default=-1)
+    p.add_argument("--input-ms", type=float, default=20.0)
+    p.add_argument("--input-every", type=int, default=10)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -71,7 +76,9 @@ def main() -> None:
     data = torch.randint(0, 64, (4096, 17), generator=torch.Generator().manual_seed(rank))
     gen = torch.Generator().manual_seed(100 + rank)
 
-    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(it: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if rank == args.input_rank and it % args.input_every == args.input_every - 1:
+            time.sleep(args.input_ms / 1e3)  # the read blocks: the batch is not there yet
         ix = torch.randint(0, data.shape[0], (16,), generator=gen)
         block = data[ix]
         return block[:, :16], block[:, 1:]
@@ -84,7 +91,7 @@ def main() -> None:
             if it == min(60, args.slow_from):  # the rank's own median step before the fault
                 raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:it] or own or [0]))
             raw.spin_ns = raw_spin if args.slow_from <= it < args.slow_until else 0
-        x, y = get_batch()
+        x, y = get_batch(it)
         logits = model(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
