@@ -115,18 +115,22 @@ def test_ranks_moving_together_are_no_episode():
 
 
 def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: tuple[int, int, float] | None = None,
-               steps: int = 300, n_ranks: int = 4) -> list:  # fmt: skip
+               steps: int = 300, n_ranks: int = 4, blocked: tuple[int, int, float] | None = None,
+               vol: bool = False, wander: float = 1.2) -> list:  # fmt: skip
     """Per-rank columns of a busy 2-core host: every step's wall time is stretched by preemption
-    (lognormal, sigma 1.2: 5-step medians wander 0.3-3x as on the real host), the CPU time by that
+    (lognormal, sigma ``wander`` 1.2: 5-step medians wander 0.3-3x as on the real host), the CPU time by that
     stretch to the power 0.1 (caches refilled); ``work`` = (from, until, factor) makes rank 2 compute
     ``factor`` times its CPU time and, a CPU hog on a contended host, get only 20 % of a core for the
-    extra; ``starved`` = (from, until, factor) preempts rank 1 that much more."""
+    extra; ``starved`` = (from, until, factor) preempts rank 1 that much more; ``blocked`` = (from,
+    until, factor): rank 3 sleeps ``factor - 1`` of its typical self-time once a step (a blocking read).
+    ``vol``: record voluntary context switches, one a step (the wait in the collective), two where rank 3
+    sleeps."""
     rng = np.random.default_rng(seed)
     opts = DetectionOptions()
     step = np.arange(steps, dtype=np.int64)
     out = []
     for r in range(n_ranks):
-        pre = np.exp(rng.normal(0, 1.2, steps))
+        pre = np.exp(rng.normal(0, wander, steps))
         cpu_ns = 6 * MS * pre ** 0.1 * np.exp(rng.normal(0, 0.05, steps))
         self_ns = 10 * MS * pre * np.exp(rng.normal(0, 0.05, steps))
         if work and r == 2:
@@ -138,9 +142,38 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
             a, b, f = starved
             self_ns[a:b] *= f
             cpu_ns[a:b] *= f ** 0.1
+        switches = np.ones(steps)
+        if blocked and r == 3:
+            a, b, f = blocked
+            self_ns[a:b] += 10 * MS * (f - 1)
+            switches[a:b] += 1
         keep = step >= opts.warmup_steps
-        out.append(rank_blocks(r, 0, {"step": step[keep], "self_ns": self_ns[keep], "cpu_ns": cpu_ns[keep]}, opts))
+        cols = {"step": step[keep], "self_ns": self_ns[keep], "cpu_ns": cpu_ns[keep]}
+        if vol:
+            cols["vol_ctx_switches"] = switches[keep]
+        out.append(rank_blocks(r, 0, cols, opts))
     return out
+
+
+def test_a_rank_blocked_off_its_cpu_is_an_episode_however_the_host_wanders():
+    """A rank that waits off its CPU (a sleep, as a blocking read) is slower in wall time only, like a
+    rank preempted by the host's wander, under whose bar a 1.5x wait mostly stays on a busy host (here
+    5-step medians wandering about 0.2 in log, the real host's with a busy loop beside 4 ranks: a bar of
+    2x). Its voluntary context switches rose by one a step, which preemption never does: an episode of
+    kind host with exactly the steps it blocked, however far the wall time's change points reach.
+    Blocking as often without a longer step, and a clean busy host, are no episode."""
+    opts = DetectionOptions()
+    with_vol, without = 0, 0
+    for seed in range(8):
+        found = detect_episodes(_busy_host(seed, blocked=(120, 180, 1.5), vol=True, wander=0.25), opts)
+        assert [(e.rank, e.metric, e.kind) for e in found] in ([], [(3, "self_ns", "host")]), (seed, found)
+        if found:
+            assert (found[0].since_step, found[0].until_step, found[0].blocked_per_step) == (120, 179, 1.0)
+            with_vol += 1
+        without += len(detect_episodes(_busy_host(seed, blocked=(120, 180, 1.5), wander=0.25), opts))  # older records
+        assert detect_episodes(_busy_host(seed, blocked=(120, 180, 1.0), vol=True, wander=0.25), opts) == [], seed
+        assert detect_episodes(_busy_host(seed, vol=True, wander=0.25), opts) == [], seed
+    assert (with_vol, without) == (7, 0)
 
 
 def test_more_work_on_a_busy_host_is_an_episode_and_being_starved_is_not():
@@ -158,14 +191,17 @@ def test_more_work_on_a_busy_host_is_an_episode_and_being_starved_is_not():
 
 
 @pytest.fixture(scope="module")
-def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]:
     """One recorded job of each kind, shared by the assertions: 4 gloo ranks of the nanoGPT-style job,
-    rank 2 twice as slow for steps 120-180 of 300 (a busy loop in its forward); and the same job clean,
-    with a busy loop beside it on the host."""
+    rank 2 twice as slow for steps 120-180 of 300 (a busy loop in its forward); the same job clean,
+    with a busy loop beside it on the host; and rank 1 waiting off its CPU (a sleep in its forward) for
+    steps 120-180, also beside a busy loop."""
     out = []
+    slow = ["--slow-from", "120", "--slow-until", "180", "--slow-factor", "2"]
     for name, args, busy in (
-        ("faulty", ["--slow-rank", "2", "--slow-from", "120", "--slow-until", "180", "--slow-factor", "2"], False),
+        ("faulty", ["--slow-rank", "2", *slow], False),
         ("clean", [], True),
+        ("blocked", ["--slow-rank", "1", *slow, "--slow-work", "sleep"], True),
     ):  # fmt: skip
         run_dir = tmp_path_factory.mktemp(name) / "run"
         spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
@@ -179,12 +215,12 @@ def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, di
         assert job.ok, job.explain()
         live = [e for e in store.read_live_events(run_dir).to_pylist() if e["kind"] == "live_finding"]
         out.append({**diagnose(run_dir).to_dict(), "live": live})
-    return out[0], out[1]
+    return out[0], out[1], out[2]
 
 
 @pytest.mark.multirank
 def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clean):
-    d, _ = faulty_and_clean
+    d, _, _ = faulty_and_clean
     eps = [e for e in d["episodes"] if e["rank"] == 2]
     assert len(eps) == 1 and not d["stragglers"], d["verdict"]
     assert [e["rank"] for e in d["episodes"]] == [2], d["episodes"]  # no other rank
@@ -207,9 +243,22 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
 
 @pytest.mark.multirank
 def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_and_clean):
-    _, d = faulty_and_clean
+    _, d, _ = faulty_and_clean
     assert d["episodes"] == [] and d["stragglers"] == [], d["verdict"]
     assert not [f for f in d["live"] if "slow since step" in f["detail"]], d["live"]
+
+
+@pytest.mark.multirank
+def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(faulty_and_clean):
+    # its voluntary context switches rose by one a step (the sleep) for exactly the faulty steps
+    _, _, d = faulty_and_clean
+    assert [(e["rank"], e["kind"]) for e in d["episodes"]] == [(1, "host")] and not d["stragglers"], d["verdict"]
+    e = d["episodes"][0]
+    assert abs(e["since_step"] - 120) <= 5 and abs(e["until_step"] - 179) <= 5, e
+    assert e["blocked_per_step"] >= 1.0, e
+    assert f"Rank 1 (node 0) was slow from step {e['since_step']} to {e['until_step']}" in d["verdict"], d["verdict"]
+    assert any("waited off its CPU" in line and line.startswith("rank 1") for line in d["next_step"]), d["next_step"]
+    assert any("voluntary context switches" in line for line in d["evidence"]), d["evidence"]
 
 
 def _step_columns(n_ranks: int, steps: int, slow: dict, seed: int = 0) -> list[dict[str, np.ndarray]]:

@@ -40,6 +40,8 @@ ADVICE: dict[str, str] = {
     "host_work": "that rank does CPU work of its own between steps: profile the code between "
     "`optimizer.step()` and the next forward on that rank (py-spy, torch.profiler), and move or spread "
     "what it does there (logging, metrics, Python objects built per step)",
+    "blocked": "that rank waited off its CPU (a read, a lock, a sleep): sample its stacks while it is slow "
+    "(`py-spy dump --pid PID`) to see what it waits on, and check its storage and network",
     "node": "the whole node is slow: run a pre-flight check on it and drain it from the job",
     "allocator": "the CUDA caching allocator stalls: set PYTORCH_ALLOC_CONF=expandable_segments:True and "
     "release memory at a fixed step (hyperacc stabilizers)",
@@ -309,6 +311,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")
     for e in d.episodes[:3]:
         key = "compute_or_host" if e["kind"] == "compute" and e.get("kind_basis") == "wall_time_only" else e["kind"]
+        if key == "host" and e.get("blocked_per_step") is not None:
+            key = "blocked"
         if not any(s["rank"] == e["rank"] for s in ranks_bad[:5]):
             steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:
@@ -473,6 +477,13 @@ def basis_phrase(s: dict[str, Any]) -> str:
             return f"its CPU time grew by {percent(max(share, 0.0))} of the gap's excess: it works, it does not wait for input"
         return ""
     if basis == "cpu_time" and share is not None:
+        blocked = s.get("blocked_per_step")
+        if s.get("rank_kind", s["kind"]) == "host" and blocked is not None:
+            return (
+                f"its CPU time grew by only {percent(max(share, 0.0))} of its extra wall time, and it blocked off "
+                f"its CPU {blocked:.2g} more time(s) per step (voluntary context switches): it waited (a read, "
+                "a lock, a sleep), it was not preempted"
+            )
         if s.get("rank_kind", s["kind"]) == "host":
             return (
                 f"its CPU time grew by only {percent(max(share, 0.0))} of its extra wall time: it was preempted "

@@ -41,6 +41,9 @@ class RankBlocks:
     cpu_ns: np.ndarray  # (n,) float32 median CPU time of the training thread (NaN: not measured)
     steps: np.ndarray  # (n,) uint16 steps recorded in the block
     width: int = 5  # steps per block (``episode_block_steps``, doubled by ``BlockBudget`` on huge runs)
+    # (n,) float32 median voluntary context switches per step (the training thread blocked); None or NaN:
+    # not measured
+    vol: np.ndarray | None = None
 
 
 class BlockBudget:
@@ -80,7 +83,8 @@ def coarsened(b: RankBlocks, width: int) -> RankBlocks:
 
     steps = np.bincount(row, weights=b.steps.astype(np.float64), minlength=new.size)
     return RankBlocks(b.rank, b.node, new, mean(b.self_ns), mean(b.cpu_ns),
-                      np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width)  # fmt: skip
+                      np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width,
+                      None if b.vol is None else mean(b.vol))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -102,6 +106,9 @@ class Episode:
     kind_basis: str = "cpu_time"
     cpu_share: float | None = None
     rule: str = "change_point"
+    # how many more times per step the rank blocked off its CPU over the episode (voluntary context
+    # switches, over its own level outside it and the other ranks' rise); None: not shown
+    blocked_per_step: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -133,7 +140,8 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
 
     self_name = "self_ns" if np.isfinite(np.asarray(cols.get("self_ns", [np.nan]), dtype=float)).any() else "dev_self_ns"
     count = np.bincount(row, minlength=uniq.size).astype(np.uint16)
-    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width)
+    vol = medians("vol_ctx_switches") if "vol_ctx_switches" in cols else None
+    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol)
 
 
 def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_effect: float = 0.5) -> list[Episode]:
@@ -150,9 +158,12 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     # float32 (rank x block) matrices: about 30 bytes per cell in all while judging
     wall, cpu = np.full(shape, np.nan, dtype=np.float32), np.full(shape, np.nan, dtype=np.float32)
     count = np.zeros(shape, dtype=np.float32)
+    vol = np.full(shape, np.nan, dtype=np.float32) if any(b.vol is not None for b in ranks) else None
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
+        if vol is not None and b.vol is not None:
+            vol[i, pos] = b.vol
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
@@ -167,6 +178,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             continue
         host_bar = opts.z_threshold * level_noise(x)
         stretches = stretch_levels(x, span)
+        vol_stretches: np.ndarray | None = None  # the same of the voluntary switches, when needed
         for r, b0, b1, confirm, active, sigma in change_points(x, opts):
             seg = np.arange(b0, b1 + 1)
             shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
@@ -174,8 +186,28 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # min_effect is measured on either side of it); the host-wide bar without that allowance
             judged = max(int(np.isfinite(x[r, seg]).sum()), 1)
             effect = shift + 2.0 * sigma / math.sqrt(judged) >= math.log(opts.episode_min_effect)
-            if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not (effect and shift >= host_bar):
+            if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not effect:
                 continue
+            # The host-wide bar is the wander preemption gives every rank's wall time; a rank that blocked
+            # off its CPU once more per step over the segment (a read, a lock, a sleep), more than any
+            # other rank ever did, did not wander there: preemption switches a thread involuntarily.
+            waited = None
+            if channel == "self_ns" and vol is not None:
+                if vol_stretches is None:
+                    vol_stretches = stretch_levels(vol, span)
+                waited = blocked_span(vol, r, seg, vol_stretches, span)
+            if not (shift >= host_bar or waited is not None):
+                continue
+            blocked = None
+            if waited is not None:
+                # It waited from the first to the last block in which it blocked more; the wall time's
+                # wander at the edges of the change points' range is the host's.
+                seg, blocked = waited
+                b0, b1 = int(seg[0]), int(seg[-1])
+                confirm = max(confirm, b0)
+                shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
+                if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps:
+                    continue
             # A change point needs a "before": a rank slow from its first judged steps has no baseline
             # to shift from (warm-up that lasts longer on one rank looks the same); it is the straggler
             # rules' business, which report one that recovers as an episode of their own.
@@ -189,9 +221,13 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # length anywhere else in the run, any rank, by half the minimum effect. On a busy host a
             # clean rank's CPU time moves between two levels 1.4-1.5x apart for tens of steps, one rank
             # after another; a level that only one rank ever reaches is no fault either, if it is no
-            # higher than what the others reached.
-            if not above_floor(stretches, r, b0, b1, span, math.log(opts.episode_min_effect) * floor_effect,
-                               own=stretch_levels(x[r : r + 1, seg] - outside_level(x[r], seg), span, level=False)):
+            # higher than what the others reached. This holds for a rank seen blocking too: a thread
+            # that waits for a producer the host starves (its loader workers) blocks more, and on a busy
+            # host the ranks' waits wander so (4 DataLoader ranks beside a busy loop: 2-3x for 50-100 steps).
+            if not above_floor(
+                stretches, r, b0, b1, span, math.log(opts.episode_min_effect) * floor_effect,
+                own=stretch_levels(x[r : r + 1, seg] - outside_level(x[r], seg), span, level=False),
+            ):
                 continue
             excess = wall[r, seg] - wall_ref[r, seg]
             if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
@@ -213,6 +249,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 steps=int((cols[b1] - cols[b0] + 1) * width), excess_ns=float(nan_median(excess)),
                 job_time_lost_ns=float(np.nansum(np.maximum(excess, 0) * count[r, seg])),
                 shift=float(np.exp(shift)), noise=float(sigma), kind_basis=basis, cpu_share=share,
+                blocked_per_step=blocked if kind == "host" else None,
             ))  # fmt: skip
     return _merged(found)
 
@@ -275,6 +312,47 @@ def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -
     center = float(np.median(others))
     spread = max(MAD_TO_SIGMA * float(np.median(np.abs(others - center))), opts.min_mad_rel)
     return bool(moved[r] - center >= opts.z_threshold * spread)
+
+
+def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, stretches: np.ndarray, span_blocks: int,
+                 ) -> tuple[np.ndarray, float] | None:  # fmt: skip
+    """Where row ``r`` of ``vol`` (rank x block medians of voluntary context switches per step: the
+    training thread blocked) shows it waiting within blocks ``seg``, and how many more times per step it
+    blocked there; None when it did not.
+
+    The span runs from the first to the last block of ``seg`` in which the rank blocked at least half a
+    switch per step more than at its own level outside ``seg``, widened over the blocks next to it that
+    did too. Over the span, its rise (median, over its
+    outside level) less the other ranks' median rise over the same blocks must be at least one switch per
+    step, and its highest stretch of ``span_blocks`` blocks there must stand a switch per step above
+    every other stretch of that length (``above_floor`` on ``stretches``, ``stretch_levels`` of
+    ``vol``): a thread that waits for a producer the host starves (a loader worker, a thread holding
+    the interpreter lock) blocks more too, and on a busy host every rank's waits wander so. A wait in
+    the collective is a voluntary switch too, but a slow rank arrives last and waits less, so the
+    collective can only lower a slow rank's count, never raise it; preemption switches a thread
+    involuntarily, never voluntarily."""
+    level = outside_level(vol[r], seg)
+    more = np.nan_to_num(vol[r] - level, nan=0.0) >= 0.5
+    up = np.flatnonzero(more[seg])
+    if not up.size:
+        return None
+    first, last = int(seg[up[0]]), int(seg[up[-1]])
+    while first > 0 and more[first - 1]:  # the change points' range may start or end a block off
+        first -= 1
+    while last + 1 < more.size and more[last + 1]:
+        last += 1
+    span = np.arange(first, last + 1)
+    with np.errstate(all="ignore"):
+        rise = nan_median(vol[:, span], axis=1) - np.array([outside_level(row, span) for row in vol])
+    others = np.delete(rise, r)
+    others = others[np.isfinite(others)]
+    if not np.isfinite(rise[r]) or others.size == 0:
+        return None
+    own = float(rise[r] - np.median(others))
+    if not (rise[r] >= 1.0 and own >= 1.0):
+        return None
+    mine = stretch_levels(vol[r : r + 1, span] - level, span_blocks, level=False)
+    return (span, own) if above_floor(stretches, r, first, last, span_blocks, 1.0, own=mine) else None
 
 
 def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
