@@ -58,8 +58,13 @@ class RankFindings:
 def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: DetectionOptions) -> RankFindings:
     """Pure reduction of one rank's columns (``columns.read_rank``) to its findings."""
     all_steps = cols["step"]
-    keep = all_steps >= all_steps[0] + opts.warmup_steps if all_steps.size else np.zeros(0, dtype=bool)
-    cols = {k: v[keep] for k, v in cols.items()}
+    if all_steps.size > 1 and bool(np.all(all_steps[1:] > all_steps[:-1])):
+        # sorted (``read_rank``): the warm-up is a prefix, and the rest is a view, not a copy
+        start = int(np.searchsorted(all_steps, all_steps[0] + opts.warmup_steps))
+        cols = {k: v[start:] for k, v in cols.items()}
+    else:
+        keep = all_steps >= all_steps[0] + opts.warmup_steps if all_steps.size else np.zeros(0, dtype=bool)
+        cols = {k: v[keep] for k, v in cols.items()}
     cols["node"] = np.full(cols["step"].size, node, dtype=np.int64)
     cols["rank"] = np.full(cols["step"].size, rank, dtype=np.int64)
     judged = judge_spikes(cols, opts)
