@@ -233,6 +233,12 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
                 continue
             kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts)
+            if kind == "host" and blocked is None and _measured(vol, r, seg):
+                # Slower in wall time only, neither blocking nor computing more: preempted. The host moves
+                # its load among the ranks for tens of steps at a time (a clean rank here 4-5x for 10 steps
+                # under a busy loop), so a transient of it is the host's wander; a lasting one is the
+                # straggler rules' host straggler.
+                continue
             if channel == "cpu_ns":
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
                 # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
@@ -312,6 +318,11 @@ def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -
     center = float(np.median(others))
     spread = max(MAD_TO_SIGMA * float(np.median(np.abs(others - center))), opts.min_mad_rel)
     return bool(moved[r] - center >= opts.z_threshold * spread)
+
+
+def _measured(vol: np.ndarray | None, r: int, seg: np.ndarray) -> bool:
+    """Row ``r``'s voluntary context switches were recorded over most of blocks ``seg``."""
+    return vol is not None and np.isfinite(vol[r, seg]).sum() * 2 >= seg.size
 
 
 def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, stretches: np.ndarray, span_blocks: int,
