@@ -39,6 +39,24 @@ def test_a_preempted_rank_is_host():
     assert (s.rank, s.kind, s.kind_basis) == (2, "host", "cpu_time") and s.cpu_share < 0.2
 
 
+def test_a_host_straggler_that_blocked_off_its_cpu_waited_one_that_did_not_was_preempted():
+    # wall time grew by 6 ms, CPU time did not; where its voluntary context switches per step rose (a
+    # blocking read, a lock, a sleep) it waited, and the advice says so; without the rise it was preempted
+    from hyperacc.analysis.diagnosis import basis_phrase
+
+    self_ms = noisy(4, 8, base=10.0, sd=0.2)
+    cpu = self_ms * 0.9
+    self_ms[2] += 6.0
+    for rise, blocked in ((1.0, 1.0), (0.0, None)):
+        switches = np.full((4, 8), 1.0)
+        switches[2] += rise
+        cols = _with(_with(windows(self_ms), "cpu_ns_median", cpu), "vol_ctx_switches_median", switches / MS)
+        (s,) = detect_stragglers(cols, DetectionOptions())
+        assert (s.rank, s.kind, s.blocked_per_step) == (2, "host", blocked)
+        text = basis_phrase(s.to_dict())
+        assert ("it waited" in text) == (blocked is not None) and ("preempted or blocked" in text) == (blocked is None)
+
+
 def test_a_rank_that_computes_more_is_found_by_its_cpu_time_when_host_noise_hides_it_in_wall_time():
     # a loaded host: every rank's wall self-time wanders 5-30 ms window to window, while the CPU time
     # of the training thread is steady; rank 2 spends 1.3 ms more CPU per step (a 30 % heavier step)

@@ -306,6 +306,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         key = s["kind"]
         if s["kind"] == "compute" and s.get("kind_basis") == "wall_time_only":
             key = "compute_or_host"
+        elif s["kind"] == "host" and s.get("blocked_per_step") is not None:
+            key = "blocked"
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
         if key == "host_work" and _gc_excess(s) >= opts.get("floor_ns", 200_000):
             steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")

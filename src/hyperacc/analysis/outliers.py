@@ -128,7 +128,7 @@ def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -
     np.maximum.at(last, wi, np.asarray(cols["last_step"], dtype=np.int64))
     host = {
         name: pivot(col(f"{name}_median"), enough)
-        for name in ("invol_ctx_switches", "major_faults")
+        for name in ("invol_ctx_switches", "major_faults", "vol_ctx_switches")
         if f"{name}_median" in cols
     }
     busy = pivot(col("busy_ns_median"), enough)

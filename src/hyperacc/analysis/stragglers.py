@@ -100,6 +100,9 @@ class Straggler:
     gc_ns: float | None = None  # its typical GC time per step over the flagged windows
     cluster_gc_ns: float | None = None  # the cluster median of the same
     between_steps: bool = False  # judged on the input gap of a loop without a DataLoader
+    # a host straggler that blocked off its CPU: its voluntary context switches per step over the cluster
+    # median, median over the flagged windows, where at least one (it waits: a read, a lock, a sleep)
+    blocked_per_step: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -261,7 +264,21 @@ def _straggler(
         s.gc_ns = _finite_or_none(nan_median(gc[r, fw]))
         s.cluster_gc_ns = _finite_or_none(nan_median(nan_median(gc[:, fw], axis=0)))
     s.between_steps = metric == "data_ns" and _in_gap(grid, r, fw)
+    if kind == "host":
+        s.blocked_per_step = _blocked(grid, r, fw)
     return s
+
+
+def _blocked(grid: WindowGrid, r: int, fw: np.ndarray) -> float | None:
+    """How many more times per step than the cluster median row ``r`` blocked off its CPU (voluntary
+    context switches) over its flagged windows ``fw``, when at least once; else None (not measured, or
+    not more: preempted). A slow rank arrives last at the collective and waits less there, so the
+    collective's own switches can only lower its count (docs/detection.md, "Kind")."""
+    vol = grid.host.get("vol_ctx_switches")
+    if vol is None or not fw.size or np.isnan(vol[r, fw]).all():
+        return None
+    rise = nan_median(vol[r, fw] - nan_median(vol[:, fw], axis=0))
+    return float(rise) if np.isfinite(rise) and rise >= 1.0 else None
 
 
 def _shows_in_whole(

@@ -33,6 +33,7 @@ _EXTRA_MEDIANS: dict[str, str] = {
     "backward_ns_median": "backward_ns",
     "gc_ns_median": "gc_ns",
     "invol_ctx_switches_median": "invol_ctx_switches",
+    "vol_ctx_switches_median": "vol_ctx_switches",
     "major_faults_median": "major_faults",
     "busy_ns_median": "busy_ns",
     "cpu_ns_median": "cpu_ns",
