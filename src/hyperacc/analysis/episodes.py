@@ -182,6 +182,14 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
         for r, b0, b1, confirm, active, sigma in change_points(x, opts):
             seg = np.arange(b0, b1 + 1)
             shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
+            # The CUSUM's range runs to the last block above its drift k on either side, so one noisy
+            # block a few blocks off extends it; the edge blocks nearer the rank's level outside the
+            # segment than the segment's own belong outside (an open episode keeps its end).
+            seg = edges_trimmed(x[r], seg, shift, keep_end=active)
+            if seg[0] != b0 or seg[-1] != b1:
+                b0, b1 = int(seg[0]), int(seg[-1])
+                confirm = max(confirm, b0)
+                shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
             # the minimum effect within two standard errors of the segment's level (a plateau of exactly
             # min_effect is measured on either side of it); the host-wide bar without that allowance
             judged = max(int(np.isfinite(x[r, seg]).sum()), 1)
@@ -318,6 +326,19 @@ def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -
     center = float(np.median(others))
     spread = max(MAD_TO_SIGMA * float(np.median(np.abs(others - center))), opts.min_mad_rel)
     return bool(moved[r] - center >= opts.z_threshold * spread)
+
+
+def edges_trimmed(row: np.ndarray, seg: np.ndarray, shift: float, keep_end: bool = False) -> np.ndarray:
+    """Blocks ``seg`` of ``row`` (a rank's log ratios) less the leading and trailing blocks whose value is
+    nearer the rank's level outside ``seg`` than ``shift`` above it (under half of it, or not judged);
+    ``keep_end``: keep the trailing ones. Unchanged when no block is nearer the shifted level."""
+    if not shift > 0:
+        return seg
+    y = row[seg] - outside_level(row, seg)
+    inside = np.flatnonzero(np.nan_to_num(y, nan=-np.inf) >= shift / 2)
+    if not inside.size:
+        return seg
+    return seg[inside[0] : (seg.size if keep_end else inside[-1] + 1)]
 
 
 def _measured(vol: np.ndarray | None, r: int, seg: np.ndarray) -> bool:
