@@ -40,7 +40,7 @@ TEST_WORKERS ?= 2
 # The test tiers (pyproject.toml's markers; README, "Tests"). `test` is the whole suite, what CI runs;
 # `check` is the inner loop: no torchrun jobs, no browser, nothing slow; `soak` is the long repetitions.
 test: setup system
-	$(BIN)/python -m pytest -q -m 'not soak' -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -m 'not soak' -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 check: setup system
 	$(BIN)/python -m pytest -q -m 'not multirank and not browser and not slow and not soak'
