@@ -302,12 +302,14 @@ def merge_episodes(
 
 def _merged(found: list[Episode]) -> list[Episode]:
     """One episode per stretch of a rank: where the two channels overlap, the CPU-time one (its range
-    is not blurred by preemption), confirmed at the earlier of the two."""
+    is not blurred by preemption), confirmed at the earlier of the two, but not before its own onset
+    (the other channel's wider range may have been confirmed before it)."""
     out: list[Episode] = []
     for e in sorted(found, key=lambda e: (e.rank, e.metric != "cpu_ns", e.since_step)):
         same = [o for o in out if o.rank == e.rank and o.since_step <= e.until_step and e.since_step <= o.until_step]
         if same:
-            same[0].confirmed_step = min(same[0].confirmed_step, e.confirmed_step)
+            if same[0].since_step <= e.confirmed_step < same[0].confirmed_step:
+                same[0].confirmed_step = e.confirmed_step
             continue
         out.append(e)
     return sorted(out, key=lambda e: (e.rank, e.since_step))
