@@ -5,7 +5,8 @@ Each run is 4 gloo ranks of a tiny transformer trained nanoGPT-style without a D
 (tests/analysis/jobs/nanogpt_faults.py, 300 steps) through ``hyperacc run``, with ``--load`` busy
 processes beside it. Runs alternate clean and faulty; a faulty run makes one rank busy-loop inside its
 forward for steps 120-179, ``factor - 1`` times its own median step (the job injects it, not
-``hyperacc.chaos``). Per faulty run:
+``hyperacc.chaos``), or with ``--work sleep`` sleep that long (a fail-slow off the CPU, as a blocking
+read; ``--work both``: each factor both ways). Per faulty run:
 
 * offline: whether ``analyze`` reports the episode on that rank (and on no other), its range, and the
   steps from the onset to its ``confirmed_step``;
@@ -19,6 +20,7 @@ Per clean run: episodes, stragglers and live episode lines (all false).
     .venv/bin/python bench/episodes.py --quick          # 1 seed: 3 faulty + 4 clean runs (~5 min)
     .venv/bin/python bench/episodes.py --seeds 3 --clean 30 --runs /tmp/ep   # the table in the docs
     .venv/bin/python bench/episodes.py --rescore /tmp/ep  # score kept runs with the current rules
+    .venv/bin/python bench/episodes.py --seeds 1 --clean 8 --work both   # off-CPU faults too
 """
 
 from __future__ import annotations
@@ -44,15 +46,17 @@ FACTORS = (1.2, 1.5, 2.0)
 ONSET, END = 120, 180
 
 
-def plan(seeds: int, clean: int) -> list[dict[str, Any]]:
+def plan(seeds: int, clean: int, works: tuple[str, ...] = ("spin",)) -> list[dict[str, Any]]:
     """Alternating clean and faulty runs (every faulty run between two clean ones), then more clean."""
     runs: list[dict[str, Any]] = [{"name": "clean-0", "factor": None, "rank": None}]
     i = 0
     for seed in range(seeds):
-        for factor in FACTORS:
-            i += 1
-            runs.append({"name": f"slow{factor}-s{seed}", "factor": factor, "rank": (seed + i) % 4})
-            runs.append({"name": f"clean-{i}", "factor": None, "rank": None})
+        for work in works:
+            for factor in FACTORS:
+                i += 1
+                name = f"slow{factor}-s{seed}" if work == "spin" else f"{work}{factor}-s{seed}"
+                runs.append({"name": name, "factor": factor, "rank": (seed + i) % 4, "work": work})
+                runs.append({"name": f"clean-{i}", "factor": None, "rank": None})
     for j in range(i + 1, clean):
         runs.append({"name": f"clean-{j}", "factor": None, "rank": None})
     return runs
@@ -64,7 +68,7 @@ def run_one(spec: dict[str, Any], run_dir: Path, load: int) -> str | None:
     args = ["--steps", "300"]
     if spec["factor"] is not None:
         args += ["--slow-rank", str(spec["rank"]), "--slow-from", str(ONSET), "--slow-until", str(END),
-                 "--slow-factor", str(spec["factor"])]  # fmt: skip
+                 "--slow-factor", str(spec["factor"]), "--slow-work", spec.get("work", "spin")]  # fmt: skip
     with background_load(load):
         job = harness.launch(JOB, args, nproc=4, timeout=600,
                              traced={"run-dir": str(run_dir), "trace": json.dumps({"flush_every_s": 1.0})})  # fmt: skip
@@ -98,9 +102,10 @@ def score(run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
 
 def report(rows: list[dict[str, Any]]) -> None:
     print("\nlatency: steps from the onset (step 120) to the verdict; range within 10 steps of 120-179")
-    print(f"{'slowdown':>9} {'found':>7} {'range ok':>9} {'offline (median, max)':>22} {'live (median, max)':>19} {'kind':>9}")
-    for f in FACTORS:
-        mine = [x for x in rows if x["factor"] == f]
+    print(f"{'work':>5} {'slowdown':>9} {'found':>7} {'range ok':>9} {'offline (median, max)':>22} "
+          f"{'live (median, max)':>19} {'kind':>9}")  # fmt: skip
+    for work, f in [(w, f) for w in ("spin", "sleep") for f in FACTORS]:
+        mine = [x for x in rows if x["factor"] == f and x.get("work", "spin") == work]
         if not mine:
             continue
         found = [x for x in mine if x.get("found")]
@@ -108,7 +113,7 @@ def report(rows: list[dict[str, Any]]) -> None:
         off = [x["latency"] for x in found]
         live = [x["live_latency"] for x in mine if x.get("live_latency") is not None]
         kinds = sorted({x["kind"] for x in found})
-        print(f"{f:>8}x {len(found):>3}/{len(mine):<3} {len(ok):>5}/{len(found):<3} "
+        print(f"{work:>5} {f:>8}x {len(found):>3}/{len(mine):<3} {len(ok):>5}/{len(found):<3} "
               f"{_med_max(off):>22} {_med_max(live):>13} ({len(live)}/{len(mine)}) {','.join(kinds):>9}")  # fmt: skip
     clean = [x for x in rows if x["factor"] is None]
     false = sum(1 for x in clean if x["false"])
@@ -153,6 +158,8 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=1, help="busy processes beside every run")
     ap.add_argument("--runs", type=Path, default=None, help="keep the run directories here")
     ap.add_argument("--rescore", type=Path, default=None, help="score the runs kept in this directory")
+    ap.add_argument("--work", choices=("spin", "sleep", "both"), default="spin",
+                    help="the fault: a busy loop (more work), a sleep (off the CPU), or each factor both ways")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     print(f"machine: {machine()}")
@@ -165,7 +172,7 @@ def main() -> None:
         report(rows)
         return
     seeds, clean = (1, 4) if args.quick else (args.seeds, args.clean)
-    runs = plan(seeds, clean)
+    runs = plan(seeds, clean, ("spin", "sleep") if args.work == "both" else (args.work,))
     print(f"{len(runs)} runs of {JOB.name} (4 gloo ranks, 300 steps, hyperacc run), {args.load} busy process(es) beside")
     base = args.runs or Path(tempfile.mkdtemp(prefix="hyperacc-episodes-"))
     base.mkdir(parents=True, exist_ok=True)
