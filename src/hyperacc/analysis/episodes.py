@@ -181,7 +181,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
         vol_stretches: np.ndarray | None = None  # the same of the voluntary switches, when needed
         for r, b0, b1, confirm, active, sigma in change_points(x, opts):
             seg = np.arange(b0, b1 + 1)
-            shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
+            shift = segment_shift(x[r], seg)
             # The CUSUM's range runs to the last block above its drift k on either side, so one noisy
             # block a few blocks off extends it; the edge blocks nearer the rank's level outside the
             # segment than the segment's own belong outside (an open episode keeps its end).
@@ -189,7 +189,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             if seg[0] != b0 or seg[-1] != b1:
                 b0, b1 = int(seg[0]), int(seg[-1])
                 confirm = max(confirm, b0)
-                shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
+                shift = segment_shift(x[r], seg)
             # the minimum effect within two standard errors of the segment's level (a plateau of exactly
             # min_effect is measured on either side of it); the host-wide bar without that allowance
             judged = max(int(np.isfinite(x[r, seg]).sum()), 1)
@@ -213,7 +213,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 seg, blocked = waited
                 b0, b1 = int(seg[0]), int(seg[-1])
                 confirm = max(confirm, b0)
-                shift = float(nan_median(x[r, seg]) - outside_level(x[r], seg))
+                shift = segment_shift(x[r], seg)
                 if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps:
                     continue
             # A change point needs a "before": a rank slow from its first judged steps has no baseline
@@ -330,13 +330,18 @@ def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -
     return bool(moved[r] - center >= opts.z_threshold * spread)
 
 
+def segment_shift(row: np.ndarray, seg: np.ndarray) -> float:
+    """A rank's level over blocks ``seg`` (median log ratio) above its level outside them."""
+    return float(nan_median(row[seg]) - outside_level(row, seg))
+
+
 def edges_trimmed(row: np.ndarray, seg: np.ndarray, shift: float, keep_end: bool = False) -> np.ndarray:
     """Blocks ``seg`` of ``row`` (a rank's log ratios) less the leading and trailing blocks whose value is
     nearer the rank's level outside ``seg`` than ``shift`` above it (under half of it, or not judged);
     ``keep_end``: keep the trailing ones. Unchanged when no block is nearer the shifted level."""
     if not shift > 0:
         return seg
-    y = row[seg] - outside_level(row, seg)
+    y = row[seg] - outside_level(row, seg)  # the blocks against the level outside
     inside = np.flatnonzero(np.nan_to_num(y, nan=-np.inf) >= shift / 2)
     if not inside.size:
         return seg
@@ -356,15 +361,14 @@ def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, stretches: np.ndarray
 
     The span runs from the first to the last block of ``seg`` in which the rank blocked at least half a
     switch per step more than at its own level outside ``seg``, widened over the blocks next to it that
-    did too. Over the span, its rise (median, over its
-    outside level) less the other ranks' median rise over the same blocks must be at least one switch per
-    step, and its highest stretch of ``span_blocks`` blocks there must stand a switch per step above
-    every other stretch of that length (``above_floor`` on ``stretches``, ``stretch_levels`` of
-    ``vol``): a thread that waits for a producer the host starves (a loader worker, a thread holding
-    the interpreter lock) blocks more too, and on a busy host every rank's waits wander so. A wait in
-    the collective is a voluntary switch too, but a slow rank arrives last and waits less, so the
-    collective can only lower a slow rank's count, never raise it; preemption switches a thread
-    involuntarily, never voluntarily."""
+    did too. Over the span, its rise (median, over its outside level) less the other ranks' median rise
+    over the same blocks must be at least one switch per step, and its highest stretch of
+    ``span_blocks`` blocks there must stand a switch per step above every other stretch of that length
+    (``above_floor`` on ``stretches``, ``stretch_levels`` of ``vol``): a thread that waits for a
+    producer the host starves (a loader worker, a thread holding the interpreter lock) blocks more too,
+    and on a busy host every rank's waits wander so. A wait in the collective is a voluntary switch
+    too, but a slow rank arrives last and waits less, so the collective can only lower a slow rank's
+    count, never raise it; preemption switches a thread involuntarily, never voluntarily."""
     level = outside_level(vol[r], seg)
     more = np.nan_to_num(vol[r] - level, nan=0.0) >= 0.5
     up = np.flatnonzero(more[seg])
