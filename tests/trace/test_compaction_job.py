@@ -51,7 +51,8 @@ def test_a_finished_job_leaves_one_step_file_per_rank_and_every_step_once(tmp_pa
     proc = _start(run_dir, SECONDS)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
-    done = {int(line.split()[1]): int(line.split()[3]) for line in out.splitlines() if line.startswith("rank ")}
+    # the two ranks share torchrun's stdout, so one rank's line can land in the middle of the other's
+    done = {int(r): int(n) for r, n in re.findall(r"rank (\d+) steps (\d+)", out)}
     assert sorted(done) == [0, 1] and done[0] == done[1], out[-3000:]
     for rank in (0, 1):
         steps = _files(run_dir, "steps", rank)
