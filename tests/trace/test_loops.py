@@ -79,6 +79,9 @@ def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Pat
     # DDP kept its built-in all-reduce (no Python communication hook), and its wait is still measured:
     # where rank 1 slept 300 ms before its synchronised backward, rank 0 waited for it and rank 1 did not
     assert [r["comm_hooks"] for r in job.results()] == [0, 0]
+    # automatic tracing's forward wrapper tells the wait which backward synchronises: no forward pre-hook
+    # is left on the model (any hook sends every call down torch's slower path)
+    assert [r["forward_pre_hooks"] for r in job.results()] == [0, 0]
     assert all(row["comm_wait_ns"] is not None for r in range(2) for row in rows[r])
     late = [s for s in range(steps) if s % 3 == 1]
     assert all(rows[0][s]["comm_wait_ns"] > 150e6 for s in late), [rows[0][s]["comm_wait_ns"] for s in late]

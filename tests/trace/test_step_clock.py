@@ -136,3 +136,26 @@ def test_signals_before_the_first_step_are_not_charged_to_it(tmp_path: Path) -> 
     (row,) = store.read_steps(tmp_path).to_pylist()
     assert row["gc_count"] == 0 and row["gc_ns"] == 0
     assert row["cpu_ns"] >= 0
+
+
+def test_a_step_with_more_phase_changes_than_the_stamp_list_holds_is_accounted_whole() -> None:
+    """The clock accounts its stamps at the step's end, or earlier when the list fills (a long
+    accumulation): 700 micro-steps are 2,800 stamps, more than the list holds, and every one counts."""
+    clock = StepClock()
+    clock.input_gap = True
+    clock.begin(0)
+    t = 0
+    for _ in range(700):
+        clock.enter(FORWARD, t)
+        t += 1 * MS
+        clock.exit(FORWARD, t)
+        clock.enter(BACKWARD, t)
+        t += 2 * MS
+        clock.exit(BACKWARD, t)
+    # what another thread reads while the step is open (the flusher's "never ends" check) lags at most
+    # one list's worth of stamps
+    assert 700 - clock.micro <= len(clock.stamps) // 4
+    row = finish(clock, t + MS)
+    assert row[FORWARD_NS] == 700 * MS and row[BACKWARD_NS] == 1400 * MS and row[MICRO_STEPS] == 700
+    assert row[DATA_NS] == 0 and row[DATA_GAP] == 1  # no time was left uncovered before the last backward
+

@@ -20,12 +20,14 @@ where                     what                                                  
                           pre/post hooks, ``GradScaler.step``; each calls
                           ``clock.enter``/``exit`` and, at the optimizer's
                           end, asks for the step boundary
-``step_clock.py``         ``StepClock``: the stack of open phases, exclusive    training thread
-                          time per phase; a boundary requested inside a phase
-                          waits for the outermost one to close, then calls
-                          ``Tracer._boundary``
+``step_clock.py``         ``StepClock``: the stack of open phases and a stamp   training thread
+                          per change; exclusive time per phase computed from
+                          the stamps at the step's end; a boundary requested
+                          inside a phase waits for the outermost one to close,
+                          then calls ``Tracer._boundary``
 ``ddp_wait.py``           ``DDPWait`` (default): DDP keeps its built-in C++     training thread
-                          all-reduce; a forward pre-hook notes a synchronised   (hooks; autograd's
+                          all-reduce; auto's forward wrapper (or a forward      (hooks; autograd's
+                          pre-hook) notes a synchronised
                           backward, a parameter hook queues autograd final      final callbacks on
                           callbacks that stamp "graph done" and "reduced";      CPU, its device
                           ``collect()`` hands the clock the wait                thread on CUDA)

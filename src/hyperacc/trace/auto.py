@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import functools
 import threading
+from threading import get_ident
 from time import perf_counter_ns
 from typing import Any
 
 import torch
 from torch.compiler import is_compiling
 
+from hyperacc.trace.ddp_wait import DDPWait
 from hyperacc.trace.failsafe import switch_off
 from hyperacc.trace.step_clock import BACKWARD, DATA, EVAL, FORWARD, OPTIMIZER
 from hyperacc.trace.tracer import Tracer
@@ -112,7 +114,7 @@ class AutoTrace:
         orig_next = dataloader._BaseDataLoaderIter.__next__
 
         def __next__(it: Any) -> Any:
-            if is_compiling() or not auto._on or threading.get_ident() != auto.thread_id:
+            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
                 return orig_next(it)
             auto._enter(DATA)
             try:
@@ -126,7 +128,7 @@ class AutoTrace:
 
         @functools.wraps(orig_backward)
         def backward(*args: Any, **kwargs: Any) -> Any:
-            if is_compiling() or not auto._on or threading.get_ident() != auto.thread_id:
+            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
                 return orig_backward(*args, **kwargs)
             auto._enter(BACKWARD)
             try:
@@ -142,7 +144,7 @@ class AutoTrace:
 
         @functools.wraps(orig_scaler_step)
         def scaler_step(scaler: Any, *args: Any, **kwargs: Any) -> Any:
-            if is_compiling() or not auto._on or threading.get_ident() != auto.thread_id:
+            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
                 return orig_scaler_step(scaler, *args, **kwargs)
             before = auto._opt_steps
             auto._enter(OPTIMIZER)
@@ -192,7 +194,7 @@ class AutoTrace:
         """``Tracer.before_close``: at a normal end on the training thread, a last iteration whose update
         the hooks could not see (no forward follows it to end its step) ends here, when the watched
         parameter shows that update (``_unseen_update``)."""
-        if stopping or not self._on or threading.get_ident() != self.thread_id:
+        if stopping or not self._on or get_ident() != self.thread_id:
             return
         p = self._watched
         if (p is not None and self._saw_forward and not self._stepped and self.tracer.step_open
@@ -209,7 +211,7 @@ class AutoTrace:
     def _enter(self, kind: int) -> None:
         try:
             tr = self.tracer
-            if not tr.step_open:
+            if not tr._open:
                 tr.begin_step()
             self.clock.enter(kind, perf_counter_ns())
         except Exception as exc:  # noqa: BLE001
@@ -223,7 +225,7 @@ class AutoTrace:
 
     def _request_end(self) -> None:
         try:
-            if self.tracer.step_open:
+            if self.tracer._open:
                 self.clock.request_end(perf_counter_ns())
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
@@ -274,8 +276,12 @@ class AutoTrace:
         self._post(module, args, output)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
-        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or get_ident() != self.thread_id or not self._on:
             return
+        self._forward_begins(module)
+
+    def _forward_begins(self, module: torch.nn.Module) -> None:
+        """A module's forward begins on the training thread, tracing on (``_pre``'s tests passed)."""
         if self._depth == 0:
             kind = FORWARD if torch.is_grad_enabled() else EVAL
             self._fwd_kind = kind
@@ -290,8 +296,11 @@ class AutoTrace:
         self._depth += 1
 
     def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or get_ident() != self.thread_id or not self._on:
             return
+        self._forward_ends()
+
+    def _forward_ends(self) -> None:
         self._depth -= 1
         if self._depth == 0:
             self._exit(self._fwd_kind)
@@ -333,14 +342,14 @@ class AutoTrace:
             self._fail(exc)
 
     def _opt_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or get_ident() != self.thread_id or not self._on:
             return
         if self._optimizer is None:
             self._optimizer = id(optimizer)
         self._enter(OPTIMIZER)
 
     def _opt_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if is_compiling() or threading.get_ident() != self.thread_id or not self._on:
+        if is_compiling() or get_ident() != self.thread_id or not self._on:
             return
         self._exit(OPTIMIZER)
         self._stepped = True
@@ -396,29 +405,48 @@ class AutoTrace:
 
 
 class _ForwardWrapper:
-    """Times ``module.forward`` through an instance attribute; ``remove()`` restores the class method."""
+    """Times ``module.forward`` through an instance attribute; ``remove()`` restores the class method.
+
+    On a DDP model timed by ``DDPWait``, the wrapper also tells it, at each training forward, whether a
+    synchronised backward follows (``DDPWait.arm``), in place of its forward pre-hook, which it removes:
+    the model then keeps torch's fast call path.
+    """
 
     def __init__(self, auto: AutoTrace, module: torch.nn.Module) -> None:
         self.module = module
         original = module.forward
-        pre, post = auto._pre, auto._post
+        begins, ends, thread_id = auto._forward_begins, auto._forward_ends, auto.thread_id
+        wait = getattr(module, "_hyperacc_rounds", None)
+        self.wait = wait if isinstance(wait, DDPWait) and wait.pre_hook is not None else None
+        arm = self.wait.arm if self.wait is not None else None
+        grad_enabled = torch.is_grad_enabled
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             if is_compiling():
                 return original(*args, **kwargs)
-            pre(module, args)
+            if arm is not None and grad_enabled():
+                arm()
+            if not auto._on or get_ident() != thread_id:
+                return original(*args, **kwargs)
+            begins(module)
             try:
                 return original(*args, **kwargs)
             finally:
-                post(module, args, None)
+                if auto._on:
+                    ends()
 
         self.forward = forward
         module.forward = forward
+        if self.wait is not None:
+            self.wait.pre_hook.remove()
 
     def remove(self) -> None:
         if vars(self.module).get("forward") is self.forward:
             del self.module.forward
+        if self.wait is not None:
+            self.wait.pre_hook = self.module.register_forward_pre_hook(self.wait._forward_pre)
+            self.wait = None
 
 
 _installed: AutoTrace | None = None

@@ -120,7 +120,7 @@ class CollectiveClock:
 
     def _timed(self, fn: Any, args: Any, kwargs: Any) -> Any:
         clock = self.clock
-        if self._compiling() or not self.on or threading.get_ident() != self.thread_id or clock.open_by_kind[COMM]:
+        if self._compiling() or not self.on or threading.get_ident() != self.thread_id or clock.comm_open:
             return fn(*args, **kwargs)
         try:
             clock.enter(COMM, perf_counter_ns())

@@ -3,9 +3,10 @@
 When nothing rides along in-band (no exchange, no pacer: ``inband.Exchange`` decides), the tracer needs
 only the rank's exposed wait at the gradient collectives, and that is visible from autograd alone:
 
-1. a forward pre-hook on the DDP module notes whether this forward prepares a synchronised backward
-   (grad enabled and ``require_backward_grad_sync``: what DDP itself checks; ``no_sync()`` and the
-   accumulation flag of nanoGPT-style loops turn it off);
+1. at each forward with grad enabled, ``arm`` notes whether it prepares a synchronised backward
+   (``require_backward_grad_sync``: what DDP itself checks; ``no_sync()`` and the accumulation flag of
+   nanoGPT-style loops turn it off). A forward pre-hook on the DDP module calls it until automatic
+   tracing wraps the module's ``forward`` and calls it from there, removing the hook (``pre_hook``);
 2. during that backward, a post-accumulate-grad hook on one of two parameters (the first and the last that
    require grad) queues an autograd *final callback*. A parameter's post-accumulate-grad hook runs
    before the node's post hooks, where DDP's reducer marks the parameter ready, so this callback is
@@ -20,7 +21,7 @@ CPU (gloo) it includes DDP's copy of the reduced buckets into ``.grad`` (unless
 host returns from the wait at once; the device events recorded in the two callbacks (``device.mark``, on
 the current stream) give the wait on the device.
 
-Per synchronised backward: one forward pre-hook, at most two parameter hooks and two callbacks, no
+Per synchronised backward: one ``arm``, at most two parameter hooks and two callbacks, no
 allocation and no lock. Every hook and callback catches its own errors: a failure switches the timing off
 with one log line and never reaches the backward. docs/tracing.md, "Gradient collectives".
 """
@@ -64,7 +65,9 @@ class DDPWait:
         # Bound once: the hooks run every backward and must not allocate.
         self._after_graph_cb = self._after_graph
         self._after_reduce_cb = self._after_reduce
-        model.register_forward_pre_hook(self._forward_pre)
+        # Removed by automatic tracing once it wraps this module's forward (``arm`` from there): any
+        # module hook sends every call of the module down torch's slower hooked path.
+        self.pre_hook: Any = model.register_forward_pre_hook(self._forward_pre)
         params = [p for p in model.module.parameters() if p.requires_grad]
         for p in {id(p): p for p in (params[:1] + params[-1:])}.values():
             p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -74,8 +77,14 @@ class DDPWait:
     def _forward_pre(self, module: Any, args: Any) -> None:
         if is_compiling():  # traced by torch.compile: nothing of this belongs in the user's graph
             return
+        if torch.is_grad_enabled():
+            self.arm()
+
+    def arm(self) -> None:
+        """A training forward of the model (grad enabled) begins: note whether it prepares a synchronised
+        backward. Called by the forward pre-hook, or by automatic tracing's forward wrapper."""
         try:
-            if self.on and torch.is_grad_enabled():
+            if self.on:
                 self.armed = bool(self.model.require_backward_grad_sync)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)

@@ -440,9 +440,15 @@ class Exchange:
             m.device = device
 
     def fill(self, row: list[int]) -> None:
+        """The exchange's columns of the step just ended (the tracer calls this only when
+        ``fills_rows``: a ``DDPWait`` has none)."""
         p = self.primary
         if p is not None:
             p.fill(row)
+
+    @property
+    def fills_rows(self) -> bool:
+        return isinstance(self.primary, GradientRounds)
 
     def close(self) -> None:
         for m in self.models:

@@ -22,6 +22,14 @@ last backward began to ``data_ns`` (the *input gap*: a hand-written loader such 
 A step boundary requested while phases are open (an optimizer step inside ``GradScaler.step``) takes
 effect when the outermost phase closes. Only the training thread calls ``enter``/``exit``: nothing is
 locked, nothing is allocated per step. docs/tracing.md, "The step model".
+
+Deferred accounting. A phase change on the training thread keeps only what must be known at once (the
+stack of open kinds, for a boundary requested inside a phase and an exit that skips inner ones) and
+writes a *stamp* (time, code) into one preallocated list; the exclusive times are computed from the
+stamps once per step, at its end (``fill``), or when the list fills. The arithmetic is the same, but it
+runs in one tight loop instead of spread over a dozen hooks that each run cold between torch's work: a
+hook then touches a few memory lines instead of a dozen objects (docs/tracing.md, "Per-iteration CPU").
+With device timing (CUDA events recorded at phase changes) every change is accounted at once.
 """
 
 from __future__ import annotations
@@ -60,16 +68,31 @@ _MAX_DEPTH = 32
 WaitSource = Callable[[], tuple[int, int, int, int]]
 
 
+# Stamp codes: an enter of kind k is k; an exit is _EXIT + k; a backward's exit that collected the gradient
+# collectives' wait carries three more slots (wait, pacing delay, rounds).
+_EXIT = 8
+_EXIT_COLLECTED = 16
+_STAMPS = 1024  # slots; replayed when fewer than one record's worth are left
+
+
 class StepClock:
     """Exclusive phase times of the current step (one instance per traced process)."""
 
     def __init__(self) -> None:
-        self.kinds = [0] * _MAX_DEPTH
-        self.t0 = [0] * _MAX_DEPTH
-        self.child = [0] * _MAX_DEPTH  # time of the phases nested inside each open phase
-        self.child_end = [0] * _MAX_DEPTH  # when the last nested phase closed
-        self.events = [-1] * _MAX_DEPTH  # device event of each open phase (-1: none)
+        # Real time: the open phases as the hooks see them.
         self.depth = 0
+        self.kinds = [0] * _MAX_DEPTH
+        self.comm_open = 0  # COMM phases open now (a collective inside one is not counted again)
+        self.end_pending = False
+        self.stamps = [0] * _STAMPS
+        self.n = 0  # slots of ``stamps`` in use
+        # Accounted from the stamps (``_replay``): per open phase, its start, the time of the phases
+        # nested inside it, when the last of those closed, and its device event (-1: none).
+        self._depth = 0
+        self.t0 = [0] * _MAX_DEPTH
+        self.child = [0] * _MAX_DEPTH
+        self.child_end = [0] * _MAX_DEPTH
+        self.events = [-1] * _MAX_DEPTH
         self.open_by_kind = [0] * NKINDS
         self.acc = [0] * NKINDS
         self.seen = [False] * NKINDS
@@ -83,15 +106,16 @@ class StepClock:
         self.micro = 0
         self.collectives = 0
         self.pace_delay = -1
-        self.end_pending = False
         self.on_end: Callable[[int], None] | None = None  # called with the boundary time
         self.wait_sources: list[WaitSource] = []
-        self.device: Any = None  # hyperacc.trace.device.DeviceTimer on CUDA
+        self.device: Any = None  # hyperacc.trace.device.DeviceTimer on CUDA: every change accounted at once
         self.device_kinds = 0  # bit per phase kind timed on the device too
 
     # ------------------------------------------------------------------ step boundaries
 
     def begin(self, t: int) -> None:
+        if self.n:
+            self._replay()
         self.step_open = True
         self.step_t0 = self.idle_since = t
         acc, seen = self.acc, self.seen
@@ -118,6 +142,8 @@ class StepClock:
 
     def fill(self, row: list[int], t1: int) -> None:
         """Write the step's phases, wait, self-time and counts into ``row`` (step_ns already set)."""
+        if self.n:
+            self._replay()
         if self.depth == 0:
             self.gap += t1 - self.idle_since
         wait, delay, count = self._collect() if self.wait_sources else (0, -1, 0)
@@ -150,9 +176,98 @@ class StepClock:
 
     def enter(self, kind: int, t: int) -> None:
         d = self.depth
+        self.depth = d + 1
         if d >= _MAX_DEPTH:
-            self.depth = d + 1  # too deep to account: counted, never charged
+            return  # too deep to account: counted, never charged
+        self.kinds[d] = kind
+        if kind == COMM:
+            self.comm_open += 1
+        if self.device is not None:
+            self._replay()
+            self._enter(kind, t)
             return
+        i = self.n
+        if i > _STAMPS - 5:
+            self._replay()
+            i = 0
+        s = self.stamps
+        s[i] = t
+        s[i + 1] = kind
+        self.n = i + 2
+
+    def exit(self, kind: int, t: int) -> None:
+        d = self.depth - 1
+        if d < 0:
+            return
+        if d >= _MAX_DEPTH:
+            self.depth = d
+            return
+        kinds = self.kinds
+        if kinds[d] != kind:
+            # A phase left without its exit (an exception skipped a hook): close the inner ones first.
+            j = d
+            while j >= 0 and kinds[j] != kind:
+                j -= 1
+            if j < 0:
+                return
+            while self.depth - 1 > j:
+                self.exit(kinds[self.depth - 1], t)
+            d = j
+        self.depth = d
+        if kind == COMM:
+            self.comm_open -= 1
+        collect = kind == BACKWARD and self.wait_sources
+        if self.device is not None:
+            self._replay()
+            self._exit(kind, t, *(self._collect() if collect else (0, -1, 0)))
+        else:
+            i = self.n
+            if i > _STAMPS - 5:
+                self._replay()
+                i = 0
+            s = self.stamps
+            s[i] = t
+            if collect:
+                s[i + 1] = _EXIT_COLLECTED
+                s[i + 2], s[i + 3], s[i + 4] = self._collect()
+                self.n = i + 5
+            else:
+                s[i + 1] = _EXIT + kind
+                self.n = i + 2
+        if d == 0 and self.end_pending:
+            self._end(t)
+
+    def add(self, kind: int, duration_ns: int) -> None:
+        """Charge time measured elsewhere (``Tracer.add_phase``) to a phase of the current step."""
+        if self.n:
+            self._replay()
+        if duration_ns > 0:
+            self.acc[kind] += duration_ns
+        self.seen[kind] = True
+        if kind == DATA:
+            self.fetches += 1
+
+    # ------------------------------------------------------------------ accounting
+
+    def _replay(self) -> None:
+        """Account the stamps written since the last replay, in order, and empty the list."""
+        s, n = self.stamps, self.n
+        self.n = 0
+        i = 0
+        while i < n:
+            t, code = s[i], s[i + 1]
+            if code < _EXIT:
+                self._enter(code, t)
+                i += 2
+            elif code < _EXIT_COLLECTED:
+                self._exit(code - _EXIT, t, 0, -1, 0)
+                i += 2
+            else:
+                self._exit(BACKWARD, t, s[i + 2], s[i + 3], s[i + 4])
+                i += 5
+
+    def _enter(self, kind: int, t: int) -> None:
+        d = self._depth
         if d == 0:
             if self.step_open:
                 self.gap += t - self.idle_since
@@ -162,7 +277,6 @@ class StepClock:
             self.micro += 1
         elif kind == DATA:
             self.fetches += 1
-        self.kinds[d] = kind
         self.t0[d] = t
         self.child[d] = 0
         self.child_end[d] = 0
@@ -170,43 +284,28 @@ class StepClock:
         timed = dev is not None and (self.device_kinds >> kind) & 1 and self.open_by_kind[kind] == 0
         self.events[d] = dev.mark() if timed else -1
         self.open_by_kind[kind] += 1
-        self.depth = d + 1
+        self._depth = d + 1
 
-    def exit(self, kind: int, t: int) -> None:
-        d = self.depth - 1
-        if d < 0:
-            return
-        if d >= _MAX_DEPTH:
-            self.depth = d
-            return
-        if self.kinds[d] != kind:
-            # A phase left without its exit (an exception skipped a hook): close the inner ones first.
-            j = d
-            while j >= 0 and self.kinds[j] != kind:
-                j -= 1
-            if j < 0:
-                return
-            while self.depth - 1 > j:
-                self.exit(self.kinds[self.depth - 1], t)
-            d = j
-        self.depth = d
+    def _exit(self, kind: int, t: int, wait: int, delay: int, count: int) -> None:
+        """Close the innermost open phase (of ``kind``); ``count`` > 0: gradient rounds collected at its
+        end, their exposed ``wait`` and pacing ``delay`` (-1: none) taken out of it."""
+        d = self._depth - 1
+        self._depth = d
         self.open_by_kind[kind] -= 1
         t0 = self.t0[d]
         if t0 < self.step_t0 and self.step_open:
             t0 = self.step_t0  # opened before this step began: charge this step's part only
         duration = t - t0
         inner = self.child[d]
-        if kind == BACKWARD and self.wait_sources:
-            wait, delay, count = self._collect()
-            if count:
-                self.acc[COMM] += wait
-                self.seen[COMM] = True
-                self.collectives += count
-                inner += wait
-            if delay >= 0:
-                self.pace_delay = delay if self.pace_delay < 0 else self.pace_delay + delay
-                inner += delay
-        elif kind == COMM:
+        if count:
+            self.acc[COMM] += wait
+            self.seen[COMM] = True
+            self.collectives += count
+            inner += wait
+        if delay >= 0:
+            self.pace_delay = delay if self.pace_delay < 0 else self.pace_delay + delay
+            inner += delay
+        if kind == COMM:
             self.collectives += 1
         own = duration - inner
         if kind == OPTIMIZER and self.child[d] and self.child_end[d]:
@@ -222,16 +321,6 @@ class StepClock:
             self.child_end[d - 1] = t
         else:
             self.idle_since = t
-            if self.end_pending:
-                self._end(t)
-
-    def add(self, kind: int, duration_ns: int) -> None:
-        """Charge time measured elsewhere (``Tracer.add_phase``) to a phase of the current step."""
-        if duration_ns > 0:
-            self.acc[kind] += duration_ns
-        self.seen[kind] = True
-        if kind == DATA:
-            self.fetches += 1
 
     def _collect(self) -> tuple[int, int, int]:
         """(exposed wait, pacing delay, rounds) of the gradient collectives finished since the last call.

@@ -214,6 +214,7 @@ class Tracer:
         self._ended_at = -1  # perf_counter_ns of the last step's end (contiguous steps share it)
         self.clock = StepClock()
         self.clock.on_end = self._boundary
+        self._fill_exchange = False  # the first DDP model's timer has columns of its own (in-band, pacing)
         self._phases = {name: _Phase(self, name, KIND_BY_NAME[name]) for name in PHASES if name != "other"}
         self._scope = _StepScope(self)
         self._events: deque[tuple[Any, ...]] = deque()
@@ -339,7 +340,8 @@ class Tracer:
             row = self._row
             row[STEP_NS] = t1 - self._t0
             self.clock.fill(row, t1)
-            self.inband.fill(row)
+            if self._fill_exchange:
+                self.inband.fill(row)
             if self.signals is not None:
                 self.signals.end(row)
             ring = self._ring
@@ -399,6 +401,7 @@ class Tracer:
         self.inband.attach(model)
         if len(self.inband.models) > before:
             self.clock.wait_sources.append(self.inband.models[-1].collect)
+        self._fill_exchange = self.inband.fills_rows
         return self.inband
 
     @property

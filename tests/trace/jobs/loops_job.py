@@ -88,7 +88,9 @@ def nanogpt(args: argparse.Namespace, rank: int, world: int) -> dict:
         losses.append(float(loss) * args.accum)
     os.unlink(data_path)
     hooks = len(model._comm_hooks)  # 0: DDP kept its built-in all-reduce
-    return {"losses": losses, "checksum": checksum(model), "scale": float(scaler.get_scale()), "comm_hooks": hooks}
+    pre_hooks = len(model._forward_pre_hooks)  # 0: nothing sends the model down torch's hooked call path
+    return {"losses": losses, "checksum": checksum(model), "scale": float(scaler.get_scale()), "comm_hooks": hooks,
+            "forward_pre_hooks": pre_hooks}
 
 
 def prefetch(args: argparse.Namespace, rank: int, world: int) -> dict:
