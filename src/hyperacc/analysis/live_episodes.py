@@ -17,7 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, log_ratio, rank_blocks
+from hyperacc.analysis.change_points import log_ratio
+from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
 

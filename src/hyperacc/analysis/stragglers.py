@@ -25,7 +25,7 @@ short:
 * the kind of a slow self-time comes from where the time went: CPU time grew with it (compute) or not
   (host: preempted or blocked).
 
-Why this module is about 500 lines: the rank rule and the node rule share the straggler record and its
+Why this module is over 500 lines: the rank rule and the node rule share the straggler record and its
 evidence (``Straggler``, ``_compute_or_host``, ``_culprit_evidence``); the window grid and the outlier
 test they both judge with live in ``outliers.py``.
 """

@@ -1,0 +1,168 @@
+"""Levels and change points of per-rank block ratios: the statistics the episode rules of ``episodes.py``
+are written in (docs/detection.md, "Episodes").
+
+Every function is pure over a (rank x block) matrix of log ratios (a rank's block median over the other
+ranks' median of the same block; NaN: not judged): the ratio itself (``log_ratio``), the noise a block's
+level carries (``noise_floor``, ``level_noise``), a rank's level outside a segment (``outside_level``),
+medians of consecutive blocks (``stretch_levels``) and whether one stands above all others
+(``above_floor``), and the two-sided CUSUM that finds where a rank's level shifts and shifts back
+(``change_points``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.robust import MAD_TO_SIGMA, loo_median, nan_median
+
+
+def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
+    """(rank x position) the median of ``span`` consecutive blocks of each rank's log ratio less its
+    typical ratio (``level``; else as given) (position ``p``: blocks ``p .. p + span - 1``; NaN where
+    none of them was judged)."""
+    y = x - nan_median(x, axis=1)[:, None] if level else x
+    n_r, n_b = y.shape
+    if n_b < span:
+        return np.full((n_r, 0), np.nan)
+    out = np.empty((n_r, n_b - span + 1), dtype=y.dtype)
+    chunk = max(1, _STRETCH_CELLS // max(n_b * span, 1))  # ranks at a time: a bounded copy of the windows
+    for r in range(0, n_r, chunk):
+        out[r : r + chunk] = small_nan_median(np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1))[0]
+    return out
+
+
+def small_nan_median(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The median over the (short) last axis of the values that are not NaN, and their count (NaN where
+    none): sorted along that axis (NaN last), the middle one or two picked by the count."""
+    ordered = np.sort(values, axis=-1)
+    n = np.count_nonzero(~np.isnan(ordered), axis=-1)
+    last = values.shape[-1] - 1
+    lo = np.take_along_axis(ordered, np.clip((n - 1) // 2, 0, last)[..., None], axis=-1)[..., 0]
+    hi = np.take_along_axis(ordered, np.clip(n // 2, 0, last)[..., None], axis=-1)[..., 0]
+    return np.where(n > 0, (lo + hi) / 2, np.nan), n
+
+
+_STRETCH_CELLS = 1 << 20  # values copied at a time by ``stretch_levels``
+
+
+def above_floor(stretches: np.ndarray, r: int, b0: int, b1: int, span: int, margin: float,
+                own: np.ndarray) -> bool:  # fmt: skip
+    """The highest of ``own`` (row ``r``'s stretches within blocks ``b0..b1``, against its level outside
+    them) is at least ``margin`` above every stretch elsewhere: the other ranks' anywhere, the rank's own
+    outside the segment (log units)."""
+    if not np.isfinite(own).any():
+        return False
+    row_max = _row_max(stretches)
+    mine = np.concatenate([stretches[r, : max(0, b0 - span + 1)], stretches[r, b1 + 1 :]])
+    rest = [float(np.delete(row_max, r).max(initial=-np.inf)), float(np.nanmax(mine, initial=-np.inf))]
+    return float(np.nanmax(own)) >= max(rest) + margin
+
+
+def _row_max(stretches: np.ndarray) -> np.ndarray:
+    """Each row's highest stretch (-inf where none), without a copy of the matrix."""
+    out = np.full(stretches.shape[0], -np.inf)
+    for i in range(0, stretches.shape[0], 256):
+        with np.errstate(all="ignore"):
+            out[i : i + 256] = np.nanmax(stretches[i : i + 256], axis=1, initial=-np.inf)
+    return out
+
+
+def outside_level(row: np.ndarray, seg: np.ndarray) -> float:
+    """A rank's typical log ratio outside blocks ``seg`` (its level before and after an episode; an
+    episode longer than half the run no longer moves it)."""
+    rest = np.delete(row, seg)
+    rest = rest[np.isfinite(rest)]
+    return float(np.median(rest)) if rest.size else float("nan")
+
+
+def log_ratio(values: np.ndarray, others: np.ndarray | None = None) -> np.ndarray:
+    """(rank x block) log of each value over the median of the other ranks in its block (the cluster
+    median without the rank itself: ``others``, ``loo_median(values)`` unless given); NaN where not
+    judged."""
+    with np.errstate(all="ignore"):
+        x = np.log(values / (loo_median(values) if others is None else others))
+    x[~np.isfinite(x)] = np.nan
+    return x
+
+
+def level_noise(x: np.ndarray) -> float:
+    """The host-wide noise of a block's level: the ranks' median of the robust spread (1.4826 MAD) of
+    their own log ratios. An episode's shift must stand ``z_threshold`` of these above the rank's
+    typical ratio: on a busy host every rank's ratio wanders by that much without a fault."""
+    med = nan_median(x, axis=1)
+    with np.errstate(all="ignore"):
+        mad = nan_median(np.abs(x - med[:, None]), axis=1)
+    return float(MAD_TO_SIGMA * nan_median(mad)) if np.isfinite(mad).any() else 0.0
+
+
+def noise_floor(x: np.ndarray, opts: DetectionOptions) -> np.ndarray:
+    """Per rank, the sigma of one block's log ratio: the robust spread of its successive differences
+    (``1.4826 MAD / sqrt 2``, blind to the level shifts it is looking for), at least the ranks' median of
+    the same (the noise the host gives every rank) and at least ``min_mad_rel``."""
+    sig = np.full(x.shape[0], np.nan)
+    for r in range(x.shape[0]):
+        v = x[r][np.isfinite(x[r])]
+        if v.size >= 3:
+            d = np.diff(v)
+            sig[r] = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+    floor = nan_median(sig) if np.isfinite(sig).any() else 0.0
+    return np.fmax(np.fmax(sig, floor), opts.min_mad_rel)
+
+
+def change_points(x: np.ndarray, opts: DetectionOptions) -> list[tuple[int, int, int, int, bool, float]]:
+    """Two-sided CUSUM per row of ``x`` (rank x block log ratios, NaN: not judged).
+
+    With ``y`` = x less the rank's median, ``k`` = log(episode_min_effect) / 2 and ``h`` = episode_h x
+    its noise floor: ``S = max(0, S + y - k)`` opens a segment when ``S > h``, starting after the last
+    block where ``S`` was 0; then ``D = max(0, D + k - y)`` closes it when ``D > h``, ending at the last
+    block where ``D`` was 0. Blocks not judged leave both unchanged. Returns (row, first block, last
+    block, confirming block, still open, sigma).
+
+    Each recursion is a cumulative sum less its running minimum (Lindley: ``S_t = C_t - min(0,
+    min_j<=t C_j)`` with ``C`` the cumulative sum of ``y - k``), so a row costs a few array passes per
+    segment, not a Python step per block.
+    """
+    level = nan_median(x, axis=1)
+    sigma = noise_floor(x, opts)
+    k = math.log(opts.episode_min_effect) / 2.0
+    out: list[tuple[int, int, int, int, bool, float]] = []
+    for r in range(x.shape[0]):
+        y = x[r] - level[r]
+        seen = np.isfinite(y)
+        judged = np.flatnonzero(seen)
+        if not judged.size:
+            continue
+        h = opts.episode_h * float(sigma[r])
+        up = np.where(seen, y - k, 0.0)
+        down = np.where(seen, k - y, 0.0)
+        p, start = int(judged[0]), int(judged[0])
+        while p < y.size:
+            s = _lindley(up[p:])
+            crossed = np.flatnonzero(s > h)
+            if not crossed.size:
+                break
+            t = p + int(crossed[0])
+            zero = np.flatnonzero((s[: t - p] == 0) & seen[p:t])
+            if zero.size:
+                start = p + int(zero[-1]) + 1
+            q = t + 1
+            d = _lindley(down[q:])
+            back = np.flatnonzero(d > h)
+            if not back.size:
+                out.append((r, start, int(judged[-1]), t, True, float(sigma[r])))
+                break
+            t2 = q + int(back[0])
+            zero = np.flatnonzero((d[: t2 - q] == 0) & seen[q:t2])
+            end = q + int(zero[-1]) if zero.size else t
+            out.append((r, start, end, t, False, float(sigma[r])))
+            p = start = t2 + 1
+    return out
+
+
+def _lindley(z: np.ndarray) -> np.ndarray:
+    """``S_t = max(0, S_t-1 + z_t)`` from ``S = 0``, as cumulative sums."""
+    c = np.cumsum(z)
+    return c - np.minimum.accumulate(np.minimum(c, 0.0))
