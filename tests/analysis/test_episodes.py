@@ -195,13 +195,16 @@ def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, di
     """One recorded job of each kind, shared by the assertions: 4 gloo ranks of the nanoGPT-style job,
     rank 2 twice as slow for steps 120-180 of 300 (a busy loop in its forward); the same job clean,
     with a busy loop beside it on the host; and rank 1 waiting off its CPU (a sleep in its forward) for
-    steps 120-180, also beside a busy loop."""
+    steps 120-180. That last one has no busy loop beside it: under the suite's own load on 2 cores and a
+    busy loop, the other ranks' levels once moved 2x up and down over the same steps, and at 4 ranks a
+    rank's shift is judged against only 3 others' (docs/detection.md, "A rank that blocked"); the busy
+    host is the synthetic test's above and bench/episodes.py's."""
     out = []
     slow = ["--slow-from", "120", "--slow-until", "180", "--slow-factor", "2"]
     for name, args, busy in (
         ("faulty", ["--slow-rank", "2", *slow], False),
         ("clean", [], True),
-        ("blocked", ["--slow-rank", "1", *slow, "--slow-work", "sleep"], True),
+        ("blocked", ["--slow-rank", "1", *slow, "--slow-work", "sleep"], False),
     ):  # fmt: skip
         run_dir = tmp_path_factory.mktemp(name) / "run"
         spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
