@@ -54,6 +54,9 @@ class RankBlocks:
     # (n,) float32 median voluntary context switches per step (the training thread blocked); None or NaN:
     # not measured
     vol: np.ndarray | None = None
+    # (n,) float32 median input wait per step (``data_ns``: the DataLoader's fetch, or the gap before the
+    # forward); None or NaN: not measured
+    data: np.ndarray | None = None
 
 
 class BlockBudget:
@@ -94,7 +97,7 @@ def coarsened(b: RankBlocks, width: int) -> RankBlocks:
     steps = np.bincount(row, weights=b.steps.astype(np.float64), minlength=new.size)
     return RankBlocks(b.rank, b.node, new, mean(b.self_ns), mean(b.cpu_ns),
                       np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width,
-                      None if b.vol is None else mean(b.vol))  # fmt: skip
+                      None if b.vol is None else mean(b.vol), None if b.data is None else mean(b.data))  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -151,7 +154,8 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     self_name = "self_ns" if np.isfinite(np.asarray(cols.get("self_ns", [np.nan]), dtype=float)).any() else "dev_self_ns"
     count = np.bincount(row, minlength=uniq.size).astype(np.uint16)
     vol = medians("vol_ctx_switches") if "vol_ctx_switches" in cols else None
-    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol)
+    data = medians("data_ns") if "data_ns" in cols else None
+    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data)
 
 
 def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_effect: float = 0.5) -> list[Episode]:
@@ -165,15 +169,18 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     ranks = [coarsened(b, width) for b in ranks]
     cols = np.unique(np.concatenate([b.block for b in ranks]))
     shape = (len(ranks), cols.size)
-    # float32 (rank x block) matrices: about 30 bytes per cell in all while judging
+    # float32 (rank x block) matrices: about 35 bytes per cell in all while judging
     wall, cpu = np.full(shape, np.nan, dtype=np.float32), np.full(shape, np.nan, dtype=np.float32)
     count = np.zeros(shape, dtype=np.float32)
     vol = np.full(shape, np.nan, dtype=np.float32) if any(b.vol is not None for b in ranks) else None
+    data = np.full(shape, np.nan, dtype=np.float32) if vol is not None and any(b.data is not None for b in ranks) else None
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
         if vol is not None and b.vol is not None:
             vol[i, pos] = b.vol
+        if data is not None and b.data is not None:
+            data[i, pos] = b.data
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
@@ -221,6 +228,10 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # It waited from the first to the last block in which it blocked more; the wall time's
                 # wander at the edges of the change points' range is the host's.
                 seg, blocked = waited
+                # A wait in the input fetch is for the rank's producer (its DataLoader workers, its
+                # reads), which a loaded host starves one rank at a time: the data rules judge input.
+                if data is not None and waited_for_input(wall[r], data[r], seg):
+                    continue
                 b0, b1 = int(seg[0]), int(seg[-1])
                 confirm = max(confirm, b0)
                 shift = segment_shift(x[r], seg)
@@ -232,8 +243,12 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             if baseline_steps(x[r, :b0], count[r, :b0]) < opts.episode_min_steps:
                 continue
             # The rank's own shift, not the host's: when a busy loop moves between cores, several ranks'
-            # ratios move at once (one up, another down) over the same blocks.
-            if not stands_out(x, r, seg, opts):
+            # ratios move at once (one up, another down) over the same blocks. A rank seen blocking has
+            # shown that by its switch counts, which preemption does not raise (``blocked_span``); its
+            # wall time need only have moved the minimum effect beyond the other ranks' median shift: at
+            # 4 ranks the spread of 3 other shifts is no measure, and the host's answer to a rank leaving
+            # its core (the others' levels moving 2x over the fault's own steps) widened it past a 2x wait.
+            if not stands_out(x, r, seg, opts, blocked=blocked is not None):
                 continue
             # Beyond the host's own wander at this length: above the highest stretch of the same
             # length anywhere else in the run, any rank, by half the minimum effect. On a busy host a
@@ -325,10 +340,11 @@ def _merged(found: list[Episode]) -> list[Episode]:
     return sorted(out, key=lambda e: (e.rank, e.since_step))
 
 
-def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -> bool:
+def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions, blocked: bool = False) -> bool:
     """Row ``r`` shifted over blocks ``seg`` while the other ranks did not: its shift (median over the
     blocks, less its typical ratio) is a ``z_threshold`` outlier (median/MAD, MAD at least
-    ``min_mad_rel``) above the other ranks' shifts over the same blocks."""
+    ``min_mad_rel``) above the other ranks' shifts over the same blocks; ``blocked`` (the rank's switch
+    counts already show the shift is its own): at least ``log(episode_min_effect)`` above their median."""
     with np.errstate(all="ignore"):
         moved = nan_median(x[:, seg], axis=1) - np.array([outside_level(row, seg) for row in x])
     others = np.delete(moved, r)
@@ -336,6 +352,8 @@ def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions) -
     if others.size == 0 or not np.isfinite(moved[r]):
         return False
     center = float(np.median(others))
+    if blocked:
+        return bool(moved[r] - center >= math.log(opts.episode_min_effect))
     spread = max(MAD_TO_SIGMA * float(np.median(np.abs(others - center))), opts.min_mad_rel)
     return bool(moved[r] - center >= opts.z_threshold * spread)
 
@@ -401,6 +419,15 @@ def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, stretches: np.ndarray
         return None
     mine = stretch_levels(vol[r : r + 1, span] - level, span_blocks, level=False)
     return (span, own) if above_floor(stretches, r, first, last, span_blocks, 1.0, own=mine) else None
+
+
+def waited_for_input(wall: np.ndarray, data: np.ndarray, seg: np.ndarray) -> bool:
+    """A rank's wall self-time grew over blocks ``seg`` (median, over its level outside them) mostly by
+    its input wait (``data``: the same of its ``data_ns``, at least half the growth)."""
+    with np.errstate(all="ignore"):
+        grown = nan_median(wall[seg]) - outside_level(wall, seg)
+        fetched = nan_median(data[seg]) - outside_level(data, seg)
+    return bool(grown > 0 and fetched * 2 >= grown)
 
 
 def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
