@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from hyperacc.stats import median, median_inplace, nan_median
+from hyperacc.stats import last_axis_nan_median, median, median_inplace, nan_median
 
 
 @pytest.mark.parametrize(
@@ -38,6 +38,25 @@ def test_nan_median_along_an_axis_leaves_nan_out_per_slice():
     grid = np.array([[1.0, np.nan, 5.0], [2.0, np.nan, np.nan], [4.0, np.nan, 6.0], [10.0, np.nan, 7.0]])
     got = nan_median(grid, axis=0)
     assert got[0] == 3.0 and math.isnan(got[1]) and got[2] == 6.0
+
+
+@pytest.mark.parametrize("width", [1, 2, 5, 6, 50])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_last_axis_median_equals_numpys_of_each_slices_measured_values(width, dtype):
+    # whole slices take the partial-sort path, slices with NaN the sorted one: the same values either way
+    rng = np.random.default_rng(width)
+    values = rng.normal(size=(6, 40, width)).astype(dtype)
+    values[rng.random(values.shape) < 0.03] = np.nan
+    values[0, 0] = np.nan  # nothing measured
+    med, n = last_axis_nan_median(values)
+    assert med.dtype == dtype and np.isnan(med[0, 0]) and n[0, 0] == 0
+    for i in np.ndindex(values.shape[:-1]):
+        kept = values[i][~np.isnan(values[i])]
+        assert n[i] == kept.size
+        if kept.size:
+            assert med[i] == np.median(kept).astype(dtype), i
+    assert np.array_equal(nan_median(values.astype(np.float64), axis=-1), last_axis_nan_median(values.astype(np.float64))[0],
+                          equal_nan=True)  # fmt: skip
 
 
 def test_median_inplace_uses_the_buffer_as_scratch_and_copies_nothing():

@@ -17,6 +17,7 @@ import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import MAD_TO_SIGMA, loo_median, nan_median
+from hyperacc.stats import last_axis_nan_median
 
 
 def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
@@ -30,19 +31,8 @@ def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
     out = np.empty((n_r, n_b - span + 1), dtype=y.dtype)
     chunk = max(1, _STRETCH_CELLS // max(n_b * span, 1))  # ranks at a time: a bounded copy of the windows
     for r in range(0, n_r, chunk):
-        out[r : r + chunk] = small_nan_median(np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1))[0]
+        out[r : r + chunk] = last_axis_nan_median(np.lib.stride_tricks.sliding_window_view(y[r : r + chunk], span, axis=1))[0]
     return out
-
-
-def small_nan_median(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The median over the (short) last axis of the values that are not NaN, and their count (NaN where
-    none): sorted along that axis (NaN last), the middle one or two picked by the count."""
-    ordered = np.sort(values, axis=-1)
-    n = np.count_nonzero(~np.isnan(ordered), axis=-1)
-    last = values.shape[-1] - 1
-    lo = np.take_along_axis(ordered, np.clip((n - 1) // 2, 0, last)[..., None], axis=-1)[..., 0]
-    hi = np.take_along_axis(ordered, np.clip(n // 2, 0, last)[..., None], axis=-1)[..., 0]
-    return np.where(n > 0, (lo + hi) / 2, np.nan), n
 
 
 _STRETCH_CELLS = 1 << 20  # values copied at a time by ``stretch_levels``

@@ -32,12 +32,12 @@ from hyperacc.analysis.change_points import (
     level_noise,
     log_ratio,
     outside_level,
-    small_nan_median,
     stretch_levels,
 )
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import MAD_TO_SIGMA, loo_median, nan_median
 from hyperacc.analysis.stragglers import compute_or_host
+from hyperacc.stats import last_axis_nan_median
 
 
 @dataclasses.dataclass
@@ -147,7 +147,7 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
         grid = np.full((uniq.size, width), np.nan)
         if v is not None:
             grid[row, offset] = np.asarray(v, dtype=np.float64)
-        med, n = small_nan_median(grid)
+        med, n = last_axis_nan_median(grid)
         # a block judged on fewer than half its steps is not judged
         return np.where(n * 2 >= width, med, np.nan).astype(np.float32)
 

@@ -185,6 +185,9 @@ def summarize_windows(
         "steps": np.bincount(row[typical], minlength=uniq.size).astype(np.int64),
     }
     grid = np.full((uniq.size, width), np.nan)
+    cells = grid.reshape(-1)  # the same memory: a step's cell is row * width + offset
+    at = row * width + offset
+    at_typical = at[typical]
     derived = {"busy_ns": busy_ns(cols) if "step_ns" in cols else None}
     for out_name, col in _MEDIANS.items():
         values = derived[col] if col in derived else cols.get(col)
@@ -197,8 +200,10 @@ def summarize_windows(
             out[out_name] = np.full(uniq.size, np.nan)
             continue
         # the launch probe is a measurement of its own: a spike in the step does not void it
-        use = np.ones(n, dtype=bool) if col == "launch_ns" else typical
-        grid[row[use], offset[use]] = v[use]
+        if col == "launch_ns":
+            cells[at] = v
+        else:
+            cells[at_typical] = v[typical]
         n_ok = np.count_nonzero(~np.isnan(grid), axis=1)
         med = nan_median(grid, axis=1)
         need = 1 if col == "launch_ns" else opts.min_window_samples
