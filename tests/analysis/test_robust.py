@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from hyperacc.analysis.robust import median_mad, modified_z, rolling_median, tukey_fences
+from hyperacc.analysis.robust import median_mad, modified_z, rolling_median, rolling_median_at, tukey_fences
 
 
 def test_modified_z_on_a_hand_made_column():
@@ -49,6 +49,15 @@ def test_rolling_median_follows_a_level_shift_without_lag():
     spiky = np.full(50, 5.0)
     spiky[25] = 500.0
     assert rolling_median(spiky, 11).max() == 5.0
+
+
+@pytest.mark.parametrize("window", [1, 4, 101, 10_000])
+def test_rolling_median_at_some_steps_is_the_whole_series_median_there(window):
+    rng = np.random.default_rng(window)
+    x = np.round(rng.normal(10.0, 2.0, 3000), 1)  # ties too
+    at = np.r_[0, 1, np.flatnonzero(rng.random(3000) < 0.05), 2998, 2999]
+    assert np.array_equal(rolling_median_at(x, window, at), rolling_median(x, window)[at])
+    assert rolling_median_at(x, window, np.zeros(0, dtype=np.int64)).size == 0
 
 
 def test_leave_one_out_fence_matches_brute_force():

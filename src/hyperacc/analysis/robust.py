@@ -165,6 +165,21 @@ def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
     return median_filter(values, size=window, mode="nearest")
 
 
+def rolling_median_at(values: np.ndarray, window: int, at: np.ndarray) -> np.ndarray:
+    """``rolling_median(values, window)[at]``, computed at positions ``at`` only (the same values): where
+    a rule needs the rolling median of a few steps, not of the whole series."""
+    values = np.asarray(values, dtype=np.float64)
+    at = np.asarray(at, dtype=np.int64)
+    if values.size == 0 or at.size == 0:
+        return np.zeros(at.size)
+    window = max(1, min(int(window), values.size))
+    if window % 2 == 0:
+        window = max(1, window - 1)
+    half = window // 2
+    windows = np.lib.stride_tricks.sliding_window_view(np.pad(values, half, mode="edge"), window)
+    return np.median(windows[at], axis=1)
+
+
 def binom_sf(k: np.ndarray | float, n: np.ndarray | float, p: np.ndarray | float) -> np.ndarray:
     """P(Binomial(n, p) >= k), elementwise (k, n integers; NaN where n < 0).
 

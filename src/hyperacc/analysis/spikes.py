@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.robust import MAD_TO_SIGMA, rolling_median
+from hyperacc.analysis.robust import MAD_TO_SIGMA, rolling_median, rolling_median_at
 
 
 @dataclasses.dataclass
@@ -82,7 +82,6 @@ def detect_spikes(
         return SeriesSpikes(judged, spike, baseline, excess)
     base = rolling_median(x, opts.spike_window)
     resid = x - base
-    mad = rolling_median(np.abs(resid), opts.spike_window)
     scale = base
     if step_ns is not None:
         st = np.asarray(step_ns, dtype=np.float64)[judged]
@@ -93,7 +92,11 @@ def detect_spikes(
             scale = np.where(np.isnan(scale), base, np.fmax(scale, base))
     floor = np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * scale)
     longer = resid > floor
-    hit = longer & (resid > opts.spike_mad * MAD_TO_SIGMA * mad)
+    # the robust deviation only where a step is longer than the floors (the rest is no spike whatever it is)
+    at = np.flatnonzero(longer)
+    mad = rolling_median_at(np.abs(resid), opts.spike_window, at)
+    hit = np.zeros(x.shape, dtype=bool)
+    hit[at] = resid[at] > opts.spike_mad * MAD_TO_SIGMA * mad
     for part in (parts or {}).values():
         p = np.asarray(part, dtype=np.float64)[judged]
         ok = ~np.isnan(p)
@@ -105,9 +108,10 @@ def detect_spikes(
         pv = p[ok]
         p_base = rolling_median(pv, opts.spike_window)
         p_resid = pv - p_base
-        p_mad = rolling_median(np.abs(p_resid), opts.spike_window)
+        need = np.flatnonzero(cand[ok])  # positions in the measured part's own series
+        p_mad = rolling_median_at(np.abs(p_resid), opts.spike_window, need)
         grew = np.zeros(x.shape, dtype=bool)
-        grew[ok] = p_resid > np.maximum(opts.spike_mad * MAD_TO_SIGMA * p_mad, floor[ok])
+        grew[np.flatnonzero(ok)[need]] = p_resid[need] > np.maximum(opts.spike_mad * MAD_TO_SIGMA * p_mad, floor[ok][need])
         hit |= cand & grew
     baseline[judged] = base
     excess[judged] = resid
