@@ -82,16 +82,22 @@ def detect_spikes(
         return SeriesSpikes(judged, spike, baseline, excess)
     base = rolling_median(x, opts.spike_window)
     resid = x - base
-    scale = base
+    # The floors only where a step is longer than the series' own floor: the whole step's median only
+    # raises it (the scale is the higher of the two), so no other step can be longer than the floors.
+    floor = np.full(x.shape, np.nan)
+    at = np.flatnonzero(resid > np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * base))
+    scale = base[at]
     if step_ns is not None:
         st = np.asarray(step_ns, dtype=np.float64)[judged]
         st_ok = ~np.isnan(st)
         if st_ok.sum() >= 3:
-            scale = np.full(x.shape, np.nan)
-            scale[st_ok] = rolling_median(st[st_ok], opts.spike_window)
-            scale = np.where(np.isnan(scale), base, np.fmax(scale, base))
-    floor = np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * scale)
-    longer = resid > floor
+            timed = st_ok[at]
+            whole = np.full(at.size, np.nan)
+            whole[timed] = rolling_median_at(st[st_ok], opts.spike_window, (np.cumsum(st_ok) - 1)[at[timed]])
+            scale = np.where(np.isnan(whole), scale, np.fmax(whole, scale))
+    floor[at] = np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * scale)
+    longer = np.zeros(x.shape, dtype=bool)
+    longer[at] = resid[at] > floor[at]
     # the robust deviation only where a step is longer than the floors (the rest is no spike whatever it is)
     at = np.flatnonzero(longer)
     mad = rolling_median_at(np.abs(resid), opts.spike_window, at)
