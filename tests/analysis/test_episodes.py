@@ -340,8 +340,9 @@ def test_live_episodes_say_the_onset_within_the_minimum_length_and_the_end_once(
 
 def test_live_episodes_wait_for_every_ranks_history_and_say_only_cpu_time_evidence():
     """Live judges only once every rank's history holds spike_window steps, not one rank's that arrived
-    ahead; and it says only episodes with CPU-time evidence: a wall-time-only shift (a rank waiting or
-    starved) is found offline, with the whole run, and is not said live."""
+    ahead, and leaves to ``analyze`` an episode over before then (judged against a floor learnt mostly
+    from itself); and it says only episodes with CPU-time evidence: a wall-time-only shift (a rank
+    waiting or starved) is found offline, with the whole run, and is not said live."""
     opts = DetectionOptions()
 
     def stream(cols: list[dict[str, np.ndarray]], order: list[tuple[int, int, int]]) -> list[tuple[int, str]]:
@@ -351,11 +352,15 @@ def test_live_episodes_wait_for_every_ranks_history_and_say_only_cpu_time_eviden
             said += live.update([streams[rank].add({k: v[a:b] for k, v in cols[rank].items()})])
         return said + live.update([s.close() for s in streams]) + live.close()
 
-    cols = _step_columns(4, 300, {2: (40, 65, 2.0)})  # found from a common history of steps 10-89 alone
+    cols = _step_columns(4, 300, {2: (40, 130, 2.0)})  # found from a common history of steps 10-89 alone
     ahead = [(0, 0, 200)] + [(r, 0, 90) for r in (1, 2, 3)]  # rank 0's records arrived well ahead
     assert stream(cols, ahead) == []  # the common history is 80 steps: not judged yet
     said = stream(cols, ahead + [(r, 90, 300) for r in (1, 2, 3)] + [(0, 200, 300)])
     assert said and said[0][1].startswith("rank 2 (node 0) is slow since step 4"), said
+    early = _step_columns(4, 300, {2: (40, 65, 2.0)})  # over by step 64, before live judges (step 111)
+    assert [e.rank for e in detect_episodes([rank_blocks(r, 0, {k: v[10:] for k, v in c.items()}, opts)
+                                             for r, c in enumerate(early)], opts)] == [2]  # fmt: skip
+    assert stream(early, [(r, a, a + 7) for a in range(0, 300, 7) for r in range(4)]) == []
     # wall time only: rank 2 waits twice as long, its CPU time unchanged
     waits = _step_columns(4, 300, {}, seed=2)
     waits[2]["self_ns"][120:180] *= 2.0
