@@ -85,24 +85,24 @@ def detect_spikes(
     # The floors only where a step is longer than the series' own floor: the whole step's median only
     # raises it (the scale is the higher of the two), so no other step can be longer than the floors.
     floor = np.full(x.shape, np.nan)
-    at = np.flatnonzero(resid > np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * base))
-    scale = base[at]
+    over = np.flatnonzero(resid > np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * base))
+    scale = base[over]
     if step_ns is not None:
         st = np.asarray(step_ns, dtype=np.float64)[judged]
         st_ok = ~np.isnan(st)
         if st_ok.sum() >= 3:
-            timed = st_ok[at]
-            whole = np.full(at.size, np.nan)
-            whole[timed] = rolling_median_at(st[st_ok], opts.spike_window, (np.cumsum(st_ok) - 1)[at[timed]])
+            timed = st_ok[over]
+            whole = np.full(over.size, np.nan)
+            whole[timed] = rolling_median_at(st[st_ok], opts.spike_window, (np.cumsum(st_ok) - 1)[over[timed]])
             scale = np.where(np.isnan(whole), scale, np.fmax(whole, scale))
-    floor[at] = np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * scale)
+    floor[over] = np.maximum(float(opts.spike_floor_ns), opts.spike_floor_rel * scale)
     longer = np.zeros(x.shape, dtype=bool)
-    longer[at] = resid[at] > floor[at]
+    longer[over] = resid[over] > floor[over]
     # the robust deviation only where a step is longer than the floors (the rest is no spike whatever it is)
-    at = np.flatnonzero(longer)
-    mad = rolling_median_at(np.abs(resid), opts.spike_window, at)
+    beyond = np.flatnonzero(longer)
+    mad = rolling_median_at(np.abs(resid), opts.spike_window, beyond)
     hit = np.zeros(x.shape, dtype=bool)
-    hit[at] = resid[at] > opts.spike_mad * MAD_TO_SIGMA * mad
+    hit[beyond] = resid[beyond] > opts.spike_mad * MAD_TO_SIGMA * mad
     for part in (parts or {}).values():
         p = np.asarray(part, dtype=np.float64)[judged]
         ok = ~np.isnan(p)
