@@ -83,9 +83,12 @@ def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Pat
     # is left on the model (any hook sends every call down torch's slower path)
     assert [r["forward_pre_hooks"] for r in job.results()] == [0, 0]
     assert all(row["comm_wait_ns"] is not None for r in range(2) for row in rows[r])
+    # (rank 0's own 3x backward, slower still on a loaded host, eats into its wait: a CI run saw 130 ms
+    # once, so each late step is judged against the other rank, and the 300 ms only over them all)
     late = [s for s in range(steps) if s % 3 == 1]
-    assert all(rows[0][s]["comm_wait_ns"] > 150e6 for s in late), [rows[0][s]["comm_wait_ns"] for s in late]
-    assert all(rows[1][s]["comm_wait_ns"] < 150e6 for s in late), [rows[1][s]["comm_wait_ns"] for s in late]
+    waits = [(rows[0][s]["comm_wait_ns"], rows[1][s]["comm_wait_ns"]) for s in late]
+    assert all(w0 > w1 for w0, w1 in waits), waits
+    assert median([w0 for w0, _ in waits]) > 150e6 > median([w1 for _, w1 in waits]), waits
     # tracing (and the injected faults) did not change training by a bit
     assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
     assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]
