@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from _machine import describe as machine  # noqa: E402
 
 from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, last_arrival, write_rank  # noqa: E402
+from hyperacc.trace.options import TraceOptions  # noqa: E402
 
 _SPEC: SyntheticRun | None = None
 _ARRIVAL = None
@@ -58,7 +59,8 @@ def _write(rank: int) -> None:
 
 
 def generate(root: Path, ranks: int, steps: int, segment_steps: int | None = None) -> SyntheticRun:
-    segment_steps = segment_steps or min(steps, 10_000)
+    # what compaction leaves a finished run: a file per period of at least ``compact_min_rows`` rows
+    segment_steps = segment_steps or min(steps, TraceOptions().compact_min_rows)
     spec = SyntheticRun(
         ranks=ranks, steps=steps, ranks_per_node=8, seed=42, segment_steps=segment_steps,
         faults=(SyntheticFault("slowdown", (ranks // 3,), factor=0.15),

@@ -224,12 +224,13 @@ class _Cluster:
     def _add_coordination(self, f: RankFindings, comm_pos: np.ndarray) -> None:
         """Per-step step time and waits for ``analysis.coordination`` (each step once per rank)."""
         tpos = self.index(f.timed_steps)
-        np.fmax.at(self.step_max, tpos, f.step_ns)
+        _fold(np.fmax, self.step_max, tpos, f.step_ns)
         timed = ~np.isnan(f.comm_step_ns)
-        np.maximum.at(self.comm_max, comm_pos, f.comm_wait)
-        np.add.at(self.comm_sum, comm_pos[timed], f.comm_wait[timed])
-        np.add.at(self.comm_step_sum, comm_pos[timed], f.comm_step_ns[timed])
-        np.add.at(self.comm_ranks, comm_pos[timed], 1)
+        _fold(np.maximum, self.comm_max, comm_pos, f.comm_wait)
+        at = comm_pos[timed]
+        _fold(np.add, self.comm_sum, at, f.comm_wait[timed])
+        _fold(np.add, self.comm_step_sum, at, f.comm_step_ns[timed])
+        _fold(np.add, self.comm_ranks, at, 1)
 
     def culprits(self, window_steps: int) -> tuple[dict[tuple[int, int], int], dict[int, int]]:
         """The per-step culprit record by window: ({(rank, window): steps it waited least}, {window:
@@ -245,3 +246,12 @@ class _Cluster:
             {(int(r), int(w)): int(c) for (r, w), c in zip(pairs.T, counts, strict=True)},
             dict(zip(known_w.tolist(), known_n.tolist(), strict=True)),
         )
+
+
+def _fold(op: np.ufunc, out: np.ndarray, pos: np.ndarray, values: np.ndarray | int) -> None:
+    """``op.at(out, pos, values)``: a rank's positions are its steps', increasing, so each is there once
+    and a gather, ``op`` and a scatter give the same (several times faster than ``ufunc.at``)."""
+    if pos.size > 1 and not bool((pos[1:] > pos[:-1]).all()):
+        op.at(out, pos, values)
+    else:
+        out[pos] = op(out[pos], values)

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import CAUSES, DetectionOptions
-from hyperacc.analysis.robust import nan_median
 from hyperacc.analysis.spikes import RankSpikes, busy_ns, judge_spikes
 from hyperacc.schema import ANALYSIS_COLUMNS, STEP_COLUMNS, fields
+from hyperacc.stats import last_axis_nan_median
 
 # Causes a rank's own spikes can have (``communication`` belongs to the cluster, not to a rank).
 RANK_CAUSES: tuple[str, ...] = tuple(c for c in CAUSES if c != "communication")
@@ -168,7 +168,10 @@ def summarize_windows(
         lost_at[spikes.idx] = np.maximum(spikes.excess, 0.0)
 
     win = steps // width
-    uniq, first_idx, counts = np.unique(win, return_index=True, return_counts=True)
+    # steps are sorted, so a window's steps are contiguous: its first index is where ``win`` changes
+    first_idx = np.flatnonzero(np.concatenate(([True], win[1:] != win[:-1])))
+    uniq = win[first_idx]
+    counts = np.diff(first_idx, append=n)
     if windows is not None:
         wanted = np.isin(uniq, np.asarray(list(windows), dtype=np.int64))
     else:
@@ -188,6 +191,8 @@ def summarize_windows(
     cells = grid.reshape(-1)  # the same memory: a step's cell is row * width + offset
     at = row * width + offset
     at_typical = at[typical]
+    # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
+    run = int(at[0]) if bool((np.diff(at) == 1).all()) else None
     derived = {"busy_ns": busy_ns(cols) if "step_ns" in cols else None}
     for out_name, col in _MEDIANS.items():
         values = derived[col] if col in derived else cols.get(col)
@@ -202,10 +207,11 @@ def summarize_windows(
         # the launch probe is a measurement of its own: a spike in the step does not void it
         if col == "launch_ns":
             cells[at] = v
+        elif run is not None:
+            np.copyto(cells[run : run + n], v, where=typical)
         else:
             cells[at_typical] = v[typical]
-        n_ok = np.count_nonzero(~np.isnan(grid), axis=1)
-        med = nan_median(grid, axis=1)
+        med, n_ok = last_axis_nan_median(grid)
         need = 1 if col == "launch_ns" else opts.min_window_samples
         out[out_name] = np.where(n_ok >= need, med, np.nan)
     gc_values = cols.get("gc_ns")
