@@ -254,13 +254,9 @@ def _add_culprits(summaries: dict[str, np.ndarray], cluster: _Cluster, window_st
     """Fills the offline-only culprit columns of the window summaries from the per-step record."""
     if not summaries["rank"].size:
         return
-    per_pair, known = cluster.culprits(window_steps)
-    if not known:
-        return
-    pairs = zip(summaries["rank"].tolist(), summaries["window"].tolist(), strict=True)
-    summaries["culprit_steps"] = np.array([per_pair.get((r, w), 0) for r, w in pairs], dtype=np.float64)
-    summaries["culprit_known"] = np.array([known.get(w, 0) for w in summaries["window"].tolist()],
-                                          dtype=np.float64)  # fmt: skip
+    found = cluster.culprits(summaries["rank"], summaries["window"], window_steps)
+    if found is not None:
+        summaries["culprit_steps"], summaries["culprit_known"] = found
 
 
 def _what_if(
