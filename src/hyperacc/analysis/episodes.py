@@ -141,12 +141,18 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     else:
         uniq, row = np.unique(blk, return_inverse=True)
     offset = steps - blk * width
+    cell = row * width + offset
+    # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
+    start = int(cell[0]) if bool((np.diff(cell) == 1).all()) else None
 
     def medians(name: str) -> np.ndarray:
         v = cols.get(name)
         grid = np.full((uniq.size, width), np.nan)
         if v is not None:
-            grid[row, offset] = np.asarray(v, dtype=np.float64)
+            if start is not None:
+                grid.reshape(-1)[start : start + steps.size] = v
+            else:
+                grid[row, offset] = np.asarray(v, dtype=np.float64)
         med, n = last_axis_nan_median(grid)
         # a block judged on fewer than half its steps is not judged
         return np.where(n * 2 >= width, med, np.nan).astype(np.float32)
