@@ -104,7 +104,7 @@ def diagnose(
             f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
         )
 
-    summaries = concat_windows(windows)
+    summaries = concat_windows(windows, consume=True)
     windows.clear()
     # The per-step comparisons of waits (culprit record, communication spikes) never mix clocks: with
     # ranks on both, they are left out.
@@ -112,6 +112,8 @@ def diagnose(
     if one_clock:
         _add_culprits(summaries, cluster, opts.window_steps)
     found = detect_stragglers(summaries, opts)
+    windows_judged = judged_windows(summaries, opts)
+    del summaries  # before the episodes' judging matrices are made: the two were the peak of memory
     # A straggler is what is still slow at the end; one that recovered is an episode of the run.
     stragglers = [s.to_dict() for s in found if s.active]
     # Change points per rank: transient fail-slows too short for the window rules, and the precise
@@ -121,8 +123,6 @@ def diagnose(
     stragglers = [s for s in stragglers if s["rank"] not in back]
     episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active])
     del blocks
-    windows_judged = judged_windows(summaries, opts)
-    del summaries
     working = working_gap_ranks(stragglers + episodes)
     for f in findings:
         if f.rank in working:
