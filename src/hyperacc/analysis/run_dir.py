@@ -28,6 +28,7 @@ from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import BlockBudget, detect_episodes, merge_episodes, recovered_stragglers
 from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.outliers import window_grid
 from hyperacc.analysis.projection import project
 from hyperacc.analysis.run_reduce import (
     _EMPTY,
@@ -111,9 +112,13 @@ def diagnose(
     one_clock = len({f.comm_clock for f in findings}) == 1
     if one_clock:
         _add_culprits(summaries, cluster, opts.window_steps)
-    found = detect_stragglers(summaries, opts)
-    windows_judged = judged_windows(summaries, opts)
-    del summaries  # before the episodes' judging matrices are made: the two were the peak of memory
+    # pivoted once for the window rules and their count; the summaries go before the rules' own
+    # matrices are made, the pivot before the episodes' are (each pair was a peak of memory)
+    grid = window_grid(summaries, opts)
+    del summaries
+    found = detect_stragglers(grid, opts)
+    windows_judged = judged_windows(grid, opts)
+    del grid
     # A straggler is what is still slow at the end; one that recovered is an episode of the run.
     stragglers = [s.to_dict() for s in found if s.active]
     # Change points per rank: transient fail-slows too short for the window rules, and the precise
