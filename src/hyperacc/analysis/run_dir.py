@@ -105,7 +105,7 @@ def diagnose(
             f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
         )
 
-    summaries = concat_windows(windows, consume=True)
+    summaries = concat_windows(windows)
     windows.clear()
     # The per-step comparisons of waits (culprit record, communication spikes) never mix clocks: with
     # ranks on both, they are left out.
