@@ -35,7 +35,7 @@ from hyperacc.analysis.change_points import (
     stretch_levels,
 )
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.robust import MAD_TO_SIGMA, loo_median, nan_median
+from hyperacc.analysis.robust import MAD_TO_SIGMA, group_starts, loo_median, nan_median, run_slice
 from hyperacc.analysis.stragglers import compute_or_host
 from hyperacc.stats import last_axis_nan_median
 
@@ -136,21 +136,20 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
         return RankBlocks(rank, node, np.zeros(0, dtype=np.int64), empty, empty, np.zeros(0, dtype=np.uint16), width)
     blk = steps // width
     if steps.size > 1 and bool((np.diff(steps) > 0).all()):  # the usual case: sorted, one row per step
-        first = np.concatenate([[0], np.flatnonzero(np.diff(blk)) + 1])
+        first = group_starts(blk)
         uniq, row = blk[first], np.repeat(np.arange(first.size), np.diff(np.append(first, blk.size)))
     else:
         uniq, row = np.unique(blk, return_inverse=True)
     offset = steps - blk * width
-    cell = row * width + offset
     # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
-    start = int(cell[0]) if bool((np.diff(cell) == 1).all()) else None
+    run = run_slice(row * width + offset)
 
     def medians(name: str) -> np.ndarray:
         v = cols.get(name)
         grid = np.full((uniq.size, width), np.nan)
         if v is not None:
-            if start is not None:
-                grid.reshape(-1)[start : start + steps.size] = v
+            if run is not None:
+                grid.reshape(-1)[run] = v
             else:
                 grid[row, offset] = np.asarray(v, dtype=np.float64)
         med, n = last_axis_nan_median(grid)

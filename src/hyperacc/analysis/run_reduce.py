@@ -9,6 +9,7 @@ import numpy as np
 
 from hyperacc.analysis.episodes import RankBlocks, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.robust import run_slice
 from hyperacc.analysis.spikes import judge_spikes
 from hyperacc.analysis.windows import summarize_windows
 
@@ -196,7 +197,7 @@ class _Cluster:
 
     def _add_wait(self, f: RankFindings, pos: np.ndarray) -> None:
         """Insert the rank's waits into the per-step least ``WAIT_LOWEST``, keeping them sorted."""
-        run = _as_run(pos)
+        run = run_slice(pos)
         last = self.wait_low[run if run is not None else pos, -1]
         lower = f.comm_wait < last  # only where it is among the least so far
         pos, wait = pos[lower], f.comm_wait[lower]
@@ -264,17 +265,9 @@ def _lookup(keys: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
     return np.where(keys[i] == at, values[i], 0).astype(np.float64)
 
 
-def _as_run(pos: np.ndarray) -> slice | None:
-    """``pos`` as a slice where it is one increasing run of positions (a rank without a gap in its
-    steps, the usual case): an operation on a slice is several times faster than on an index."""
-    if pos.size > 1 and int(pos[-1]) - int(pos[0]) + 1 == pos.size and bool((pos[1:] > pos[:-1]).all()):
-        return slice(int(pos[0]), int(pos[-1]) + 1)
-    return None
-
-
 def _fold(op: np.ufunc, out: np.ndarray, pos: np.ndarray, values: np.ndarray | int) -> None:
     """``op.at(out, pos, values)``, on a slice where ``pos`` is one run."""
-    run = _as_run(pos)
+    run = run_slice(pos)
     if run is not None:
         out[run] = op(out[run], values)
     else:

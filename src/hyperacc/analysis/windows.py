@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.options import CAUSES, DetectionOptions
+from hyperacc.analysis.robust import group_starts, run_slice
 from hyperacc.analysis.spikes import RankSpikes, busy_ns, judge_spikes
 from hyperacc.schema import ANALYSIS_COLUMNS, STEP_COLUMNS, fields
 from hyperacc.stats import last_axis_nan_median
@@ -168,8 +169,7 @@ def summarize_windows(
         lost_at[spikes.idx] = np.maximum(spikes.excess, 0.0)
 
     win = steps // width
-    # steps are sorted, so a window's steps are contiguous: its first index is where ``win`` changes
-    first_idx = np.flatnonzero(np.concatenate(([True], win[1:] != win[:-1])))
+    first_idx = group_starts(win)  # steps are sorted, so a window's steps are contiguous
     uniq = win[first_idx]
     counts = np.diff(first_idx, append=n)
     if windows is not None:
@@ -192,7 +192,7 @@ def summarize_windows(
     at = row * width + offset
     at_typical = at[typical]
     # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
-    run = int(at[0]) if bool((np.diff(at) == 1).all()) else None
+    run = run_slice(at)
     derived = {"busy_ns": busy_ns(cols) if "step_ns" in cols else None}
     for out_name, col in _MEDIANS.items():
         values = derived[col] if col in derived else cols.get(col)
@@ -208,7 +208,7 @@ def summarize_windows(
         if col == "launch_ns":
             cells[at] = v
         elif run is not None:
-            np.copyto(cells[run : run + n], v, where=typical)
+            np.copyto(cells[run], v, where=typical)
         else:
             cells[at_typical] = v[typical]
         med, n_ok = last_axis_nan_median(grid)
