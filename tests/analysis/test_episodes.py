@@ -22,6 +22,7 @@ from hyperacc.analysis.episodes import (
     detect_episodes,
     merge_episodes,
     rank_blocks,
+    recovered_stragglers,
 )
 from hyperacc.analysis.live_episodes import BlockStream, LiveEpisodes
 from hyperacc.analysis.options import DetectionOptions
@@ -101,6 +102,25 @@ def test_a_rank_slow_from_its_first_judged_steps_is_no_change_point_episode():
     merged = merge_episodes(detect_episodes(ranks, opts), [], [recovered])
     assert [(e["rank"], e["since_step"], e["until_step"], e["rule"]) for e in merged] == [(0, 0, 99, "window")]
     assert merged[0]["job_time_lost_ns"] == pytest.approx(100 * 10 * MS)
+
+
+def test_a_straggler_is_back_only_when_an_episode_that_began_with_it_has_ended():
+    """A rank 3x slow since step 5 that was 5x for steps 90-114 (seen on a loaded host: one rank of a slow
+    node) is still a straggler: that episode's end is the rank back at its straggler level. An episode
+    that began with the straggler (within one window of its onset) and ended is the rank back."""
+
+    def episode(since: int, until: int, active: bool = False) -> Episode:
+        return Episode(rank=2, node=1, kind="compute", metric="self_ns", slowdown=5.0, since_step=since,
+                       until_step=until, confirmed_step=since + 10, active=active, steps=until - since + 1,
+                       excess_ns=10 * MS, job_time_lost_ns=0.0, shift=2.0, noise=0.1)  # fmt: skip
+
+    straggler = [{"rank": 2, "since_step": 5}]
+    assert recovered_stragglers(straggler, [episode(90, 114)], window_steps=20) == []
+    assert recovered_stragglers(straggler, [episode(20, 114)], window_steps=20) == [2]
+    assert recovered_stragglers(straggler, [episode(0, 114)], window_steps=20) == [2]
+    # still open, or another still open: not back
+    assert recovered_stragglers(straggler, [episode(20, 169, active=True)], window_steps=20) == []
+    assert recovered_stragglers(straggler, [episode(20, 60), episode(90, 169, active=True)], window_steps=20) == []
 
 
 def test_ranks_moving_together_are_no_episode():

@@ -298,15 +298,21 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     return _merged(found)
 
 
-def recovered_stragglers(stragglers: Sequence[Mapping[str, Any]], found: Sequence[Episode]) -> list[int]:
+def recovered_stragglers(
+    stragglers: Sequence[Mapping[str, Any]], found: Sequence[Episode], window_steps: int
+) -> list[int]:
     """Ranks the window rules still call stragglers whose change points show them back: an episode of the
-    rank over the straggler's steps whose shift back was confirmed (the CUSUM's ``D > h``), and no
-    episode of the rank still open. Windows of 50 steps say "still slow" up to two windows after a
-    rank came back; the change point says when."""
+    rank that began with the straggler (no later than one window after its ``since_step``: the windows
+    place an onset to within a window) and whose shift back was confirmed (the CUSUM's ``D > h``), and
+    no episode of the rank still open. Windows of 50 steps say "still slow" up to two windows after a
+    rank came back; the change point says when. An episode that began later is a further shift on top
+    of the straggler's own (a rank 3x slow since the start, 5x for 25 steps): its end is the rank back
+    at its straggler level, not at the cluster's."""
     out = []
     for s in stragglers:
         mine = [e for e in found if e.rank == s["rank"] and e.until_step >= s["since_step"]]
-        if mine and not any(e.active for e in mine):
+        began = [e for e in mine if e.since_step <= s["since_step"] + window_steps]
+        if began and not any(e.active for e in mine):
             out.append(int(s["rank"]))
     return out
 

@@ -124,7 +124,7 @@ def diagnose(
     # Change points per rank: transient fail-slows too short for the window rules, and the precise
     # range of a straggler that recovered (docs/detection.md, "Episodes").
     changes = detect_episodes(blocks.blocks, opts)
-    back = recovered_stragglers(stragglers, changes)
+    back = recovered_stragglers(stragglers, changes, opts.window_steps)
     stragglers = [s for s in stragglers if s["rank"] not in back]
     episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active])
     del blocks
