@@ -35,7 +35,7 @@ def generate(run_dir: Path, ranks: int, steps: int, ranks_per_node: int = 8) -> 
     import pyarrow.parquet as pq
 
     from hyperacc.schema import STEP_SCHEMA, RankMeta, steps_dir
-    from hyperacc.store import write_meta
+    from hyperacc.store import parquet_options, write_meta
 
     rng = np.random.default_rng(0)
     slow = ranks // 3
@@ -58,7 +58,7 @@ def generate(run_dir: Path, ranks: int, steps: int, ranks_per_node: int = 8) -> 
         )
         d = steps_dir(run_dir, r)
         d.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, d / "seg-000001.parquet", compression="zstd")
+        pq.write_table(table, d / "seg-000001.parquet", **parquet_options(table.schema))
         write_meta(run_dir, RankMeta(rank=r, local_rank=r % ranks_per_node, node=r // ranks_per_node, world_size=ranks,
                                      local_world_size=ranks_per_node, hostname=f"n{r // ranks_per_node}", pid=r,
                                      source="simulator"))  # fmt: skip

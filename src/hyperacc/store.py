@@ -99,7 +99,7 @@ class SegmentWriter:
         if self.schema is not None and table.schema != self.schema:
             table = table.cast(self.schema)
         final = self.directory / f"seg-{self._next:06d}.parquet"
-        _write_atomically(final, lambda tmp: pq.write_table(table, tmp, compression="zstd"))
+        _write_atomically(final, lambda tmp: pq.write_table(table, tmp, **parquet_options(table.schema)))
         self._next += 1
         self.written += 1
         return final
@@ -237,14 +237,27 @@ def compact(
     meta = {_OPENED: str(opened).encode(), _PARTS: ",".join(f"{n}:{r}" for n, r in parts).encode()}
     merged = merged.replace_schema_metadata({**(merged.schema.metadata or {}), **meta})
     final_path = directory / f"seg-{first:06d}-{last:06d}.parquet"
-    _write_atomically(final_path, lambda tmp: pq.write_table(merged, tmp, **_COMPACT_PARQUET))
+    _write_atomically(
+        final_path, lambda tmp: pq.write_table(merged, tmp, row_group_size=1 << 20, **parquet_options(merged.schema))
+    )
     for p in ([base[2]] if base is not None else []) + batch:
         p.unlink(missing_ok=True)
     return final_path
 
 
-# Parquet settings of a compacted file: one row group of a period, zstd, dictionaries where they pay.
-_COMPACT_PARQUET: dict[str, Any] = {"compression": "zstd", "row_group_size": 1 << 20}
+def parquet_options(schema: pa.Schema) -> dict[str, Any]:
+    """How every segment is written (a compacted file also as one row group of its period): zstd; the
+    integer columns (steps, clocks, nanoseconds, counts) as deltas, with no dictionary; dictionaries
+    only for the rest (strings, flags). A step record's integers are mostly distinct values, for which
+    a dictionary is built, outgrows its page and falls back to plain values: on 1e5-step ranks the deltas
+    took 31 bytes a row against 59 and read in 10-13 ms against 28, and write 5x faster
+    (docs/tracing.md, "On disk")."""
+    ints = [f.name for f in schema if pa.types.is_integer(f.type)]
+    return {
+        "compression": "zstd",
+        "use_dictionary": [f.name for f in schema if f.name not in ints],
+        "column_encoding": dict.fromkeys(ints, "DELTA_BINARY_PACKED"),
+    }
 
 
 def _parse_parts(raw: bytes) -> list[tuple[int, int]]:
