@@ -313,7 +313,9 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
         if name in _IDENTITY:
             arr = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         elif col.null_count == len(col):
-            arr = np.full(len(col), np.nan)
+            # a column the rank never measured (device clocks on a CPU job, ...): one read-only NaN
+            # shared by every row, not 8 bytes a row written (a dozen such columns per rank)
+            arr = np.broadcast_to(np.float64(np.nan), (len(col),))
         else:
             # safe=False: wall-clock ns exceed 2**53 and lose their last digits as float64, which is fine here
             arr = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)

@@ -204,11 +204,17 @@ class _Cluster:
         if not pos.size:
             return
         low, ranks = self.wait_low[pos], self.wait_rank[pos]
-        # each new wait goes after the kept ones that are not larger; the ones after it shift right
+        # each new wait goes after the kept ones that are not larger (j < WAIT_LOWEST: it is below the
+        # last), and the ones after it shift right by one, the last dropped
         j = np.count_nonzero(low <= wait[:, None], axis=1)[:, None]
-        col = np.arange(WAIT_LOWEST)[None, :]
-        self.wait_low[pos] = np.where(col < j, low, np.where(col == j, wait[:, None], np.roll(low, 1, axis=1)))
-        self.wait_rank[pos] = np.where(col < j, ranks, np.where(col == j, f.rank, np.roll(ranks, 1, axis=1)))
+        keep = np.arange(WAIT_LOWEST)[None, :] < j
+        for held, new in ((low, wait[:, None]), (ranks, f.rank)):
+            out = np.empty_like(held)
+            out[:, 1:] = held[:, :-1]
+            np.copyto(out, held, where=keep)
+            np.put_along_axis(out, j, new, axis=1)
+            held[...] = out
+        self.wait_low[pos], self.wait_rank[pos] = low, ranks
         at = pos[j[:, 0] == 0]  # the rank is now the last to arrive there
         if not at.size:
             return
