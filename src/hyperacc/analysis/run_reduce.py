@@ -275,6 +275,6 @@ def _fold(op: np.ufunc, out: np.ndarray, pos: np.ndarray, values: np.ndarray | i
     """``op.at(out, pos, values)``, on a slice where ``pos`` is one run."""
     run = run_slice(pos)
     if run is not None:
-        out[run] = op(out[run], values)
+        op(out[run], values, out=out[run])  # in place on the slice's view
     else:
         op.at(out, pos, values)
