@@ -141,26 +141,29 @@ _LOO_CELLS = 1 << 21  # values ``loo_median`` works on at a time
 def _loo_quantiles(values: np.ndarray, qs: tuple[float, ...]) -> tuple[list[np.ndarray], np.ndarray]:
     """Linear quantiles of the other values of each element's column, and the count of those others."""
     values = np.asarray(values, dtype=np.float64)
-    # NaN last. Any sort will do: tied values may swap positions, but leaving out either of two equal
-    # values leaves the same others (5x faster than a stable sort at 4,096 ranks here).
-    order = np.argsort(values, axis=0, kind="quicksort")
-    ordered = np.take_along_axis(values, order, axis=0)
+    # Column by column, as rows of the transpose (contiguous: sorting along the strided axis was 3x
+    # slower at 1,000 ranks x 2,000 windows). NaN last. Any sort will do: tied values may swap
+    # positions, but leaving out either of two equal values leaves the same others (5x faster than a
+    # stable sort at 4,096 ranks here).
+    cols = np.ascontiguousarray(values.T)
+    order = np.argsort(cols, axis=1, kind="quicksort")
+    ordered = np.take_along_axis(cols, order, axis=1)
     pos = np.empty_like(order)
-    np.put_along_axis(pos, order, np.arange(values.shape[0])[:, None], axis=0)  # each value's sorted index
-    m = np.count_nonzero(~np.isnan(values), axis=0)[None, :] - 1  # others per column
+    np.put_along_axis(pos, order, np.arange(cols.shape[1])[None, :], axis=1)  # each value's sorted index
+    m = np.count_nonzero(~np.isnan(cols), axis=1)[:, None] - 1  # others per column
     top = np.maximum(m - 1, 0)
 
     def quantile(q: float) -> np.ndarray:
         p = q * top
         lo = np.floor(p).astype(np.int64)
         hi = np.minimum(lo + 1, top)
-        lo_full = np.clip(lo + (lo >= pos), 0, values.shape[0] - 1)  # skip the value itself
-        hi_full = np.clip(hi + (hi >= pos), 0, values.shape[0] - 1)
-        a = np.take_along_axis(ordered, lo_full, axis=0)
-        b = np.take_along_axis(ordered, hi_full, axis=0)
-        return a + (p - lo) * (b - a)
+        lo_full = np.clip(lo + (lo >= pos), 0, cols.shape[1] - 1)  # skip the value itself
+        hi_full = np.clip(hi + (hi >= pos), 0, cols.shape[1] - 1)
+        a = np.take_along_axis(ordered, lo_full, axis=1)
+        b = np.take_along_axis(ordered, hi_full, axis=1)
+        return (a + (p - lo) * (b - a)).T
 
-    return [quantile(q) for q in qs], m
+    return [quantile(q) for q in qs], m.T
 
 
 def rolling_median(values: np.ndarray, window: int) -> np.ndarray:
