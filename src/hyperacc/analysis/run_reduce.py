@@ -208,13 +208,12 @@ class _Cluster:
         # last), and the ones after it shift right by one, the last dropped
         j = np.count_nonzero(low <= wait[:, None], axis=1)[:, None]
         keep = np.arange(WAIT_LOWEST)[None, :] < j
-        for held, new in ((low, wait[:, None]), (ranks, f.rank)):
+        for table, held, new in ((self.wait_low, low, wait[:, None]), (self.wait_rank, ranks, f.rank)):
             out = np.empty_like(held)
             out[:, 1:] = held[:, :-1]
             np.copyto(out, held, where=keep)
             np.put_along_axis(out, j, new, axis=1)
-            held[...] = out
-        self.wait_low[pos], self.wait_rank[pos] = low, ranks
+            table[pos] = out
         at = pos[j[:, 0] == 0]  # the rank is now the last to arrive there
         if not at.size:
             return
