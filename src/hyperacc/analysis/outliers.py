@@ -74,7 +74,11 @@ class WindowGrid:
     data_gap: np.ndarray | None = None  # (R, W) share of steps whose data wait is the input gap
 
 
-def window_grid(windows: pa.Table | Mapping[str, Any], opts: DetectionOptions) -> WindowGrid:
+def window_grid(windows: pa.Table | Mapping[str, Any] | WindowGrid, opts: DetectionOptions) -> WindowGrid:
+    """The window summaries pivoted to rank x window matrices (returned as they are when already
+    pivoted, so the rules can share one pivot)."""
+    if isinstance(windows, WindowGrid):
+        return windows
     cols = _columns(windows)
     rank = np.asarray(cols["rank"], dtype=np.int64)
     win = np.asarray(cols["window"], dtype=np.int64)

@@ -114,7 +114,7 @@ def detect_stragglers(windows: pa.Table | Mapping[str, Any] | WindowGrid, opts: 
     ``active`` says whether each is still confirmed at its last judged window: the diagnosis calls the
     active ones stragglers and the others episodes (slow for a while, then recovered). ``windows`` may
     be the summaries already pivoted (``outliers.window_grid``), which this does not change."""
-    grid = windows if isinstance(windows, WindowGrid) else window_grid(windows, opts)
+    grid = window_grid(windows, opts)
     if grid.ranks.size == 0 or grid.windows.size == 0:
         return []
     found: dict[int, dict[str, tuple]] = {}
@@ -198,7 +198,7 @@ def _better(chosen: tuple | None, conf: tuple | None, flags: np.ndarray, rule: s
 def judged_windows(windows: pa.Table | Mapping[str, Any] | WindowGrid, opts: DetectionOptions) -> int:
     """Windows in which at least ``min_ranks`` ranks had a judged self-time (or, without self-time,
     any judged metric): how much of the run the straggler rules could see."""
-    grid = windows if isinstance(windows, WindowGrid) else window_grid(windows, opts)
+    grid = window_grid(windows, opts)
     if grid.ranks.size == 0:
         return 0
     best = 0

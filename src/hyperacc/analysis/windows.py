@@ -360,6 +360,7 @@ def float_columns(cols: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def concat_windows(parts: list[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The window summaries of several ranks as one set of columns (a column some part lacks is left out)."""
     if not parts:
         return _empty()
     return {n: np.concatenate([p[n] for p in parts]) for n in SUMMARY_COLUMNS if all(n in p for p in parts)}
