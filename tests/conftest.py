@@ -29,7 +29,6 @@ _FIRST = (
     "present/test_two_agents.py",
     "trace/test_loops.py",
     "foundation/test_harness.py",
-    "loop/test_elastic_drain.py",
     "reliability/test_inband_round.py",
     "foundation/test_layers.py",
     "analysis/test_compare_command.py",

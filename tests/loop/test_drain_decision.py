@@ -2,7 +2,7 @@
 node 1 made slow by chaos, ``--remediate dry-run``. Rank 0's live detector confirms the node, the
 verdict holds ``drain_hold_windows`` windows, and the policy decides to drain that node (logged as
 ``would``: the job has no checkpointer to carry a drain out). The drain itself, in an elastic job, is
-tests/loop/test_elastic_drain.py."""
+tests/loop/test_elastic_drain_from_verdict.py."""
 
 from __future__ import annotations
 
