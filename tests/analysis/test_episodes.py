@@ -26,6 +26,7 @@ from hyperacc.analysis.episodes import (
 )
 from hyperacc.analysis.live_episodes import BlockStream, LiveEpisodes
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.stragglers import compute_or_host
 
 MS = 1_000_000
 JOB = Path(__file__).parent / "jobs" / "nanogpt_faults.py"
@@ -137,7 +138,8 @@ def test_ranks_moving_together_are_no_episode():
 
 def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: tuple[int, int, float] | None = None,
                steps: int = 300, n_ranks: int = 4, blocked: tuple[int, int, float] | None = None,
-               vol: bool = False, wander: float = 1.2, answer: float = 1.0, in_input: bool = False) -> list:  # fmt: skip
+               vol: bool = False, wander: float = 1.2, answer: float = 1.0, in_input: bool = False,
+               wake: float = 0.0) -> list:  # fmt: skip
     """Per-rank columns of a busy 2-core host: every step's wall time is stretched by preemption
     (lognormal, sigma ``wander`` 1.2: 5-step medians wander 0.3-3x as on the real host), the CPU time by that
     stretch to the power 0.1 (caches refilled); ``work`` = (from, until, factor) makes rank 2 compute
@@ -146,7 +148,8 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
     until, factor): rank 3 sleeps ``factor - 1`` of its typical self-time once a step (a blocking read).
     ``vol``: record voluntary context switches, one a step (the wait in the collective), two where rank 3
     sleeps; ``answer``: over those steps the host moves its load, rank 0 that many times faster and rank 2
-    that many times slower; ``in_input``: rank 3 waits in its input fetch (``data_ns``)."""
+    that many times slower; ``in_input``: rank 3 waits in its input fetch (``data_ns``); ``wake``: rank 3's
+    CPU time grows by that share of its sleep (waking: caches refilled, as a preempted rank's)."""
     rng = np.random.default_rng(seed)
     opts = DetectionOptions()
     step = np.arange(steps, dtype=np.int64)
@@ -170,6 +173,7 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
             a, b, f = blocked
             self_ns[a:b] += 10 * MS * (f - 1)
             switches[a:b] += 1
+            cpu_ns[a:b] += wake * 10 * MS * (f - 1)
             if in_input:
                 data_ns[a:b] += 10 * MS * (f - 1)
         if blocked and r in (0, 2):
@@ -202,6 +206,29 @@ def test_a_rank_blocked_off_its_cpu_is_an_episode_however_the_host_wanders():
         assert detect_episodes(_busy_host(seed, blocked=(120, 180, 1.0), vol=True, wander=0.25), opts) == [], seed
         assert detect_episodes(_busy_host(seed, vol=True, wander=0.25), opts) == [], seed
     assert with_vol >= 7 and without == 0, (with_vol, without)
+
+
+def test_a_blocked_rank_whose_waking_costs_cpu_time_is_host_not_compute():
+    """A thread that sleeps pays on waking what a preempted one pays: here 8 % of its sleep in CPU time,
+    more than the 5 % by which CPU time says "more work" for a rank that did not block (a 1.5x sleep on a
+    loaded host was named compute so, in 2 of 9 recordings). It blocked a switch a step more than the
+    others: host, with the rise; a busy loop (more work, no blocking) stays compute."""
+    opts = DetectionOptions()
+    named = 0
+    for seed in range(6):
+        found = detect_episodes(_busy_host(seed, blocked=(120, 180, 2.0), vol=True, wander=0.1, wake=0.08), opts)
+        assert [(e.rank, e.kind) for e in found] in ([], [(3, "host")]), (seed, found)
+        named += bool(found) and found[0].blocked_per_step == 1.0
+        spin = detect_episodes(_busy_host(seed, work=(120, 180, 2.0), vol=True, wander=0.1), opts)
+        assert [(e.rank, e.kind) for e in spin] in ([], [(2, "compute")]), (seed, spin)
+    assert named >= 4, named
+    # the kind rule itself: CPU-time excess 8 % of the wall-time excess
+    cpu = np.array([[6.8], [6.0], [6.0], [6.0]]) * MS
+    wall = np.array([[20.0], [10.0], [10.0], [10.0]]) * MS
+    assert compute_or_host(cpu, wall, 0, opts)[0] == "compute"
+    assert compute_or_host(cpu, wall, 0, opts, blocked=1.0)[0] == "host"
+    cpu[0] = 12 * MS  # it also computes 60 % of its excess more: compute, blocked or not
+    assert compute_or_host(cpu, wall, 0, opts, blocked=1.0)[0] == "compute"
 
 
 def test_a_blocked_rank_is_an_episode_while_the_host_moves_the_other_ranks_over_its_steps():

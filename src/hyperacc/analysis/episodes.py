@@ -36,7 +36,7 @@ from hyperacc.analysis.change_points import (
 )
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import MAD_TO_SIGMA, group_starts, loo_median, nan_median, run_slice
-from hyperacc.analysis.stragglers import compute_or_host
+from hyperacc.analysis.stragglers import blocked_rise, compute_or_host
 from hyperacc.stats import last_axis_nan_median
 
 
@@ -272,13 +272,20 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             excess = wall[r, seg] - wall_ref[r, seg]
             if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
                 continue
-            kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts)
-            if kind == "host" and blocked is None and _measured(vol, r, seg):
+            # Blocked more per step than the others over the segment (a span of its own, or the counts'
+            # median where the wall time alone cleared the host-wide bar): waking cost it CPU time too.
+            rise = blocked if blocked is not None or vol is None else blocked_rise(vol[:, seg], r)
+            kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts, blocked=rise)
+            if kind == "host" and rise is None and _measured(vol, r, seg):
                 # Slower in wall time only, neither blocking nor computing more: preempted. The host moves
                 # its load among the ranks for tens of steps at a time (a clean rank here 4-5x for 10 steps
                 # under a busy loop), so a transient of it is the host's wander; a lasting one is the
                 # straggler rules' host straggler.
                 continue
+            if kind == "host" and blocked is None and rise is not None:
+                # A wait in the input fetch is for the rank's producer: the data rules judge input.
+                if data is not None and waited_for_input(wall[r], data[r], seg):
+                    continue
             if channel == "cpu_ns":
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
                 # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
@@ -295,7 +302,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 steps=int((cols[b1] - cols[b0] + 1) * width), excess_ns=float(nan_median(excess)),
                 job_time_lost_ns=float(np.nansum(np.maximum(excess, 0) * count[r, seg])),
                 shift=float(np.exp(shift)), noise=float(sigma), kind_basis=basis, cpu_share=share,
-                blocked_per_step=blocked if kind == "host" else None,
+                blocked_per_step=rise if kind == "host" else None,
             ))  # fmt: skip
     return _merged(found)
 

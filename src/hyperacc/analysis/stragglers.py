@@ -276,9 +276,16 @@ def _blocked(grid: WindowGrid, r: int, fw: np.ndarray) -> float | None:
     not more: preempted). A slow rank arrives last at the collective and waits less there, so the
     collective's own switches can only lower its count (docs/detection.md, "Kind")."""
     vol = grid.host.get("vol_ctx_switches")
-    if vol is None or not fw.size or np.isnan(vol[r, fw]).all():
+    return None if vol is None else blocked_rise(vol[:, fw], r)
+
+
+def blocked_rise(vol: np.ndarray, r: int) -> float | None:
+    """How many more times per step than the cluster median row ``r`` of ``vol`` (rank x column:
+    voluntary context switches per step) blocked off its CPU, median over the columns, when at least
+    once; else None (not measured, or not more: preempted)."""
+    if not vol.shape[1] or np.isnan(vol[r]).all():
         return None
-    rise = nan_median(vol[r, fw] - nan_median(vol[:, fw], axis=0))
+    rise = nan_median(vol[r] - nan_median(vol, axis=0))
     return float(rise) if np.isfinite(rise) and rise >= 1.0 else None
 
 
@@ -310,18 +317,21 @@ def _compute_or_host(
         fault_flags = np.where(judged[r, fw], flags[r, fw], np.nan)
     on_device = bool(fw.size and grid.device[fw].all())
     return compute_or_host(grid.cpu[:, fw], grid.self_host[:, fw], r, opts, on_device=on_device,
-                           fault_flags=fault_flags)  # fmt: skip
+                           fault_flags=fault_flags, blocked=_blocked(grid, r, fw))  # fmt: skip
 
 
 def compute_or_host(
     cpu: np.ndarray, wall: np.ndarray, r: int, opts: DetectionOptions, *, on_device: bool = False,
-    fault_flags: np.ndarray | None = None,
+    fault_flags: np.ndarray | None = None, blocked: float | None = None,
 ) -> tuple[str, str, float | None]:
     """The kind of a slow own time: (kind, basis, cpu share). docs/detection.md, "Kind".
 
     ``cpu`` and ``wall``: (rank x column) CPU time and host-clock self-time over the columns in which
     row ``r`` was slow (flagged windows of a straggler, blocks of an episode). ``fault_flags``: per
     column, 1 where the rank's major faults were an outlier, 0 where not, NaN where not judged.
+    ``blocked``: how many more times per step than the others the rank blocked off its CPU there
+    (``blocked_rise``), or None. A thread that blocks pays on waking what a preempted one pays (caches
+    refilled), so CPU time grown by more than preemption costs says more work only where it did not.
 
     On the device clock it is the device's work (compute). On the host clock, the training thread's
     CPU time tells more work (CPU time grew by more than preemption costs, ``preempt_overhead`` of the
@@ -344,7 +354,7 @@ def compute_or_host(
             # CPU time that grew by more than preemption itself costs (context switches, caches refilled:
             # preempt_overhead of the wall time lost) is more work, even when the wall time grew more
             # still: a rank that computes more is also preempted more on a contended host.
-            grew = bool(cpu_ex >= opts.floor_ns and cpu_ex >= opts.preempt_overhead * wall_ex)
+            grew = bool(cpu_ex >= opts.floor_ns and cpu_ex >= opts.preempt_overhead * wall_ex and blocked is None)
             return ("compute" if grew or share >= opts.explain_share else "host"), "cpu_time", share
     if fault_flags is not None:
         seen = ~np.isnan(fault_flags)
