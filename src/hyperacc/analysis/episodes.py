@@ -282,10 +282,8 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # under a busy loop), so a transient of it is the host's wander; a lasting one is the
                 # straggler rules' host straggler.
                 continue
-            if kind == "host" and blocked is None and rise is not None:
-                # A wait in the input fetch is for the rank's producer: the data rules judge input.
-                if data is not None and waited_for_input(wall[r], data[r], seg):
-                    continue
+            if blocked is None and rise is not None and data is not None and waited_for_input(wall[r], data[r], seg):
+                continue  # as for a blocked span: a wait in the input fetch is for the data rules
             if channel == "cpu_ns":
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
                 # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
