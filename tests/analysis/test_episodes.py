@@ -211,7 +211,7 @@ def test_a_rank_blocked_off_its_cpu_is_an_episode_however_the_host_wanders():
 def test_a_blocked_rank_whose_waking_costs_cpu_time_is_host_not_compute():
     """A thread that sleeps pays on waking what a preempted one pays: here 8 % of its sleep in CPU time,
     more than the 5 % by which CPU time says "more work" for a rank that did not block (a 1.5x sleep on a
-    loaded host was named compute so, in 2 of 9 recordings). It blocked a switch a step more than the
+    loaded host was named compute so, with two 1.2x ones, in 9 recordings). It blocked a switch a step more than the
     others: host, with the rise; a busy loop (more work, no blocking) stays compute."""
     opts = DetectionOptions()
     named = 0
