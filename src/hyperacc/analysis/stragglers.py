@@ -225,12 +225,13 @@ def _straggler(
         self_ratio = self_vals[r, fw] / self_med[fw]
     kind = METRIC_KIND[metric]
     basis, cpu_share = "metric", None
+    blocked = _blocked(grid, r, fw)
     if metric == "launch_ns" and _gc_heavy(grid, r, fw, opts):
         kind = "gc"  # the collector lengthens everything the host does, the probe included
     elif metric == "cpu_ns":  # it spends more CPU time per step: it computes more
         basis = "cpu_time"
     elif kind == "compute":
-        kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts)
+        kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts, blocked)
     elif metric == "data_ns" and _in_gap(grid, r, fw):
         kind, basis, cpu_share = _between_steps(grid, r, fw, opts)
     judged_since = np.flatnonzero(judged)
@@ -266,7 +267,7 @@ def _straggler(
         s.cluster_gc_ns = _finite_or_none(nan_median(nan_median(gc[:, fw], axis=0)))
     s.between_steps = metric == "data_ns" and _in_gap(grid, r, fw)
     if kind == "host":
-        s.blocked_per_step = _blocked(grid, r, fw)
+        s.blocked_per_step = blocked
     return s
 
 
@@ -307,9 +308,10 @@ def _shows_in_whole(
 
 
 def _compute_or_host(
-    grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions
+    grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions, blocked: float | None
 ) -> tuple[str, str, float | None]:
-    """The kind of a slow own time over the rank's flagged windows ``fw``: ``compute_or_host``."""
+    """The kind of a slow own time over the rank's flagged windows ``fw``: ``compute_or_host``
+    (``blocked``: ``_blocked`` of the same windows)."""
     faults = grid.host.get("major_faults")
     fault_flags = None
     if faults is not None:
@@ -317,7 +319,7 @@ def _compute_or_host(
         fault_flags = np.where(judged[r, fw], flags[r, fw], np.nan)
     on_device = bool(fw.size and grid.device[fw].all())
     return compute_or_host(grid.cpu[:, fw], grid.self_host[:, fw], r, opts, on_device=on_device,
-                           fault_flags=fault_flags, blocked=_blocked(grid, r, fw))  # fmt: skip
+                           fault_flags=fault_flags, blocked=blocked)  # fmt: skip
 
 
 def compute_or_host(
@@ -598,7 +600,7 @@ def _slow_nodes_on(
             if metric == "cpu_ns":  # its ranks compute more
                 rank_kind, basis, share = "compute", "cpu_time", None
             else:
-                rank_kind, basis, share = _compute_or_host(grid, r, fw, opts)
+                rank_kind, basis, share = _compute_or_host(grid, r, fw, opts, _blocked(grid, r, fw))
             s = Straggler(
                 rank=rank, node=int(node), kind="node", metric=metric,
                 slowdown=_finite_or_none(nan_median(ratio)), since_step=int(grid.first_step[since_w]),
