@@ -139,8 +139,11 @@ def loop_stage(console: Console, run_dir: Path) -> None:
     if decision is None or decision.get("step") is None:
         console.print("  no GC schedule was decided in this run (the live verdicts did not confirm GC spikes)")
         return
-    at = int(decision["step"])
-    switched = sorted({r for e in events if e.get("kind") == "switch" and e.get("step") == at for r in e["ranks"]})
+    switch = next((e for e in events if e.get("kind") == "switch" and "gc_schedule" in str(e.get("detail"))), None)
+    if switch is None:
+        console.print(f"  the GC schedule proposed for step {decision['step']} was not switched on by any rank")
+        return
+    at, switched = int(switch["step"]), sorted(switch["ranks"])
     doc = diagnose(run_dir, top_events=100_000).to_dict()
     gc_steps = [e["step"] for e in doc["spikes"]["events"] if e.get("cause") == "gc"]
     steps = doc["steps"]

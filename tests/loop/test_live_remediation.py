@@ -1,5 +1,5 @@
-"""``hyperacc run --remediate``: GC pressure on one of 4 real gloo ranks; rank 0's live verdicts decide the
-GC schedule, every rank switches it on at the one agreed step, and from there the pressured rank's GC
+"""``hyperacc run --remediate``: GC pressure on one of 4 real gloo ranks; the live verdicts decide the GC
+schedule, every rank switches it on at the one step they agreed, and from there the pressured rank's GC
 pauses come only at collections every rank makes at the same step. ``dry-run`` decides the same and acts
 on nothing."""
 
@@ -63,13 +63,13 @@ def test_gc_pressure_switches_the_gc_schedule_on_at_one_agreed_step_on_every_ran
     run_dir, [decision] = _job(tmp_path, "auto")
     assert decision["status"] == "done" and decision["mode"] == "auto", decision
     assert "gc explains" in decision["reason"] or "GC straggler" in decision["reason"], decision
-    at = decision["step"]
-    assert at <= STEPS - 40, f"the switch came too late to verify anything (step {at})"
-
-    # every rank started it at the agreed step, none late
+    # every rank started it at one agreed step, none late: the proposed step, or later when the ranks had
+    # got closer to it than the lead by the time the last of them acknowledged it
     switches = _switches(run_dir)
     assert sorted(r["rank"] for r in switches) == [0, 1, 2, 3], switches
-    assert {r["step"] for r in switches} == {at}, switches
+    [at] = {r["step"] for r in switches}
+    assert at >= decision["step"], (decision, switches)
+    assert at <= STEPS - 40, f"the switch came too late to verify anything (step {at})"
     assert all(f"agreed step {at}" in r["detail"] and "LATE" not in r["detail"] for r in switches), switches
 
     # from the switch on, every full collection on every rank is a scheduled one that every rank made at

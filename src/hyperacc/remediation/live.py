@@ -5,12 +5,16 @@ every rank applies a live switch at the step rank 0 agreed.
   detector judged, ``decide`` turns its active stragglers and the recent windows' spike tallies by cause
   into ``Finding``s and hands them to the ``RemediationExecutor`` (the documented policy of
   docs/remediation.md decides; the executor logs every decision to ``RUN_DIR/remediation/events.jsonl``).
-  A live switch (deterministic GC, scheduled memory release) is published in the job's c10d store with
-  its agreed step; a drain becomes a drain request that the ranks carry out at their next checkpoint.
-- Every rank: a background thread polls the store for published switches; the training thread, at
-  each step boundary (a step callback of the automatic tracer), starts the switch once it reaches the
-  agreed step: a ``hyperacc.stabilize`` stabilizer with just that part, whose ``step()`` is then called at
-  every boundary like any other stabilizer. The switch is recorded as a ``remediation`` event of the rank.
+  A live switch (deterministic GC, scheduled memory release) is proposed in the job's c10d store with
+  the step it proposes and its lead; a drain becomes a drain request that the ranks carry out at their
+  next checkpoint.
+- Every rank: a background thread polls one counter of the store; when it moves, the thread acknowledges
+  a new proposal with the rank's current step, and the last rank to acknowledge agrees the step for all:
+  the proposed step, or the newest acknowledged step plus the lead when that is later (the decider's
+  guess of the ranks' step can lag). The training thread, at each step boundary (a step callback of the
+  automatic tracer), starts the switch once it reaches the agreed step: a ``hyperacc.stabilize``
+  stabilizer with just that part, whose ``step()`` is then called at every boundary like any other
+  stabilizer. The switch is recorded as a ``remediation`` event of the rank.
 
 Nothing here runs when remediation is off; a failure switches remediation off with one log line.
 """
@@ -83,6 +87,7 @@ class LiveRemediation:
         applies: bool = True,
         store_address: str | None = None,
         prefix: str | None = None,
+        world_size: int = 1,
     ) -> None:
         self.config = config
         self.rank = rank
@@ -97,9 +102,12 @@ class LiveRemediation:
         self.executor = (
             RemediationExecutor(config, handlers={a: self._publish for a in SWITCH_PARTS}) if decides else None
         )
+        self.world_size = max(int(world_size), 1)  # the ranks that acknowledge a proposed switch
         self.stabilizers: list[Any] = []
         self._pending: dict[str, tuple[int, str]] = {}  # action -> (agreed step, rule), set by the poll thread
+        self._acked: set[str] = set()  # proposals this rank acknowledged, not agreed yet
         self._applied: set[str] = set()
+        self._lead = config.gc_lead_steps  # the decider's lead of its latest decision
         self._seen: deque[tuple[float, int]] = deque(maxlen=16)  # rank 0: (monotonic time, step), polled
         self._store: Any = None
         self._on = config.mode != "off"
@@ -111,6 +119,11 @@ class LiveRemediation:
     @property
     def on(self) -> bool:
         return self._on
+
+    @property
+    def agreed(self) -> dict[str, int]:
+        """The switches agreed and not started yet on this rank: action -> agreed step."""
+        return {action: at for action, (at, _) in list(self._pending.items())}
 
     # ------------------------------------------------------------------ rank 0: deciding
 
@@ -175,18 +188,20 @@ class LiveRemediation:
             job = JobState(step=step, nodes=tuple(f"node{n}" for n in sorted(seen | set(range(nodes)))),
                            window_steps=window_steps)  # fmt: skip
             names = None
-        lead = self.lead_steps(steps_per_s)
+        lead = self._lead = self.lead_steps(steps_per_s)
         if lead != self.config.gc_lead_steps:
             self.executor.config = dataclasses.replace(self.config, gc_lead_steps=lead)
         return self.executor.step(findings_from_live(stragglers, windows, names), job)
 
     def _publish(self, decision: Decision) -> str:
-        """Handler of a live switch: every rank learns the agreed step through the store."""
+        """Handler of a live switch: proposed to every rank through the store (``_acknowledge`` agrees it)."""
         store = self.connect()
-        store.set(f"switch/{decision.action}", json.dumps({"step": decision.step, "rule": decision.rule}))
+        spec = {"step": decision.step, "rule": decision.rule, "lead": self._lead}
+        store.set(f"switch/{decision.action}", json.dumps(spec))
         if not self._on:  # switched off meanwhile: the ranks must drop it too
             store.set("off", "switched off")
-        return f"published for step {decision.step}"
+        store.add("news", 1)
+        return f"proposed for step {decision.step} (lead {self._lead} steps)"
 
     # ------------------------------------------------------------------ every rank: applying
 
@@ -204,11 +219,18 @@ class LiveRemediation:
         return self._store
 
     def _poll(self) -> None:
+        """Every rank's poll thread: one request per ``poll_s`` (the ``news`` counter every writer moves);
+        the keys are read only when it moved."""
+        news = 0
         while not self._stop.wait(self.poll_s):
             try:
-                if self.current_step is not None:
+                if self.executor is not None and self.current_step is not None:  # rank 0 decides: its rate
                     self.observe(int(self.current_step()))
                 store = self.connect()
+                now = store.add("news", 0)
+                if now == news:
+                    continue
+                news = now
                 if store.check(["off"]):
                     self._on = False
                     self._pending.clear()
@@ -218,12 +240,33 @@ class LiveRemediation:
                 for action in SWITCH_PARTS:
                     if action in self._pending or action in self._applied:
                         continue
-                    if store.check([f"switch/{action}"]):
-                        spec = json.loads(store.get(f"switch/{action}").decode())
+                    if action not in self._acked and store.check([f"switch/{action}"]):
+                        self._acknowledge(store, action)
+                    if action in self._acked and store.check([f"agreed/{action}"]):
+                        spec = json.loads(store.get(f"agreed/{action}").decode())
                         self._pending[action] = (int(spec["step"]), str(spec.get("rule", "")))
+                        self._acked.discard(action)
             except Exception as exc:  # noqa: BLE001 - a dead store stops remediation, never training
                 self._off_everywhere(exc, "remediation (store)")
                 return
+
+    def _acknowledge(self, store: Any, action: str) -> None:
+        """This rank learnt of a proposed switch: it sets ``ack/<action>/<rank>`` to its current step; the
+        last of the ``world_size`` ranks to do so agrees the step for all, ``max(proposed, newest
+        acknowledged + lead)``, in ``agreed/<action>``. A rank that never acknowledges (dead, hung) leaves
+        the switch unagreed, so no rank starts it."""
+        proposal = json.loads(store.get(f"switch/{action}").decode())
+        step = int(self.current_step()) if self.current_step is not None else 0
+        self._acked.add(action)
+        store.set(f"ack/{action}/{self.rank}", str(step))
+        if store.add(f"acks/{action}", 1) != self.world_size:
+            return
+        keys = [f"ack/{action}/{r}" for r in range(self.world_size)]
+        steps = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+        newest = max(int(s) for s in steps)
+        at = max(int(proposal["step"]), newest + int(proposal.get("lead", self.config.gc_lead_steps)))
+        store.set(f"agreed/{action}", json.dumps({"step": at, "rule": proposal.get("rule", "")}))
+        store.add("news", 1)
 
     def _off_everywhere(self, exc: BaseException, part: str = "remediation") -> None:
         """An internal error: remediation off on this rank, and on every rank through the store (a
@@ -232,7 +275,9 @@ class LiveRemediation:
         self._pending.clear()
         switch_off(part, exc)
         try:
-            self.connect().set("off", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            store = self.connect()
+            store.set("off", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+            store.add("news", 1)
         except Exception:  # noqa: BLE001 - the store itself failed: the others keep polling a silent store
             pass
 
@@ -291,7 +336,7 @@ def install(auto: Any) -> LiveRemediation | None:
         live = LiveRemediation(
             config, rank=tracer.rank, current_step=lambda: tracer.current_step,
             record=lambda kind, step, detail: tracer.record_event(kind, step, detail=detail),
-            decides=tracer.rank == 0 and not agent,
+            decides=tracer.rank == 0 and not agent, world_size=tracer.world_size,
         )  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - e.g. no run directory for the event log
         switch_off("remediation", exc)

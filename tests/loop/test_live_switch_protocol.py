@@ -1,0 +1,92 @@
+"""The live switch protocol of ``remediation.live`` on a real c10d TCPStore: the decider proposes a step,
+every rank acknowledges it with its own current step, and the last one agrees one step for all, never
+earlier than the proposal and never closer than the lead to the newest acknowledged step. A rank that
+never acknowledges leaves the switch unagreed everywhere."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from hyperacc.remediation.config import RemediationConfig
+from hyperacc.remediation.live import LiveRemediation
+from hyperacc.remediation.policy import Decision
+
+LEAD = 7
+
+
+@pytest.fixture
+def server():
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    yield f"127.0.0.1:{store.port}"
+    del store
+
+
+def _job(tmp_path, address: str, steps: list[int], world_size: int):
+    config = RemediationConfig(mode="auto", run_dir=str(tmp_path), gc_lead_steps=LEAD)
+    decider = LiveRemediation(config, rank=0, applies=False, decides=True, store_address=address, prefix="t/")
+    ranks = [
+        LiveRemediation(config, rank=r, decides=False, store_address=address, prefix="t/", poll_s=0.02,
+                        world_size=world_size, current_step=lambda r=r: steps[r])  # fmt: skip
+        for r in range(len(steps))
+    ]
+    return decider, ranks
+
+
+def _propose(decider: LiveRemediation, step: int) -> str:
+    return decider._publish(Decision("gc-schedule", "gc_schedule", "act", "all ranks", f"step {step}", "test", step))
+
+
+def _wait(ranks: list[LiveRemediation], timeout_s: float = 30.0) -> list[dict[str, int]]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all(r.agreed for r in ranks):
+        time.sleep(0.02)
+    return [r.agreed for r in ranks]
+
+
+def test_ranks_ahead_of_the_proposal_agree_the_newest_step_plus_the_lead(tmp_path, server) -> None:
+    decider, ranks = _job(tmp_path, server, [130, 131, 130, 129], world_size=4)
+    try:
+        assert "proposed for step 120" in _propose(decider, 120)
+        # the decider's guess lagged: the ranks are already past 120; all agree 131 + LEAD
+        assert _wait(ranks) == [{"gc_schedule": 131 + LEAD}] * 4
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_ranks_behind_the_proposal_keep_the_proposed_step(tmp_path, server) -> None:
+    decider, ranks = _job(tmp_path, server, [60, 61, 61, 60], world_size=4)
+    try:
+        _propose(decider, 100)
+        assert _wait(ranks) == [{"gc_schedule": 100}] * 4
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_a_rank_that_never_acknowledges_leaves_the_switch_unagreed(tmp_path, server) -> None:
+    decider, ranks = _job(tmp_path, server, [50, 50, 50], world_size=4)  # rank 3 is missing
+    try:
+        _propose(decider, 100)
+        assert _wait(ranks, timeout_s=1.0) == [{}] * 3
+        assert not any(r.on is False for r in ranks)  # still on, still waiting
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_an_error_on_one_rank_drops_the_switch_on_every_rank(tmp_path, server) -> None:
+    decider, ranks = _job(tmp_path, server, [10, 10], world_size=2)
+    try:
+        ranks[1]._off_everywhere(RuntimeError("injected"))
+        _propose(decider, 100)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and ranks[0].on:
+            time.sleep(0.02)
+        assert not ranks[0].on and ranks[0].agreed == {}
+    finally:
+        for r in ranks:
+            r.close()
