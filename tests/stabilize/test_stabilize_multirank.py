@@ -128,3 +128,21 @@ def test_audit_finds_barrier_and_item_and_elision_keeps_results() -> None:
         assert el["calls"] == 3  # step 0 (with set-up), steps 1 and 2; elided from step 3 on
         assert res["elision"]["elided"] == 17
     assert os.path.exists(setup_site.rsplit(":", 1)[0])
+
+
+def test_a_gc_part_that_fails_on_one_rank_is_switched_off_on_every_rank() -> None:
+    job = harness.launch(WORKERS / "off_rank.py", nproc=2, timeout=180)
+    assert job.ok, job.explain()
+    r0, r1 = job.results()
+    assert "injected" in r1["summary"]["disabled"]["gc"], r1["summary"]["disabled"]
+    assert r0["summary"]["disabled"]["gc"].startswith("rank 1: RuntimeError('injected')"), r0["summary"]["disabled"]
+    for res in (r0, r1):
+        assert "memory" not in res["summary"]["disabled"]  # only the failing part
+        assert res["gc_after"]["enabled"] and res["gc_after"]["threshold"][2] < 1 << 30  # automatic GC back
+    [off0] = [r for r in r0["records"] if r["kind"] == "stabilizer_off"]
+    assert off0["detail"] == f"gc: switched off on {r0['summary']['disabled']['gc']}", off0
+    assert off0["step"] >= 20, off0  # after rank 1's failure at step 20
+    collected = [r["step"] for r in r0["records"] if r["kind"] == "gc_collect"]
+    assert collected and max(collected) < off0["step"], (collected, off0)  # none after the switch-off
+    released = [r["step"] for r in r0["records"] if r["kind"] == "memory_release"]
+    assert released and max(released) > off0["step"], released  # memory release goes on

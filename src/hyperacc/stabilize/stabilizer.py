@@ -3,7 +3,10 @@ what it did, and undoes everything at ``close()``.
 
 The training thread calls ``step(step)`` once per step (the tracer's step hook does it under
 ``hyperacc run``); on steps where nothing is due that is a few integer comparisons. Each part is guarded:
-an internal error switches that part off with one log line and training goes on. docs/stabilizers.md.
+an internal error switches that part off with one log line and training goes on. The parts that act at
+the same steps on every rank (GC schedule, memory release) are then switched off on every rank: the
+failing rank sets a key in the job's c10d store, and a thread of every other rank, looking once a second,
+switches the part off there at its next step boundary. docs/stabilizers.md.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,6 +31,8 @@ from hyperacc.stabilize.workers import WorkerInit
 log = logging.getLogger("hyperacc.stabilize")
 
 RECORDS_KEPT = 100_000  # newest records kept in memory (a collection every step would grow forever)
+ALIGNED = ("gc", "memory")  # parts that act at the same steps on every rank: switched off on all alike
+OFF_POLL_S = 1.0  # how often a rank looks for a part another rank switched off
 
 
 class Stabilizer:
@@ -60,6 +66,14 @@ class Stabilizer:
         self._release_ns = 0
         self._released_bytes = 0
         self._closed = False
+        # parts switched off on another rank (set by the watcher thread, read at the step boundary)
+        self._off_elsewhere: dict[str, str] = {}
+        Stabilizer._instances += 1  # the same number on every rank: stabilizers are made in the same order
+        self._off_prefix = f"hyperacc/stabilize/{Stabilizer._instances}/off/"
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    _instances = 0
 
     @staticmethod
     def _rank_world(rank: int | None) -> tuple[int, int]:
@@ -100,12 +114,21 @@ class Stabilizer:
             self._trace_current = current or (lambda: None)
         return self._trace_current()
 
-    def _disable(self, part: str, exc: BaseException) -> None:
+    def _disable(self, part: str, exc: BaseException, *, elsewhere: str | None = None) -> None:
+        """Switch ``part`` off on this rank after an internal error; a part of ``ALIGNED`` also on every
+        other rank (``elsewhere``: it already was, on the rank this says)."""
         if part in self.disabled:
             return
-        self.disabled[part] = repr(exc)
-        log.warning("hyperacc.stabilize: %s switched off after an internal error: %r", part, exc)
-        self._record("stabilizer_off", self.current_step, 0, 0.0, f"{part}: {exc!r}")
+        self.disabled[part] = elsewhere or repr(exc)
+        if elsewhere is None:
+            log.warning("hyperacc.stabilize: %s switched off after an internal error: %r", part, exc)
+            self._record("stabilizer_off", self.current_step, 0, 0.0, f"{part}: {exc!r}")
+            if part in ALIGNED and self.world_size > 1:
+                text = f"rank {self.rank}: {exc!r}"
+                threading.Thread(target=self._publish_off, args=(part, text), daemon=True).start()
+        else:
+            log.warning("hyperacc.stabilize: %s switched off: it failed on %s", part, elsewhere)
+            self._record("stabilizer_off", self.current_step, 0, 0.0, f"{part}: switched off on {elsewhere}")
         if part == "gc" and self._gc is not None:
             gcs, self._gc = self._gc, None
             try:
@@ -123,6 +146,34 @@ class Stabilizer:
             except Exception:
                 pass
         self._due = min(self._gc_due, self._mem_due)
+
+    def _publish_off(self, part: str, text: str) -> None:
+        """(a thread of its own: a store that hangs never holds the training thread)"""
+        try:
+            store = self._get_store()
+            if store is not None:
+                store.set(self._off_prefix + part, text)
+                store.set(self._off_prefix + "any", part)  # what the other ranks look for
+        except Exception as exc:  # noqa: BLE001 - the other ranks keep the part; this one said why
+            log.warning("hyperacc.stabilize: could not tell the other ranks that %s is off: %r", part, exc)
+
+    def _watch(self, parts: tuple[str, ...]) -> None:
+        """Every ``OFF_POLL_S``: has another rank switched one of ``parts`` off? One store request, and one
+        for each part once some rank switched one off."""
+        try:
+            while not self._stop.wait(OFF_POLL_S):
+                store = self._get_store()
+                if store is None or not store.check([self._off_prefix + "any"]):
+                    continue
+                for part in parts:
+                    if part not in self.disabled and part not in self._off_elsewhere:
+                        if store.check([self._off_prefix + part]):
+                            self._off_elsewhere[part] = store.get(self._off_prefix + part).decode()[:300]
+                if all(p in self.disabled or p in self._off_elsewhere for p in parts):
+                    return
+        except Exception as exc:  # noqa: BLE001 - without the watcher each rank keeps its own parts
+            # (quietly: the store goes away as a job ends, when rank 0, which holds it, exits first)
+            log.debug("hyperacc.stabilize: watching the other ranks' parts stopped: %r", exc)
 
     def _get_store(self) -> Any:
         if self._store is not None:
@@ -179,6 +230,11 @@ class Stabilizer:
                 self._audit.start()
             except Exception as exc:
                 self._disable("sync_audit", exc)
+        watched = tuple(p for p in ALIGNED if getattr(cfg, p) is not None and p not in self.disabled)
+        if watched and self.world_size > 1:
+            self._watcher = threading.Thread(target=self._watch, args=(watched,), name="hyperacc-stabilize",
+                                             daemon=True)  # fmt: skip
+            self._watcher.start()
         atexit.register(self._at_exit)
         return self
 
@@ -206,6 +262,10 @@ class Stabilizer:
         if step == self.current_step:
             return
         self.current_step = step
+        if self._off_elsewhere:
+            for part, text in list(self._off_elsewhere.items()):
+                del self._off_elsewhere[part]
+                self._disable(part, RuntimeError(text), elsewhere=text)
         gcs = self._gc
         if step >= self._due or (
             gcs is not None and (step >= gcs.valve_at or gcs.plan_version != self._plan_seen)
@@ -361,6 +421,7 @@ class Stabilizer:
         if self._closed:
             return self.summary()
         self._closed = True
+        self._stop.set()
         try:
             atexit.unregister(self._at_exit)
         except Exception:
