@@ -22,8 +22,9 @@ How the delay is applied:
   runs on (the rest of backward is not held back). ``_sleep`` spins one thread block; cycles per
   nanosecond are calibrated once with CUDA events at first use (outside the step).
 
-Failure safety: any internal error logs one line and switches pacing off for the process; training
-continues with undelayed collectives.
+Failure safety: any internal error logs one line and switches pacing off, on every rank alike
+(``trace.failsafe.OffOnEveryRank``: the failing rank sets a key in the job's c10d store, every other rank
+looks once a second and stops pacing at its next step); training continues with undelayed collectives.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import numpy as np
 from hyperacc.options import load, parse_json
 from hyperacc.pacing.controller import PacingConfig, PacingController
 from hyperacc.process import place
+from hyperacc.trace.failsafe import OffOnEveryRank
 
 log = logging.getLogger("hyperacc.pacing")
 
@@ -77,6 +79,12 @@ class PacingHook:
         self._written = 0  # observations written so far
         self._consumed = 0
         self._sleeper: _DeviceSleeper | None = None
+        PacingHook._instances += 1  # the same number on every rank: hooks are made in the same order
+        self._everywhere = OffOnEveryRank(f"hyperacc/pacing/{PacingHook._instances}/off/", self.rank)
+        if (world_size or place().world_size or 1) > 1:
+            self._everywhere.watch(("pacing",))
+
+    _instances = 0
 
     # ------------------------------------------------------------------ exchange side
 
@@ -138,6 +146,11 @@ class PacingHook:
         """Nanoseconds to hold this rank before its first gradient collective of ``step``."""
         if not self.enabled:
             return 0
+        if self._everywhere.elsewhere:
+            for _, text in self._everywhere.take():
+                self.enabled = False
+                log.warning("hyperacc pacing is off: it failed on %s; training continues", text)
+                return 0
         try:
             self._drain()
             if self.controller.ranks == 0:
@@ -195,6 +208,7 @@ class PacingHook:
             log.warning(
                 "hyperacc pacing failed (%s: %s); pacing is off, training continues", type(exc).__name__, exc
             )
+            self._everywhere.publish("pacing", exc)
 
 
 class _DeviceSleeper:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -27,12 +26,12 @@ from hyperacc.stabilize.config import PARTS, AffinityOptions, MemoryOptions, Sta
 from hyperacc.stabilize.gc_schedule import NEVER, GCSchedule
 from hyperacc.stabilize.sync_audit import SyncAudit
 from hyperacc.stabilize.workers import WorkerInit
+from hyperacc.trace.failsafe import OffOnEveryRank
 
 log = logging.getLogger("hyperacc.stabilize")
 
 RECORDS_KEPT = 100_000  # newest records kept in memory (a collection every step would grow forever)
 ALIGNED = ("gc", "memory")  # parts that act at the same steps on every rank: switched off on all alike
-OFF_POLL_S = 1.0  # how often a rank looks for a part another rank switched off
 
 
 class Stabilizer:
@@ -66,12 +65,9 @@ class Stabilizer:
         self._release_ns = 0
         self._released_bytes = 0
         self._closed = False
-        # parts switched off on another rank (set by the watcher thread, read at the step boundary)
-        self._off_elsewhere: dict[str, str] = {}
         Stabilizer._instances += 1  # the same number on every rank: stabilizers are made in the same order
-        self._off_prefix = f"hyperacc/stabilize/{Stabilizer._instances}/off/"
-        self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+        self._everywhere = OffOnEveryRank(f"hyperacc/stabilize/{Stabilizer._instances}/off/", self.rank,
+                                          self._get_store)  # fmt: skip
 
     _instances = 0
 
@@ -124,8 +120,7 @@ class Stabilizer:
             log.warning("hyperacc.stabilize: %s switched off after an internal error: %r", part, exc)
             self._record("stabilizer_off", self.current_step, 0, 0.0, f"{part}: {exc!r}")
             if part in ALIGNED and self.world_size > 1:
-                text = f"rank {self.rank}: {exc!r}"
-                threading.Thread(target=self._publish_off, args=(part, text), daemon=True).start()
+                self._everywhere.publish(part, exc)
         else:
             log.warning("hyperacc.stabilize: %s switched off: it failed on %s", part, elsewhere)
             self._record("stabilizer_off", self.current_step, 0, 0.0, f"{part}: switched off on {elsewhere}")
@@ -146,34 +141,6 @@ class Stabilizer:
             except Exception:
                 pass
         self._due = min(self._gc_due, self._mem_due)
-
-    def _publish_off(self, part: str, text: str) -> None:
-        """(a thread of its own: a store that hangs never holds the training thread)"""
-        try:
-            store = self._get_store()
-            if store is not None:
-                store.set(self._off_prefix + part, text)
-                store.set(self._off_prefix + "any", part)  # what the other ranks look for
-        except Exception as exc:  # noqa: BLE001 - the other ranks keep the part; this one said why
-            log.warning("hyperacc.stabilize: could not tell the other ranks that %s is off: %r", part, exc)
-
-    def _watch(self, parts: tuple[str, ...]) -> None:
-        """Every ``OFF_POLL_S``: has another rank switched one of ``parts`` off? One store request, and one
-        for each part once some rank switched one off."""
-        try:
-            while not self._stop.wait(OFF_POLL_S):
-                store = self._get_store()
-                if store is None or not store.check([self._off_prefix + "any"]):
-                    continue
-                for part in parts:
-                    if part not in self.disabled and part not in self._off_elsewhere:
-                        if store.check([self._off_prefix + part]):
-                            self._off_elsewhere[part] = store.get(self._off_prefix + part).decode()[:300]
-                if all(p in self.disabled or p in self._off_elsewhere for p in parts):
-                    return
-        except Exception as exc:  # noqa: BLE001 - without the watcher each rank keeps its own parts
-            # (quietly: the store goes away as a job ends, when rank 0, which holds it, exits first)
-            log.debug("hyperacc.stabilize: watching the other ranks' parts stopped: %r", exc)
 
     def _get_store(self) -> Any:
         if self._store is not None:
@@ -232,9 +199,7 @@ class Stabilizer:
                 self._disable("sync_audit", exc)
         watched = tuple(p for p in ALIGNED if getattr(cfg, p) is not None and p not in self.disabled)
         if watched and self.world_size > 1:
-            self._watcher = threading.Thread(target=self._watch, args=(watched,), name="hyperacc-stabilize",
-                                             daemon=True)  # fmt: skip
-            self._watcher.start()
+            self._everywhere.watch(watched)
         atexit.register(self._at_exit)
         return self
 
@@ -262,9 +227,8 @@ class Stabilizer:
         if step == self.current_step:
             return
         self.current_step = step
-        if self._off_elsewhere:
-            for part, text in list(self._off_elsewhere.items()):
-                del self._off_elsewhere[part]
+        if self._everywhere.elsewhere:
+            for part, text in self._everywhere.take():
                 self._disable(part, RuntimeError(text), elsewhere=text)
         gcs = self._gc
         if step >= self._due or (
@@ -421,7 +385,7 @@ class Stabilizer:
         if self._closed:
             return self.summary()
         self._closed = True
-        self._stop.set()
+        self._everywhere.close()
         try:
             atexit.unregister(self._at_exit)
         except Exception:

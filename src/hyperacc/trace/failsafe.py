@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("hyperacc.trace")
 
@@ -33,3 +35,78 @@ def switch_off(part: str, exc: BaseException) -> None:
 def reported() -> frozenset[str]:
     """Parts that have failed in this process (for tests and the final summary)."""
     return frozenset(_reported)
+
+
+def job_store() -> Any:
+    """The default process group's c10d store (scoped to this attempt of the job), or None."""
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store() if dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - no default group, or a torch without this helper
+        return None
+
+
+class OffOnEveryRank:
+    """Parts that act alike on every rank (a GC schedule, a memory release, pacing): one that fails on a
+    rank is switched off on every rank.
+
+    ``publish(part, text)`` sets ``<prefix><part>`` and ``<prefix>any`` in the job's c10d store from a
+    thread of its own (a store that hangs never holds the caller). ``watch(parts)`` starts a thread that
+    checks ``<prefix>any`` every ``poll_s`` (one store request) and, once it exists, leaves each part
+    found in ``elsewhere`` (part -> "rank R: error") until every watched part was found; the training
+    thread takes them at its next boundary (``take``; a dict test while there is nothing).
+    ``prefix`` must name the same part on every rank (objects made in the same order on every rank)."""
+
+    def __init__(self, prefix: str, rank: int, get_store: Callable[[], Any] = job_store,
+                 poll_s: float = 1.0) -> None:  # fmt: skip
+        self.prefix = prefix
+        self.rank = rank
+        self.get_store = get_store
+        self.poll_s = poll_s
+        self.elsewhere: dict[str, str] = {}
+        self._found: set[str] = set()
+        self._stop = threading.Event()
+
+    def publish(self, part: str, exc: BaseException) -> None:
+        text = f"rank {self.rank}: {exc!r}"
+        threading.Thread(target=self._publish, args=(part, text), daemon=True).start()
+
+    def _publish(self, part: str, text: str) -> None:
+        try:
+            store = self.get_store()
+            if store is not None:
+                store.set(self.prefix + part, text)
+                store.set(self.prefix + "any", part)
+        except Exception as exc:  # noqa: BLE001 - the other ranks keep the part; this one said why
+            log.warning("hyperacc: could not tell the other ranks that %s is off: %r", part, exc)
+
+    def watch(self, parts: tuple[str, ...]) -> None:
+        threading.Thread(target=self._watch, args=(parts,), name="hyperacc-off-watch", daemon=True).start()
+
+    def _watch(self, parts: tuple[str, ...]) -> None:
+        try:
+            while not self._stop.wait(self.poll_s):
+                store = self.get_store()
+                if store is None or not store.check([self.prefix + "any"]):
+                    continue
+                for part in parts:
+                    if part not in self._found and store.check([self.prefix + part]):
+                        self._found.add(part)
+                        self.elsewhere[part] = store.get(self.prefix + part).decode()[:300]
+                if self._found >= set(parts):
+                    return
+        except Exception as exc:  # noqa: BLE001 - without the watcher each rank keeps its own parts
+            # (quietly: the store goes away as a job ends, when rank 0, which holds it, exits first)
+            log.debug("hyperacc: watching the other ranks' parts stopped: %r", exc)
+
+    def take(self) -> list[tuple[str, str]]:
+        """The parts found switched off on some rank since the last call (training thread)."""
+        out = []
+        for part in list(self.elsewhere):
+            out.append((part, self.elsewhere.pop(part)))
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
