@@ -305,6 +305,23 @@ def test_valve_collects_early_when_garbage_piles_up() -> None:
     assert valve[0]["step"] == proposed["value"] or "late" in valve[0]["detail"]
 
 
+def test_no_store_warning_before_the_process_group_starts(monkeypatch, caplog) -> None:
+    """``hyperacc run --stabilize`` starts the stabilizer before the script's init_process_group: the GC
+    thread finds no store at first, which is no reason to say it will decide alone (it finds it later)."""
+    assert not dist.is_initialized()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with caplog.at_level(logging.WARNING, logger="hyperacc.stabilize"):
+        stab = S.stabilize(gc={"interval": 10, "valve_poll_s": 0.01}, memory=False)
+        try:
+            for step in range(30):
+                stab.step(step)
+                time.sleep(0.01)
+        finally:
+            stab.close()
+    assert stab.world_size == 2
+    assert "no c10d store" not in caplog.text, caplog.text
+
+
 def test_cost_model_fits_fixed_and_per_object_cost() -> None:
     from hyperacc.stabilize.gc_schedule import choose_interval, fit_cost_model
 

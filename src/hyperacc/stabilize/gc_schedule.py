@@ -208,6 +208,16 @@ def choose_interval(model: CostModel, budget_ns: float, max_interval: int, cost_
     return max(1, min(max_interval, max(interval, floor_interval)))
 
 
+def _group_started() -> bool:
+    """The default process group exists (so a missing store will not appear later)."""
+    try:
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+    except Exception:  # noqa: BLE001
+        return True
+
+
 def _median(values: Sequence[float]) -> float:
     s = sorted(values)
     n = len(s)
@@ -479,7 +489,8 @@ class GCSchedule:
                 last_count = count
                 if self.world_size > 1 and store is None:
                     store = self._get_store()
-                    if store is None and not warned_no_store:
+                    # (before the script's init_process_group there is no store yet: not a reason to warn)
+                    if store is None and not warned_no_store and _group_started():
                         log.warning(
                             "hyperacc.stabilize: GC has no c10d store to agree through; each rank decides "
                             "its valve collections and auto interval on its own"
