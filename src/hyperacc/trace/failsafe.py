@@ -52,8 +52,8 @@ class OffOnEveryRank:
     """Parts that act alike on every rank (a GC schedule, a memory release, pacing): one that fails on a
     rank is switched off on every rank.
 
-    ``publish(part, text)`` sets ``<prefix><part>`` and ``<prefix>any`` in the job's c10d store from a
-    thread of its own (a store that hangs never holds the caller). ``watch(parts)`` starts a thread that
+    ``publish(part, exc)`` sets ``<prefix><part>`` ("rank R: error") and ``<prefix>any`` in the job's
+    c10d store from a thread of its own (a store that hangs never holds the caller). ``watch(parts)`` starts a thread that
     checks ``<prefix>any`` every ``poll_s`` (one store request) and, once it exists, leaves each part
     found in ``elsewhere`` (part -> "rank R: error") until every watched part was found; the training
     thread takes them at its next boundary (``take``; a dict test while there is nothing).
