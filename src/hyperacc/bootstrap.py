@@ -19,6 +19,15 @@ installs, in this order:
 then runs the script as ``__main__`` with ``sys.argv`` set as if it had been started directly
 (``-m module`` runs a module instead), and finally closes the stabilizers and flushes the tracer and
 chaos ground truth. Parts that are not installed or not configured are skipped.
+
+The script sees what ``python script.py`` would give it: the same absolute ``__file__``, the script's
+directory as ``sys.path[0]`` (in place of the working directory that ``-m hyperacc.bootstrap`` put
+there), ``sys.argv`` as given but for ``sys.argv[0]``, which is that absolute path too (``runpy`` sets
+it to the path it runs; its base name, which ``argparse`` shows, is the same), and, when it fails, the traceback Python would print for it alone, with exit status 1. The
+frames of this bootstrap and ``runpy`` before the script's first frame are left out, and so are the
+frames of hyperacc's wrappers that the exception only passed through (the ``backward`` and
+``forward`` wrappers of automatic tracing); an exception raised inside hyperacc's own code keeps
+every frame of it (docs/reliability.md, "What a failing script sees").
 """
 
 from __future__ import annotations
@@ -29,9 +38,12 @@ import logging
 import os
 import runpy
 import sys
+import types
 from typing import Any
 
 log = logging.getLogger("hyperacc.bootstrap")
+
+_OWN = os.path.dirname(os.path.abspath(__file__)) + os.sep  # frames of hyperacc's own code start with this
 
 USAGE = "usage: python -m hyperacc.bootstrap SCRIPT.py [ARGS...]  |  -m MODULE [ARGS...]"
 
@@ -164,19 +176,87 @@ def main(argv: list[str] | None = None) -> None:
             )
     closers = install()
     stopping = False
+    failed: BaseException | None = None
     try:
         if module is not None:
             sys.argv = [module, *script_args]
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         else:
-            sys.argv = [script, *script_args]
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
+            # Python makes the script's path absolute by joining it to the working directory, unnormalised
+            path = script if os.path.isabs(script) else os.path.join(os.getcwd(), script)
+            sys.argv = [path, *script_args]  # run_path sets argv[0] to the path it runs
+            _script_dir_first(os.path.dirname(os.path.abspath(path)))
+            runpy.run_path(path, run_name="__main__")
     except KeyboardInterrupt:
         stopping = True
         raise
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - printed below as Python prints an uncaught exception
+        failed = exc
     finally:
         close(closers, stopping=stopping)
+    if failed is not None:
+        _exit_as_python_would(failed)
+
+
+def _script_dir_first(directory: str) -> None:
+    """``sys.path[0]`` as ``python script.py`` sets it: the script's directory, not the working directory
+    that ``python -m hyperacc.bootstrap`` put there (kept where hyperacc itself was imported from it)."""
+    if getattr(sys.flags, "safe_path", False):
+        return  # -P / PYTHONSAFEPATH: Python puts no directory of the script first either
+    first = os.path.abspath(sys.path[0] or os.curdir) if sys.path else None
+    hyperacc_from = os.path.dirname(_OWN.rstrip(os.sep))
+    if first == os.getcwd() and first != hyperacc_from:
+        sys.path[0] = directory
+    else:
+        sys.path.insert(0, directory)
+
+
+def _exit_as_python_would(exc: BaseException) -> None:
+    """Print ``exc`` through ``sys.excepthook`` with the traceback of the script alone, then exit 1."""
+    _user_frames(exc, head=True, seen=set())
+    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    sys.excepthook(type(exc), exc, exc.__traceback__)
+    raise SystemExit(1)
+
+
+def _own(entry: types.TracebackType) -> bool:
+    return entry.tb_frame.f_code.co_filename.startswith(_OWN)
+
+
+def _user_frames(exc: BaseException, *, head: bool, seen: set[int]) -> None:
+    """Leave hyperacc's frames out of ``exc``'s traceback and of the exceptions chained to it: with
+    ``head``, every frame before the first one outside hyperacc and ``runpy`` (the bootstrap running the
+    script); elsewhere, hyperacc's frames that called code outside it (wrappers the exception passed
+    through). The frames at the end that are hyperacc's (where the exception came from) stay."""
+    seen.add(id(exc))
+    entries = []
+    tb = exc.__traceback__
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    origin = len(entries)
+    while origin > 0 and _own(entries[origin - 1]):
+        origin -= 1
+    if head:
+        first = next((i for i, e in enumerate(entries) if not _own(e) and not _runpy(e)), origin)
+        entries = entries[first:]
+        origin -= first
+    kept = [e for i, e in enumerate(entries) if i >= origin or not _own(e)]
+    if len(kept) != len(entries) or head:
+        rebuilt = None
+        for e in reversed(kept):
+            rebuilt = types.TracebackType(rebuilt, e.tb_frame, e.tb_lasti, e.tb_lineno)
+        exc.__traceback__ = rebuilt
+    for chained in (exc.__cause__, exc.__context__):
+        if chained is not None and id(chained) not in seen:
+            _user_frames(chained, head=False, seen=seen)
+
+
+def _runpy(entry: types.TracebackType) -> bool:
+    name = entry.tb_frame.f_code.co_filename
+    return name == runpy.__file__ or name == "<frozen runpy>"
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
 PHASE_COLUMNS = ("data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns")
 SINGLE_JOB = Path(__file__).parent / "jobs" / "single_job.py"
+FAILING = Path(__file__).parent / "jobs" / "failing_script.py"
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -135,3 +136,36 @@ def test_bootstrap_times_explicit_collectives_and_wraps_the_users_comm_hook(tmp_
         assert r["data_ns"] is not None and r["forward_ns"] is not None
     for r in rows[7:]:  # the DDP model, its hook wrapped
         assert r["comm_wait_ns"] is not None and r["self_ns"] is not None
+
+
+def _tracebacks(stderr: str) -> list[list[str]]:
+    """Each traceback of a chain printed by Python, as its ``File ...`` lines and the exception's line."""
+    out = []
+    for block in stderr.split("Traceback (most recent call last):")[1:]:
+        lines = [line.strip() for line in block.splitlines()]
+        frames = [line for line in lines if line.startswith('File "')]
+        error = next(line for line in lines if line.split(":")[0].endswith(("Error", "KeyError")))
+        out.append([*frames, error])
+    return out
+
+
+@pytest.mark.slow  # two interpreters with torch per case
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_a_failing_script_fails_through_the_bootstrap_as_it_does_alone(tmp_path: Path, mode: str) -> None:
+    work = tmp_path / "work"
+    work.mkdir()  # a working directory that is not the script's, as under a job scheduler
+    script = os.path.relpath(FAILING, work)
+    env = _env(HYPERACC_RUN_DIR=str(tmp_path / "run"), HYPERACC_TRACE='{"window": 0, "probe_every": 0}')
+    alone = subprocess.run([sys.executable, script, mode], cwd=work, env=env, capture_output=True, text=True,
+                           timeout=180)  # fmt: skip
+    traced = subprocess.run([sys.executable, "-m", "hyperacc.bootstrap", script, mode], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert alone.returncode == traced.returncode == 1, traced.stderr[-3000:]
+    # __file__ absolute, sys.path[0] the script's directory, argv as given but for argv[0], made absolute
+    file, path0, argv = alone.stdout.split(" ", 2)
+    assert traced.stdout == f"{file} {path0} {argv.replace(repr(script), file)}", (traced.stdout, alone.stdout)
+    expected = _tracebacks(alone.stderr)
+    assert len(expected) == 2 and "step failed" in expected[1][-1], alone.stderr[-3000:]
+    assert _tracebacks(traced.stderr) == expected, traced.stderr[-3000:]
+    assert "hyperacc" not in "".join(line for tb in _tracebacks(traced.stderr) for line in tb)
+    assert store.read_steps(tmp_path / "run").num_rows >= 3  # it was traced

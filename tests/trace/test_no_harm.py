@@ -58,6 +58,15 @@ def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(
             ref["error"], ref["optimizer_steps"], ref["steps"]
         ), (name, mine, ref)
         assert bool(job.returncodes[0]) == bool(plain.returncodes[0]), (name, job.returncodes, plain.returncodes)
+        # the survivor's traceback is the one plain torchrun's shows: no frame of hyperacc's bootstrap or
+        # of its backward wrapper, the script's own path as Python gives it
+        assert _frames(job.ranks[0].stderr) == _frames(plain.ranks[0].stderr), (name, job.ranks[0].stderr[-3000:])
+
+
+def _frames(stderr: str) -> list[str]:
+    """The ``File "...", line N, in f`` lines of the last traceback in a rank's output."""
+    last = stderr.rsplit("Traceback (most recent call last):", 1)[-1]
+    return [line.strip() for line in last.splitlines() if line.strip().startswith('File "')]
 
 
 @pytest.mark.multirank
