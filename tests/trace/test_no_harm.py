@@ -61,6 +61,10 @@ def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(
         # the survivor's traceback is the one plain torchrun's shows: no frame of hyperacc's bootstrap or
         # of its backward wrapper, the script's own path as Python gives it
         assert _frames(job.ranks[0].stderr) == _frames(plain.ranks[0].stderr), (name, job.ranks[0].stderr[-3000:])
+        # torchrun's summary names the script that failed, as it does without hyperacc
+        failed = f"{JOB} FAILED"
+        assert failed in plain.launcher_output, plain.launcher_output[-3000:]
+        assert failed in job.launcher_output and "bootstrap FAILED" not in job.launcher_output, job.launcher_output[-3000:]
 
 
 def _frames(stderr: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,8 @@ def test_dry_run_shows_the_torchrun_command_and_environment(tmp_path: Path) -> N
     assert cmd[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone"]
     assert cmd[cmd.index("--numa-binding") + 1] == "node"
     # everything after the script is the script's, even options that look like ours
-    tail = cmd[cmd.index("hyperacc.bootstrap") + 1 :]
-    assert tail == [str(script), "--lr", "0.1", "--nproc-per-node", "9"]
+    tail = cmd[cmd.index("--no-python") + 1 :]
+    assert tail == [sys.executable, "-u", "-mhyperacc.bootstrap", str(script), "--lr", "0.1", "--nproc-per-node", "9"]
 
 
 def test_multi_node_options_reach_torchrun_without_standalone(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
     hyperacc run --run-dir runs/exp1 --nproc-per-node 4 -- train.py --epochs 3
 
-becomes ``python -m torch.distributed.run --nproc-per-node 4 -m hyperacc.bootstrap train.py --epochs 3``
+becomes ``python -m torch.distributed.run --nproc-per-node 4 --no-python python -u -mhyperacc.bootstrap
+train.py --epochs 3``
 with ``HYPERACC_RUN_DIR`` (and ``HYPERACC_TRACE`` / ``HYPERACC_CHAOS`` / ``HYPERACC_STABILIZE`` when
 given) in the environment. torchrun runs as this process's child (``hyperacc.supervisor``), which
 passes every signal on once and ends with torchrun's exit status; meanwhile this process is the node
@@ -180,7 +181,11 @@ def build_command(
         cmd += [f"--{name}", value]
     for item in extra:
         cmd += shlex.split(item)
-    cmd += ["-m", "hyperacc.bootstrap", *script_and_args]
+    # torchrun starts ``python -u -mhyperacc.bootstrap SCRIPT ...`` (``--no-python``, the interpreter
+    # torchrun itself would use, ``-u`` as it adds it): torchrun then names the script, not the bootstrap,
+    # in its summary of a failed job (it names the first argument that is not an option).
+    python = os.environ.get("PYTHON_EXEC", sys.executable)
+    cmd += ["--no-python", python, "-u", "-mhyperacc.bootstrap", *script_and_args]
     return cmd
 
 
