@@ -217,6 +217,8 @@ def _exit_as_python_would(exc: BaseException) -> None:
     """Print ``exc`` through ``sys.excepthook`` with the traceback of the script alone, then exit 1."""
     _user_frames(exc, head=True, seen=set())
     sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, exc.__traceback__
+    if sys.version_info >= (3, 12):
+        sys.last_exc = exc  # what Python 3.12 on sets for an uncaught exception, beside the three above
     sys.excepthook(type(exc), exc, exc.__traceback__)
     raise SystemExit(1)
 
