@@ -69,6 +69,43 @@ def test_a_60_step_plateau_is_an_episode_with_its_range(factor):
         assert e.confirmed_step < 180
 
 
+def _gap_ranks(seed: int, work: str, n_ranks: int = 4, steps: int = 300) -> list:
+    """A loop without a DataLoader (``data_gap`` 1): self-time 10 ms of which the gap is 1 ms, CPU time
+    6 ms, one voluntary context switch a step; rank 1's gap grows by 10 ms for steps 120-179, either as
+    CPU work (``work="cpu"``: its own code between ``optimizer.step()`` and the next forward) or off the
+    CPU (``"wait"``: a blocking read, one more switch a step)."""
+    rng = np.random.default_rng(seed)
+    opts = DetectionOptions()
+    out = []
+    for r in range(n_ranks):
+        step = np.arange(steps, dtype=np.int64)
+        extra = np.where((r == 1) & (step >= 120) & (step < 180), 10.0 * MS, 0.0)
+        noise = lambda: np.exp(rng.normal(0, 0.03, steps))  # noqa: E731
+        gap = 1 * MS * noise() + extra
+        self_ns = 9 * MS * noise() + gap
+        cpu_ns = 6 * MS * noise() + (extra if work == "cpu" else 0.0)
+        vol = 1.0 + (extra > 0) * (work == "wait")
+        keep = step >= opts.warmup_steps
+        cols = {"step": step, "self_ns": self_ns, "cpu_ns": cpu_ns, "data_ns": gap, "data_gap": np.ones(steps),
+                "vol_ctx_switches": vol * np.ones(steps)}  # fmt: skip
+        out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
+    return out
+
+
+def test_work_between_steps_for_60_steps_is_a_host_work_episode_an_input_wait_is_left_to_the_data_rules():
+    # the input gap of a loop without a DataLoader that grew with the rank's CPU time is its own work
+    # (attribution.gap_causes), not an input wait: before 2026-12-04 every such shift was skipped as input
+    opts = DetectionOptions()
+    for seed in range(5):
+        found = detect_episodes(_gap_ranks(seed, "cpu"), opts)
+        assert [(e.rank, e.kind, e.between_steps) for e in found] == [(1, "host_work", True)], (seed, found)
+        e = found[0]
+        assert abs(e.since_step - 120) <= 10 and abs(e.until_step - 179) <= 10, e
+        assert e.cpu_share == pytest.approx(1.0, rel=0.2) and e.slowdown == pytest.approx(2.0, rel=0.15)
+        # the same shift off the CPU (a read that blocks) is input, which the data rules judge
+        assert detect_episodes(_gap_ranks(seed, "wait"), opts) == [], seed
+
+
 def test_noise_alone_and_a_slowdown_of_every_rank_are_no_episode():
     opts = DetectionOptions()
     for seed in range(20):
@@ -270,19 +307,21 @@ def test_more_work_on_a_busy_host_is_an_episode_and_being_starved_is_not():
 
 
 @pytest.fixture(scope="module")
-def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict]:
+def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict, dict]:
     """One recorded job of each kind, shared by the assertions: 4 gloo ranks of the nanoGPT-style job,
     rank 2 twice as slow for steps 120-180 of 300 (a busy loop in its forward); the same job clean,
-    with a busy loop beside it on the host; and rank 1 waiting off its CPU (a sleep in its forward) for
+    with a busy loop beside it on the host; rank 1 waiting off its CPU (a sleep in its forward) for
     steps 120-180, with no busy loop beside it: the suite's other worker loads the host enough (the busy
     host that moves the other ranks' levels over the fault's steps is the synthetic tests' above, and
-    bench/episodes.py's)."""
+    bench/episodes.py's); and rank 3 twice as slow for steps 120-180 by a busy loop after its
+    ``optimizer.step()`` (work between steps, in the loop's input gap)."""
     out = []
     slow = ["--slow-from", "120", "--slow-until", "180", "--slow-factor", "2"]
     for name, args, busy in (
         ("faulty", ["--slow-rank", "2", *slow], False),
         ("clean", [], True),
         ("blocked", ["--slow-rank", "1", *slow, "--slow-work", "sleep"], False),
+        ("between", ["--slow-rank", "3", *slow, "--slow-work", "between"], False),
     ):  # fmt: skip
         run_dir = tmp_path_factory.mktemp(name) / "run"
         spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
@@ -296,12 +335,12 @@ def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, di
         assert job.ok, job.explain()
         live = [e for e in store.read_live_events(run_dir).to_pylist() if e["kind"] == "live_finding"]
         out.append({**diagnose(run_dir).to_dict(), "live": live})
-    return out[0], out[1], out[2]
+    return out[0], out[1], out[2], out[3]
 
 
 @pytest.mark.multirank
 def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clean):
-    d, _, _ = faulty_and_clean
+    d, _, _, _ = faulty_and_clean
     eps = [e for e in d["episodes"] if e["rank"] == 2]
     assert len(eps) == 1 and not d["stragglers"], d["verdict"]
     assert [e["rank"] for e in d["episodes"]] == [2], d["episodes"]  # no other rank
@@ -328,7 +367,7 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
 
 @pytest.mark.multirank
 def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_and_clean):
-    _, d, _ = faulty_and_clean
+    _, d, _, _ = faulty_and_clean
     assert d["episodes"] == [] and d["stragglers"] == [], d["verdict"]
     assert not [f for f in d["live"] if "slow since step" in f["detail"]], d["live"]
 
@@ -340,7 +379,7 @@ def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(f
     # loaded host's residual (docs/detection.md, "Episodes", Limits): a fresh-clone CI run once gave rank 0
     # one (CPU time 1.4x over steps 220-244, 0.4 % of the job), which this test does not judge; the clean
     # job's test does.
-    _, _, d = faulty_and_clean
+    _, _, d, _ = faulty_and_clean
     assert [(e["rank"], e["kind"]) for e in d["episodes"] if e["kind"] != "compute"] == [(1, "host")], d["verdict"]
     assert not d["stragglers"], d["verdict"]
     e = next(e for e in d["episodes"] if e["rank"] == 1)
@@ -349,6 +388,25 @@ def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(f
     assert f"Rank 1 (node 0) was slow from step {e['since_step']} to {e['until_step']}" in d["verdict"], d["verdict"]
     assert any("waited off its CPU" in line and line.startswith("rank 1") for line in d["next_step"]), d["next_step"]
     assert any("voluntary context switches" in line for line in d["evidence"]), d["evidence"]
+
+
+@pytest.mark.multirank
+def test_a_fail_slow_between_steps_is_a_host_work_episode_not_an_input_wait(faulty_and_clean):
+    # the loop has no DataLoader, so the busy loop after optimizer.step() lies in the input gap: its CPU
+    # time grew with it, so it is the rank's own work (before 2026-12-04 it was skipped as input, and the
+    # 60-step fail-slow was not reported at all); live, the node agent names it so too
+    _, _, _, d = faulty_and_clean
+    eps = [e for e in d["episodes"] if e["rank"] == 3]
+    assert len(eps) == 1 and not d["stragglers"], d["verdict"]
+    e = eps[0]
+    assert e["kind"] == "host_work" and e["between_steps"], e
+    assert abs(e["since_step"] - 120) <= 10 and abs(e["until_step"] - 179) <= 10, e
+    assert f"Rank 3 (node 0) was slow from step {e['since_step']} to {e['until_step']} (host-work" in d["verdict"]
+    assert "data" not in d["verdict"] and not [line for line in d["next_step"] if "loader workers" in line], d
+    assert any(line.startswith("rank 3, steps") and "between steps" in line for line in d["next_step"]), d["next_step"]
+    assert [e["rank"] for e in d["episodes"] if e["kind"] != "compute"] == [3], d["episodes"]
+    said = [f["detail"] for f in d["live"] if "rank 3 " in f["detail"] and "slow since step" in f["detail"]]
+    assert said and all("host-work" in line for line in said), d["live"]
 
 
 def _step_columns(n_ranks: int, steps: int, slow: dict, seed: int = 0) -> list[dict[str, np.ndarray]]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from hyperacc.analysis.attribution import gap_causes
 from hyperacc.analysis.change_points import (
     above_floor,
     change_points,
@@ -57,6 +58,9 @@ class RankBlocks:
     # (n,) float32 median input wait per step (``data_ns``: the DataLoader's fetch, or the gap before the
     # forward); None or NaN: not measured
     data: np.ndarray | None = None
+    # (n,) float32 median of ``data_gap`` per step: 1 where the input wait is the input gap of a loop
+    # without a DataLoader (the time between ``optimizer.step()`` and the next forward); None: not known
+    gap: np.ndarray | None = None
 
 
 class BlockBudget:
@@ -99,14 +103,15 @@ def coarsened(b: RankBlocks, width: int) -> RankBlocks:
     steps = np.bincount(row, weights=b.steps.astype(np.float64), minlength=new.size)
     return RankBlocks(b.rank, b.node, new, mean(b.self_ns), mean(b.cpu_ns),
                       np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width,
-                      None if b.vol is None else mean(b.vol), None if b.data is None else mean(b.data))  # fmt: skip
+                      None if b.vol is None else mean(b.vol), None if b.data is None else mean(b.data),
+                      None if b.gap is None else mean(b.gap))  # fmt: skip
 
 
 @dataclasses.dataclass
 class Episode:
     rank: int
     node: int
-    kind: str  # compute | host (the straggler rule's CPU-versus-wall split)
+    kind: str  # compute | host (the straggler rule's CPU-versus-wall split) | host_work (work between steps)
     metric: str  # self_ns
     slowdown: float | None  # the rank's self-time / the cluster median, median over the episode's blocks
     since_step: int  # first step of the first block of the shift
@@ -124,6 +129,9 @@ class Episode:
     # how many more times per step the rank blocked off its CPU over the episode (voluntary context
     # switches, over its own level outside it and the other ranks' rise); None: not shown
     blocked_per_step: float | None = None
+    # the shift was in the input gap of a loop without a DataLoader, and the rank's CPU time grew with it:
+    # its own work between ``optimizer.step()`` and the next forward (kind ``host_work``)
+    between_steps: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,7 +170,8 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     count = np.bincount(row, minlength=uniq.size).astype(np.uint16)
     vol = medians("vol_ctx_switches") if "vol_ctx_switches" in cols else None
     data = medians("data_ns") if "data_ns" in cols else None
-    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data)
+    gap = medians("data_gap") if data is not None and "data_gap" in cols else None
+    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap)
 
 
 def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_effect: float = 0.5) -> list[Episode]:
@@ -180,7 +189,8 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     wall, cpu = np.full(shape, np.nan, dtype=np.float32), np.full(shape, np.nan, dtype=np.float32)
     count = np.zeros(shape, dtype=np.float32)
     vol = np.full(shape, np.nan, dtype=np.float32) if any(b.vol is not None for b in ranks) else None
-    data = np.full(shape, np.nan, dtype=np.float32) if vol is not None and any(b.data is not None for b in ranks) else None
+    data = np.full(shape, np.nan, dtype=np.float32) if any(b.data is not None for b in ranks) else None
+    gap = np.full(shape, np.nan, dtype=np.float32) if data is not None and any(b.gap is not None for b in ranks) else None
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
@@ -188,6 +198,8 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             vol[i, pos] = b.vol
         if data is not None and b.data is not None:
             data[i, pos] = b.data
+        if gap is not None and b.gap is not None:
+            gap[i, pos] = b.gap
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
@@ -282,8 +294,16 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # under a busy loop), so a transient of it is the host's wander; a lasting one is the
                 # straggler rules' host straggler.
                 continue
-            if blocked is None and rise is not None and data is not None and waited_for_input(wall[r], data[r], seg):
-                continue  # as for a blocked span: a wait in the input fetch is for the data rules
+            between = None
+            if data is not None and waited_for_input(wall[r], data[r], seg):
+                # The input gap of a loop without a DataLoader that grew with the rank's CPU time, more than
+                # preemption explains, is its own work between steps (the rule of ``attribution.gap_causes``
+                # beside the CPU-versus-wall split), not an input wait.
+                between = worked_between(data, gap, cpu, r, seg, opts) if kind == "compute" else None
+                if between is None and blocked is None and rise is not None:
+                    continue  # as for a blocked span: a wait in the input fetch is for the data rules
+            if between is not None:
+                kind, basis, share = "host_work", "cpu_time", between
             if channel == "cpu_ns":
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
                 # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
@@ -298,6 +318,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 since_step=int(cols[b0] * width), until_step=int(cols[b1] * width + width - 1),
                 confirmed_step=int(cols[confirm] * width + width - 1), active=active,
                 steps=int((cols[b1] - cols[b0] + 1) * width), excess_ns=float(nan_median(excess)),
+                between_steps=between is not None,
                 job_time_lost_ns=float(np.nansum(np.maximum(excess, 0) * count[r, seg])),
                 shift=float(np.exp(shift)), noise=float(sigma), kind_basis=basis, cpu_share=share,
                 blocked_per_step=rise if kind == "host" else None,
@@ -446,6 +467,29 @@ def waited_for_input(wall: np.ndarray, data: np.ndarray, seg: np.ndarray) -> boo
         grown = nan_median(wall[seg]) - outside_level(wall, seg)
         fetched = nan_median(data[seg]) - outside_level(data, seg)
     return bool(grown > 0 and fetched * 2 >= grown)
+
+
+def worked_between(data: np.ndarray, gap: np.ndarray | None, cpu: np.ndarray, r: int, seg: np.ndarray,
+                   opts: DetectionOptions) -> float | None:  # fmt: skip
+    """Row ``r`` worked in the input gap over blocks ``seg``: its input time there is the gap of a loop
+    without a DataLoader (``gap``, most of its steps), and ``attribution.gap_causes`` calls the gap's
+    growth ``host_work``, the CPU time having grown with it (each over the rank's own level outside the
+    blocks; the noise bar from the other ranks' spread of the same growth of CPU time). Returns the CPU
+    time's growth as a share of the gap's, or None (a DataLoader's fetch, a wait off the CPU, or no
+    evidence either way: the data rules judge it)."""
+    if gap is None or not nan_median(gap[r, seg]) > 0.5:
+        return None
+    with np.errstate(all="ignore"):
+        fetched = nan_median(data[r, seg]) - outside_level(data[r], seg)
+        grown = np.array([nan_median(cpu[i, seg]) - outside_level(cpu[i], seg) for i in range(cpu.shape[0])])
+    others = np.delete(grown, r)
+    others = others[np.isfinite(others)]
+    if not (np.isfinite(fetched) and fetched > 0 and np.isfinite(grown[r])) or others.size == 0:
+        return None
+    noise = opts.signal_z * MAD_TO_SIGMA * float(np.median(np.abs(others - np.median(others))))
+    cause = gap_causes(np.array([fetched]), np.array([np.nan]), grown[r : r + 1], np.array([0.0]),
+                       np.array([noise]), opts)[0]  # fmt: skip
+    return float(grown[r] / fetched) if cause == "host_work" else None
 
 
 def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:

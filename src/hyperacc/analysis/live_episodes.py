@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 
 from hyperacc.analysis.change_points import log_ratio
+from hyperacc.analysis.diagnosis import kind_word
 from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
@@ -28,7 +29,9 @@ KEEP_BLOCKS = 200  # blocks of history per rank the live rule judges (1,000 step
 class BlockStream:
     """One rank's step columns, in step order, -> its complete blocks (``add``) and the rest (``close``)."""
 
-    _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns")
+    # the input wait and whether it is the gap of a loop without a DataLoader: an episode in that gap that
+    # grew with the CPU time is the rank's own work between steps (kind host_work), live as offline
+    _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns", "data_ns", "data_gap")
 
     def __init__(self, rank: int, node: int, opts: DetectionOptions) -> None:
         self.rank, self.node, self.opts = rank, node, opts
@@ -178,7 +181,7 @@ class LiveEpisodes:
 def _started(e: Episode) -> str:
     ratio = f"{e.slowdown:.2f}x" if e.slowdown is not None else "above"
     return (
-        f"rank {e.rank} (node {e.node}) is slow since step {e.since_step} ({e.kind}: self-time {ratio} the "
+        f"rank {e.rank} (node {e.node}) is slow since step {e.since_step} ({kind_word(e.kind)}: self-time {ratio} the "
         f"cluster median), an episode confirmed at step {e.confirmed_step}"
     )
 
@@ -195,10 +198,15 @@ def _joined(old: RankBlocks | None, new: RankBlocks) -> RankBlocks:
     if old is None or not old.block.size:
         return new
     keep = old.block < new.block[0]  # a block seen again (the rest of a partial one) is replaced
+
+    def joined(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None or b is None else np.concatenate([a[keep], b])
+
     return RankBlocks(
         new.rank, new.node, np.concatenate([old.block[keep], new.block]),
         np.concatenate([old.self_ns[keep], new.self_ns]), np.concatenate([old.cpu_ns[keep], new.cpu_ns]),
         np.concatenate([old.steps[keep], new.steps]), new.width,
+        data=joined(old.data, new.data), gap=joined(old.gap, new.gap),
     )  # fmt: skip
 
 
@@ -206,4 +214,5 @@ def _since(h: RankBlocks, first_block: int) -> RankBlocks:
     keep = h.block >= first_block
     if keep.all():
         return h
-    return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep], h.width)
+    return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep], h.width,
+                      data=None if h.data is None else h.data[keep], gap=None if h.gap is None else h.gap[keep])  # fmt: skip
