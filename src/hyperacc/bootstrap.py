@@ -23,11 +23,12 @@ chaos ground truth. Parts that are not installed or not configured are skipped.
 The script sees what ``python script.py`` would give it: the same absolute ``__file__``, the script's
 directory as ``sys.path[0]`` (in place of the working directory that ``-m hyperacc.bootstrap`` put
 there), ``sys.argv`` as given but for ``sys.argv[0]``, which is that absolute path too (``runpy`` sets
-it to the path it runs; its base name, which ``argparse`` shows, is the same), and, when it fails, the traceback Python would print for it alone, with exit status 1. The
-frames of this bootstrap and ``runpy`` before the script's first frame are left out, and so are the
-frames of hyperacc's wrappers that the exception only passed through (the ``backward`` and
-``forward`` wrappers of automatic tracing); an exception raised inside hyperacc's own code keeps
-every frame of it (docs/reliability.md, "What a failing script sees").
+it to the path it runs; its base name, which ``argparse`` shows, is the same), and, when it fails,
+the traceback Python would print for it alone, with exit status 1. The frames of this bootstrap and
+``runpy`` before the script's first frame are left out, and so are the frames of hyperacc's wrappers
+that the exception only passed through (the ``backward`` and ``forward`` wrappers of automatic
+tracing); an exception raised inside hyperacc's own code keeps every frame of it
+(docs/reliability.md, "What a failing script sees").
 """
 
 from __future__ import annotations
