@@ -452,6 +452,8 @@ def _between_phrase(s: dict[str, Any]) -> str:
         return ""
     gc, gc_med = s.get("gc_ns"), s.get("cluster_gc_ns")
     gc_text = f"{_ms(gc)} of GC per step against {_ms(gc_med)} on the median rank" if gc is not None and gc_med is not None else ""
+    if s["kind"] == "host_work" and not _gc_excess(s) > 0:
+        gc_text = ""  # no more GC than the median rank's to name ("0 ms of GC per step against 0 ms")
     if s["kind"] in ("gc", "host_work"):
         what = "garbage collection" if s["kind"] == "gc" else "its own CPU work"
         text = f"{what} between `optimizer.step()` and the next forward"
