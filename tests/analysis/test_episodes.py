@@ -94,7 +94,8 @@ def _gap_ranks(seed: int, work: str, n_ranks: int = 4, steps: int = 300) -> list
 
 def test_work_between_steps_for_60_steps_is_a_host_work_episode_an_input_wait_is_left_to_the_data_rules():
     # the input gap of a loop without a DataLoader that grew with the rank's CPU time is its own work
-    # (attribution.gap_causes), not an input wait: before 2026-12-04 every such shift was skipped as input
+    # (attribution.gap_causes), not an input wait: before 2026-12-04 it was named compute, or, where the
+    # rank also blocked more (a long Python busy loop hands the GIL over), skipped as input
     opts = DetectionOptions()
     for seed in range(5):
         found = detect_episodes(_gap_ranks(seed, "cpu"), opts)
@@ -104,6 +105,19 @@ def test_work_between_steps_for_60_steps_is_a_host_work_episode_an_input_wait_is
         assert e.cpu_share == pytest.approx(1.0, rel=0.2) and e.slowdown == pytest.approx(2.0, rel=0.15)
         # the same shift off the CPU (a read that blocks) is input, which the data rules judge
         assert detect_episodes(_gap_ranks(seed, "wait"), opts) == [], seed
+
+
+def test_a_dataloader_fetch_that_grew_for_60_steps_is_a_data_episode():
+    # the same CPU growth in a DataLoader's fetch (data_gap 0: preprocessing on the training thread) is
+    # the input path's, as the straggler rule names a rank that stays so; before 2026-12-04: compute
+    opts = DetectionOptions()
+    for seed in range(5):
+        blocks = _gap_ranks(seed, "cpu")
+        for b in blocks:
+            b.gap = np.zeros_like(b.gap)
+        found = detect_episodes(blocks, opts)
+        assert [(e.rank, e.kind, e.kind_basis, e.between_steps) for e in found] == [(1, "data", "input_fetch", False)], found
+        assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
 
 
 def test_noise_alone_and_a_slowdown_of_every_rank_are_no_episode():
@@ -393,8 +407,8 @@ def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(f
 @pytest.mark.multirank
 def test_a_fail_slow_between_steps_is_a_host_work_episode_not_an_input_wait(faulty_and_clean):
     # the loop has no DataLoader, so the busy loop after optimizer.step() lies in the input gap: its CPU
-    # time grew with it, so it is the rank's own work (before 2026-12-04 it was skipped as input, and the
-    # 60-step fail-slow was not reported at all); live, the node agent names it so too
+    # time grew with it, so it is the rank's own work (before 2026-12-04 it was named compute, or, where
+    # the rank also blocked more, skipped as input); live, the node agent names it so too
     _, _, _, d = faulty_and_clean
     eps = [e for e in d["episodes"] if e["rank"] == 3]
     assert len(eps) == 1 and not d["stragglers"], d["verdict"]

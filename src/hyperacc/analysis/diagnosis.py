@@ -496,6 +496,8 @@ def basis_phrase(s: dict[str, Any]) -> str:
         return "its CPU time grew with it: it computes more"
     if basis == "cpu_time":
         return "its CPU time per step stands out: it computes more"
+    if basis == "input_fetch":
+        return "it grew in its DataLoader's fetch: its input path (loading, preprocessing) is slower"
     if basis == "device_clock":
         return "judged on the device clock"
     if basis == "wall_time_only":

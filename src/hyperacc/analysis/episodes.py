@@ -112,6 +112,7 @@ class Episode:
     rank: int
     node: int
     kind: str  # compute | host (the straggler rule's CPU-versus-wall split) | host_work (work between steps)
+    #            | data (the growth was the DataLoader's fetch)
     metric: str  # self_ns
     slowdown: float | None  # the rank's self-time / the cluster median, median over the episode's blocks
     since_step: int  # first step of the first block of the shift
@@ -295,6 +296,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # straggler rules' host straggler.
                 continue
             between = None
+            fetch = False  # the growth is a DataLoader's fetch (input, named as the straggler rule names it)
             if data is not None and waited_for_input(wall[r], data[r], seg):
                 # The input gap of a loop without a DataLoader that grew with the rank's CPU time, more than
                 # preemption explains, is its own work between steps (the rule of ``attribution.gap_causes``
@@ -302,8 +304,13 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 between = worked_between(data, gap, cpu, r, seg, opts) if kind == "compute" else None
                 if between is None and blocked is None and rise is not None:
                     continue  # as for a blocked span: a wait in the input fetch is for the data rules
+                fetch = gap is not None and nan_median(gap[r, seg]) <= 0.5
             if between is not None:
                 kind, basis, share = "host_work", "cpu_time", between
+            elif fetch:
+                # slower in its DataLoader's fetch (preprocessing on the training thread, a slow read that
+                # did not block more): its input path, the data straggler's kind
+                kind, basis = "data", "input_fetch"
             if channel == "cpu_ns":
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
                 # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
