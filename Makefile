@@ -54,7 +54,7 @@ bench: setup
 # The CUDA paths on one GPU (bench/gpu_check.py), with whichever Python holds a CUDA build of torch:
 # the project's .venv where it exists, else the machine's python3. Never part of CI.
 gpu-check:
-	PYTHONPATH=src $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/gpu_check.py
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(if $(wildcard $(BIN)/python),$(BIN)/python,python3) bench/gpu_check.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -20,7 +20,8 @@ How the delay is applied:
   launched. ProcessGroupNCCL makes its communication stream wait for the *current* stream, so the
   collective starts on the device ``delay`` after the gradients are ready, while the compute stream
   runs on (the rest of backward is not held back). ``_sleep`` spins one thread block; cycles per
-  nanosecond are calibrated once with CUDA events at first use (outside the step).
+  nanosecond are measured once per device with CUDA events on a stream of their own, read back
+  without waiting (``_DeviceSleeper``).
 
 Failure safety: any internal error logs one line and switches pacing off, on every rank alike
 (``trace.failsafe.OffOnEveryRank``: the failing rank sets a key in the job's c10d store, every other rank
@@ -212,7 +213,17 @@ class PacingHook:
 
 
 class _DeviceSleeper:
-    """Device-side delay of a collective launch with ``torch.cuda._sleep`` on a side stream."""
+    """Device-side delay of a collective launch with ``torch.cuda._sleep`` on a side stream.
+
+    ``_sleep`` counts SM clock cycles, so a delay in nanoseconds needs the cycles per nanosecond. They are
+    measured once per device, at first use, by a timed ``_sleep`` on a stream of its own and read back
+    with ``query()`` at a later call: the host never waits for the device. Until then ``GUESS`` is used
+    (1.5 cycles/ns, a 1.5 GHz SM clock; an H200 boosts to 1.98 GHz, so a delay is at most a third off
+    for the first few calls).
+    """
+
+    CALIBRATION_CYCLES = 2_000_000  # about 1 ms at a boosted clock
+    GUESS = 1.5
 
     def __init__(self) -> None:
         import torch
@@ -220,19 +231,28 @@ class _DeviceSleeper:
         self.torch = torch
         self.streams: dict[int, Any] = {}
         self.cycles_per_ns: dict[int, float] = {}
+        self._calibrating: dict[int, tuple[Any, Any, Any]] = {}
 
-    def _calibrate(self, index: int) -> float:
+    def _start_calibration(self, index: int) -> None:
         torch = self.torch
-        with torch.cuda.device(index):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            cycles = 20_000_000
-            torch.cuda._sleep(1000)  # warm up
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()  # once per process, before pacing starts
-            ms = start.elapsed_time(end)
-        return cycles / (ms * 1e6) if ms > 0 else 1.5
+        stream = torch.cuda.Stream(device=index)  # its own stream: it waits for no queued training work
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(index), torch.cuda.stream(stream):
+            torch.cuda._sleep(1000)  # the kernel loaded before the timed one
+            start.record(stream)
+            torch.cuda._sleep(self.CALIBRATION_CYCLES)
+            end.record(stream)
+        self._calibrating[index] = (start, end, stream)  # the stream is kept alive until read
+
+    def rate(self, index: int) -> float:
+        """Cycles per nanosecond of device ``index``: measured once its calibration finished, else GUESS."""
+        pending = self._calibrating.get(index)
+        if pending is not None and pending[1].query():
+            ms = pending[0].elapsed_time(pending[1])
+            if ms > 0:
+                self.cycles_per_ns[index] = self.CALIBRATION_CYCLES / (ms * 1e6)
+            del self._calibrating[index]
+        return self.cycles_per_ns.get(index, self.GUESS)
 
     @contextlib.contextmanager
     def delayed(self, delay_ns: int, device: Any) -> Iterator[None]:
@@ -240,13 +260,13 @@ class _DeviceSleeper:
         index = torch.device(device).index
         index = torch.cuda.current_device() if index is None else index
         if index not in self.streams:
-            self.cycles_per_ns[index] = self._calibrate(index)
+            self._start_calibration(index)
             self.streams[index] = torch.cuda.Stream(device=index)
         side = self.streams[index]
         current = torch.cuda.current_stream(index)
         side.wait_stream(current)  # the gradients must be ready before the delay starts
         with torch.cuda.stream(side):
-            torch.cuda._sleep(int(delay_ns * self.cycles_per_ns[index]))
+            torch.cuda._sleep(int(delay_ns * self.rate(index)))
             yield  # ProcessGroupNCCL's stream waits for `side`, the current stream here
         # the caller waits on the collective's future/work as usual; compute stayed on `current`
 
