@@ -68,3 +68,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         mine = (0, _FIRST.index(path)) if path in _FIRST else (1 if item.get_closest_marker("multirank") else 2, 0)
         rank[path] = min(rank.get(path, mine), mine)
     items.sort(key=lambda item: rank[_file(item)])  # stable, and a file's tests stay together in their order
+
+
+@pytest.fixture
+def cpu_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU job's process, also where an earlier test in this worker initialised CUDA on a GPU machine.
+
+    Once CUDA is initialised in a process, hyperacc treats it as a CUDA run: the tracer adds device-clock
+    columns (a row is ready only once its events were read back at a later step, docs/tracing.md,
+    "Clocks"), and the sync audit turns on CUDA's sync debug mode. Tests that assert a CPU job's
+    behaviour ask for this fixture; CI has no GPU, so it matters only where the suite runs on one.
+    """
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)

@@ -605,7 +605,7 @@ def _audited_loop(stab: S.Stabilizer, steps: int = 5) -> tuple[int, dict]:
     return line, stab.audit_report()
 
 
-def test_audit_counts_no_host_sync_of_cpu_tensors_and_says_what_it_sees() -> None:
+def test_audit_counts_no_host_sync_of_cpu_tensors_and_says_what_it_sees(cpu_job: None) -> None:
     original_item, original_barrier = torch.Tensor.item, dist.barrier
     stab = S.stabilize(gc=False, memory=False, allocator=False, sync_audit=True)
     try:
@@ -619,7 +619,7 @@ def test_audit_counts_no_host_sync_of_cpu_tensors_and_says_what_it_sees() -> Non
     assert dist.barrier is original_barrier
 
 
-def test_audit_dry_run_lists_the_users_host_syncs_only() -> None:
+def test_audit_dry_run_lists_the_users_host_syncs_only(cpu_job: None) -> None:
     stab = S.stabilize(gc=False, memory=False, allocator=False, sync_audit={"cpu_as_device": True})
     try:
         line, report = _audited_loop(stab)

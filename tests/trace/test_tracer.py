@@ -122,7 +122,7 @@ def test_sinks_get_every_row_and_a_failing_sink_is_switched_off(
 
 
 def test_disk_failure_switches_writing_off_and_training_goes_on(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cpu_job: None
 ) -> None:
     tracer = make(tmp_path)
     got: list[pa.Table] = []
@@ -161,7 +161,7 @@ def test_ring_overflow_drops_the_oldest_rows_and_counts_them(tmp_path: Path) -> 
 
 
 def test_truncated_segment_is_skipped_with_a_warning(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cpu_job: None
 ) -> None:
     tracer = make(tmp_path, compact_every=0)  # two segments stay two files
     for _ in range(2):
