@@ -13,7 +13,11 @@ tracing; calls on other threads are left alone):
 - forward: the outermost modules only. Global module hooks find the modules called at depth 0 during
   the first step (the model, a loss module); they are then replaced by a wrapper on those modules'
   ``forward`` alone, so a deep model costs one wrapper call per forward, not two hooks per module.
-  A forward without gradients is evaluation: part of the rest of the step, never input;
+  A forward without gradients is evaluation: part of the rest of the step, never input. Under
+  ``torch.compile`` the global hooks leave before the first compiled code runs (a compiled module
+  under an outermost one, or the start of any compilation): TorchDynamo guards on their number, so
+  removing them later would recompile every compiled frame once, and ``OptimizedModule`` warns about
+  them (that one warning is filtered while they exist);
 - backward: the time inside ``torch.autograd.backward`` (``loss.backward()``, accelerate's and
   Lightning's backward go through it), each micro-step's, less the collective wait inside it;
 - optimizer: ``step()`` of the optimizers (pre/post hooks) and ``GradScaler.step``;
@@ -30,7 +34,8 @@ script runs on untouched.
 from __future__ import annotations
 
 import functools
-import threading
+import sys
+import warnings
 from threading import get_ident
 from time import perf_counter_ns
 from typing import Any
@@ -45,6 +50,8 @@ from hyperacc.trace.tracer import Tracer
 
 _MAX_OUTERMOST = 8
 _MAX_REDETECTIONS = 3
+# OptimizedModule.__call__ warns whenever any global module hook exists; ours are there for one step.
+_COMPILE_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks on modules"
 
 
 class AutoTrace:
@@ -77,6 +84,11 @@ class AutoTrace:
         self._installed = False
         self._on = True
         self._step_callbacks: list[Any] = []
+        self._global: list[Any] = []  # the global module hooks' handles while detecting
+        self._open: list[torch.nn.Module] = []  # detection: modules whose forward is open (global hooks)
+        self._warning_filter: Any = None
+        self._compiled = False  # TorchDynamo compiled something: the global hooks never come back
+        self._compile_watch: Any = None  # TorchDynamo's callback handler our start callback is on
 
     def add_step_callback(self, fn: Any) -> None:
         """``fn(step)`` on the training thread right after each step boundary (e.g. stabilizers)."""
@@ -85,7 +97,6 @@ class AutoTrace:
     # ------------------------------------------------------------------ install / uninstall
 
     def install(self) -> AutoTrace:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
         from torch.nn.parallel import DistributedDataParallel as DDP
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
         from torch.utils.data import dataloader
@@ -103,12 +114,10 @@ class AutoTrace:
         ]
         self._depth = 0
         if self._detecting:
-            self._handles += [
-                register_module_forward_pre_hook(self._global_pre),
-                register_module_forward_hook(self._global_post, always_call=True),
-            ]
+            self._add_global_hooks()
         else:  # installed again after an uninstall: the outermost modules are known
             self._hook_outermost()
+        self._watch_compiles()
         auto = self
 
         orig_next = dataloader._BaseDataLoaderIter.__next__
@@ -165,6 +174,16 @@ class AutoTrace:
 
         __init__.__wrapped__ = orig_init  # type: ignore[attr-defined]
         self._patch(DDP, "__init__", __init__)
+
+        orig_compile = torch.compile
+
+        @functools.wraps(orig_compile)
+        def compile(*args: Any, **kwargs: Any) -> Any:  # noqa: A001 - torch.compile's own name
+            result = orig_compile(*args, **kwargs)
+            auto._watch_compiles()  # TorchDynamo is imported now: see each compilation start
+            return result
+
+        self._patch(torch, "compile", compile)
         self.tracer.collectives.install()
         return self
 
@@ -179,6 +198,13 @@ class AutoTrace:
         for h in self._handles + self._module_handles:
             h.remove()
         self._handles, self._module_handles = [], []
+        self._remove_global_hooks()
+        if self._compile_watch is not None:
+            try:
+                self._compile_watch.remove_start_callback(self._compile_starts)
+            except Exception:  # noqa: BLE001 - gone already: nothing to undo
+                pass
+            self._compile_watch = None
         self._hooked = 0
         for owner, name, orig in reversed(self._originals):
             setattr(owner, name, orig)
@@ -242,8 +268,10 @@ class AutoTrace:
             self._finish_after_forward = True
         elif self._detecting:
             self._finish_detection()
-        elif no_forward and self._redetections < _MAX_REDETECTIONS:
-            self._restart_detection()  # a model built later (a new stage) has not been seen yet
+        elif no_forward and self._redetections < _MAX_REDETECTIONS and not self._compiled:
+            # a model built later (a new stage) has not been seen yet; never after a compilation, whose
+            # guards would see the global hooks come and go
+            self._restart_detection()
         ran = False
         for fn in self._step_callbacks:
             ran = True
@@ -258,21 +286,95 @@ class AutoTrace:
     # ------------------------------------------------------------------ hooks
 
     def _attach(self, ddp: Any) -> None:
+        self._watch_compiles()
         try:
             self.tracer.attach_ddp(ddp)
         except Exception as exc:  # noqa: BLE001
             switch_off("gradient collective timing", exc)
 
+    # ------------------------------------------------------------------ detection and torch.compile
+
+    def _add_global_hooks(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._global = [
+            register_module_forward_pre_hook(self._global_pre),
+            register_module_forward_hook(self._global_post, always_call=True),
+        ]
+        self._open = []
+        if self._warning_filter is None:
+            warnings.filterwarnings("ignore", message=_COMPILE_HOOK_WARNING, category=UserWarning)
+            self._warning_filter = warnings.filters[0]
+
+    def _remove_global_hooks(self) -> None:
+        for h in self._global:
+            h.remove()
+        self._global = []
+        entry, self._warning_filter = self._warning_filter, None
+        if entry is not None and entry in warnings.filters:
+            warnings.filters.remove(entry)
+            mutated = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held", None)
+            if mutated is not None:
+                mutated()  # the interpreter caches the filters' version
+
+    def _watch_compiles(self) -> None:
+        """Once TorchDynamo is imported (by the script, never by us): hear of every compilation's start."""
+        if self._compile_watch is not None or self._compiled:
+            return
+        dynamo = sys.modules.get("torch._dynamo")
+        handler = getattr(dynamo, "callback_handler", None)
+        if handler is None:
+            return
+        try:
+            handler.register_start_callback(self._compile_starts)
+            self._compile_watch = handler
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _compile_starts(self, *args: Any) -> None:
+        """TorchDynamo starts compiling a frame (before it traces it or builds its guards)."""
+        try:
+            self._compiled = True
+            if self._global and get_ident() == self.thread_id:
+                self._end_detection_now()
+        except Exception as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _end_detection_now(self) -> None:
+        """End detection inside a forward, before compiled code runs: the global hooks go, and each module
+        whose forward they opened gets a one-shot post-hook in their place (a hook added during a call
+        runs at its end), so the depth and the forward phase close as usual."""
+        self._compiled = True
+        opened, self._open = self._open, []
+        for module in opened:
+            handle: list[Any] = []
+
+            def once(mod: torch.nn.Module, args: Any, output: Any, handle: list[Any] = handle) -> None:
+                handle[0].remove()
+                self._post(mod, args, output)
+
+            handle.append(module.register_forward_hook(once, always_call=True))
+        self._finish_detection(reset_depth=False)
+
     def _global_pre(self, module: torch.nn.Module, args: Any) -> None:
         if is_compiling():
             return
-        if self._depth == 0 and self._detecting and threading.get_ident() == self.thread_id:
-            outer = self._outermost
-            if len(outer) < _MAX_OUTERMOST and not any(m is module for m in outer):
-                outer.append(module)
+        if self._detecting and get_ident() == self.thread_id and self._on:
+            if self._depth == 0:
+                outer = self._outermost
+                if len(outer) < _MAX_OUTERMOST and not any(m is module for m in outer):
+                    outer.append(module)
+                self._watch_compiles()
+            self._open.append(module)
+            self._pre(module, args)
+            if self._depth == 1 and _holds_compiled(module):
+                self._end_detection_now()  # before the compiled module is called
+            return
         self._pre(module, args)
 
     def _global_post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._open and self._open[-1] is module:
+            self._open.pop()
         self._post(module, args, output)
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -372,24 +474,18 @@ class AutoTrace:
         self._request_end()
 
     def _restart_detection(self) -> None:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-
         self._redetections += 1
         self._detecting = True
         self._depth = 0
-        self._handles += [
-            register_module_forward_pre_hook(self._global_pre),
-            register_module_forward_hook(self._global_post, always_call=True),
-        ]
+        self._add_global_hooks()
 
-    def _finish_detection(self) -> None:
+    def _finish_detection(self, *, reset_depth: bool = True) -> None:
         """After the first step: hook only the outermost modules, drop the global module hooks."""
         self._detecting = False
-        for h in self._handles[2:]:
-            h.remove()
-        del self._handles[2:]
+        self._remove_global_hooks()
         self._hook_outermost()
-        self._depth = 0
+        if reset_depth:
+            self._depth = 0
 
     def _hook_outermost(self) -> None:
         for module in self._outermost[self._hooked :]:
@@ -402,6 +498,15 @@ class AutoTrace:
                 # wrapping the instance's forward keeps the fast path and costs one Python frame.
                 self._module_handles.append(_ForwardWrapper(self, module))
         self._hooked = len(self._outermost)
+
+
+def _holds_compiled(module: torch.nn.Module) -> bool:
+    """Is ``module`` or one below it compiled (``torch.compile(m)``'s OptimizedModule, ``m.compile()``)?"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return False  # nothing was compiled in this process
+    optimized = eval_frame.OptimizedModule
+    return any(isinstance(m, optimized) or getattr(m, "_compiled_call_impl", None) is not None for m in module.modules())
 
 
 class _ForwardWrapper:
