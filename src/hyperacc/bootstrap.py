@@ -28,7 +28,8 @@ the traceback Python would print for it alone, with exit status 1. The frames of
 ``runpy`` before the script's first frame are left out, and so are the frames of hyperacc's wrappers
 that the exception only passed through (the ``backward`` and ``forward`` wrappers of automatic
 tracing); an exception raised inside hyperacc's own code keeps every frame of it
-(docs/reliability.md, "What a failing script sees").
+(docs/reliability.md, "What a failing script sees"). The same holds for the error file that torch's
+``@record`` decorator writes for torchrun's summary (``_error_file_without_wrappers``).
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"hyperacc: training script {script!r} not found; pass the path of a .py file"
             )
     closers = install()
+    _error_file_without_wrappers()
     stopping = False
     failed: BaseException | None = None
     try:
@@ -199,6 +201,29 @@ def main(argv: list[str] | None = None) -> None:
         close(closers, stopping=stopping)
     if failed is not None:
         _exit_as_python_would(failed)
+
+
+def _error_file_without_wrappers() -> None:
+    """torchelastic's ``@record`` (torchtitan's ``main`` has it) writes the failing exception's traceback
+    into the error file that torchrun's summary prints; it gets the frames the printed traceback leaves
+    out left out too (the wrappers of automatic tracing that the exception passed through)."""
+    try:
+        from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+    except ImportError:  # torch without distributed: there is no torchrun summary either
+        return
+    original = ErrorHandler.record_exception
+    if getattr(original, "_hyperacc", False):
+        return
+
+    def record_exception(handler: Any, e: BaseException) -> None:
+        try:
+            _user_frames(e, head=False, seen=set())
+        except Exception:  # noqa: BLE001 - the error file is written all the same, as it was
+            pass
+        original(handler, e)
+
+    record_exception._hyperacc = True  # type: ignore[attr-defined]
+    ErrorHandler.record_exception = record_exception  # type: ignore[method-assign]
 
 
 def _script_dir_first(directory: str) -> None:

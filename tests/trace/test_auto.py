@@ -150,15 +150,17 @@ def _tracebacks(stderr: str) -> list[list[str]]:
 
 
 @pytest.mark.slow  # two interpreters with torch per case
-@pytest.mark.parametrize("mode", ["backward", "forward"])
+@pytest.mark.parametrize("mode", ["backward", "forward", "record"])
 def test_a_failing_script_fails_through_the_bootstrap_as_it_does_alone(tmp_path: Path, mode: str) -> None:
     work = tmp_path / "work"
     work.mkdir()  # a working directory that is not the script's, as under a job scheduler
     script = os.path.relpath(FAILING, work)
     env = _env(HYPERACC_RUN_DIR=str(tmp_path / "run"), HYPERACC_TRACE='{"window": 0, "probe_every": 0}')
-    alone = subprocess.run([sys.executable, script, mode], cwd=work, env=env, capture_output=True, text=True,
-                           timeout=180)  # fmt: skip
-    traced = subprocess.run([sys.executable, "-m", "hyperacc.bootstrap", script, mode], cwd=work, env=env,
+    errors = {arm: tmp_path / f"error-{arm}.json" for arm in ("alone", "traced")}
+    alone = subprocess.run([sys.executable, script, mode], cwd=work, capture_output=True, text=True,
+                           env={**env, "TORCHELASTIC_ERROR_FILE": str(errors["alone"])}, timeout=180)  # fmt: skip
+    traced = subprocess.run([sys.executable, "-m", "hyperacc.bootstrap", script, mode], cwd=work,
+                            env={**env, "TORCHELASTIC_ERROR_FILE": str(errors["traced"])},
                             capture_output=True, text=True, timeout=180)  # fmt: skip
     assert alone.returncode == traced.returncode == 1, traced.stderr[-3000:]
     # __file__ absolute, sys.path[0] the script's directory, argv as given but for argv[0], made absolute
@@ -169,3 +171,7 @@ def test_a_failing_script_fails_through_the_bootstrap_as_it_does_alone(tmp_path:
     assert _tracebacks(traced.stderr) == expected, traced.stderr[-3000:]
     assert "hyperacc" not in "".join(line for tb in _tracebacks(traced.stderr) for line in tb)
     assert store.read_steps(tmp_path / "run").num_rows >= 3  # it was traced
+    if mode == "record":  # what torchrun's summary prints: the error file has the script's frames alone
+        written = {arm: json.loads(path.read_text())["message"]["extraInfo"]["py_callstack"] for arm, path in errors.items()}
+        assert _tracebacks(written["traced"]) == _tracebacks(written["alone"]), written["traced"]
+        assert "boom in backward" in written["traced"]

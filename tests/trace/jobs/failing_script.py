@@ -1,6 +1,8 @@
 """A script that fails in its backward, for the bootstrap's fidelity test: it prints what Python gave it
 (``__file__``, ``sys.path[0]``, ``sys.argv``) and raises from a custom autograd function's backward, the
-error wrapped by the script (a chained exception), through a module's forward and ``backward()``."""
+error wrapped by the script (a chained exception), through a module's forward and ``backward()``; in
+mode ``record`` the step is decorated with torchelastic's ``@record``, which writes the error file
+named by ``TORCHELASTIC_ERROR_FILE``."""
 
 import sys
 
@@ -36,10 +38,20 @@ for _ in range(3):  # complete steps first, so that the tracer's forward wrapper
     model(torch.randn(2, 4)).sum().detach()
     opt.step()
 mode = sys.argv[1]
-try:
+
+
+def step() -> None:
     if mode == "forward":
         model(torch.randn(3, 4))
     else:
         model(torch.randn(2, 4)).sum().backward()
+
+
+if mode == "record":  # torchelastic's decorator (torchtitan's main has it): it writes the error file
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    step = record(step)
+try:
+    step()
 except (ValueError, KeyError) as exc:
     raise RuntimeError(f"step failed in {mode}") from exc
