@@ -21,24 +21,31 @@ JOB = Path(__file__).parent / "jobs" / "compiled_job.py"
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path: Path, mode: str, traced: bool) -> dict:
-    name = f"{mode}-{'traced' if traced else 'plain'}"
-    args = [sys.executable, str(JOB), mode, str(tmp_path / f"{name}.store")]
-    if traced:
-        args.append(str(tmp_path / name))
-    out = subprocess.run(args, capture_output=True, text=True, timeout=240)
+MODES = ["wrap", "blocks", "outer"]
+
+
+def _run(tmp_path: Path, run_dir: str, *modes: str) -> dict[str, dict]:
+    store = tmp_path / f"{run_dir.replace('/', '_')}.store"
+    out = subprocess.run([sys.executable, str(JOB), str(store), run_dir, *modes], capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {r["mode"]: r for r in map(json.loads, out.stdout.strip().splitlines())}
 
 
-@pytest.mark.parametrize("mode", ["wrap", "blocks", "outer"])
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every mode without hyperacc, in one process (Dynamo reset between them)."""
+    return _run(tmp_path_factory.mktemp("plain"), "-", *MODES)
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_a_compiled_model_is_compiled_as_often_and_warns_no_more_under_automatic_tracing(
-    tmp_path: Path, mode: str
+    tmp_path: Path, plain: dict[str, dict], mode: str
 ) -> None:
-    plain, traced = _run(tmp_path, mode, False), _run(tmp_path, mode, True)
-    assert traced["graphs"] == plain["graphs"], (plain, traced)  # one more is a recompilation
-    assert traced["warnings"] == plain["warnings"]
-    assert traced["checksum"] == plain["checksum"]
-    rows = store.read_steps(tmp_path / f"{mode}-traced", ["step", "forward_ns", "backward_ns"]).to_pylist()
+    traced = _run(tmp_path, str(tmp_path / "run"), mode)[mode]
+    assert traced["graphs"] == plain[mode]["graphs"], (plain[mode], traced)  # one more is a recompilation
+    assert traced["warnings"] == plain[mode]["warnings"]
+    assert traced["checksum"] == plain[mode]["checksum"]
+    rows = store.read_steps(tmp_path / "run", ["step", "forward_ns", "backward_ns"]).to_pylist()
     assert [r["step"] for r in rows] == list(range(6))
     assert all(r["forward_ns"] and r["forward_ns"] > 0 for r in rows), rows  # the compiled forward is timed

@@ -3,9 +3,10 @@
 Modes, as people compile: ``wrap`` is ``DDP(torch.compile(model))`` (nanoGPT), ``blocks`` compiles each
 block in place of itself (torchtitan), ``outer`` is ``torch.compile(DDP(model))`` (accelerate with
 ``torch_compile``). The backend counts the graphs it is handed, so a recompilation shows as one more.
-Every warning is recorded. Prints one JSON line: {"graphs", "warnings", "checksum"}.
+Every warning is recorded. Prints one JSON line per mode: {"mode", "graphs", "warnings", "checksum"}.
 
-argv: MODE STORE_FILE [RUN_DIR]  (with RUN_DIR, automatic tracing is installed first, as the bootstrap does)
+argv: STORE_FILE RUN_DIR|- MODE [MODE ...]  (with a RUN_DIR, automatic tracing is installed first, as
+the bootstrap does, and one mode is run: its first step is the one that finds the outermost modules)
 """
 
 from __future__ import annotations
@@ -41,24 +42,9 @@ class Model(nn.Module):
         return self.head(x).square().mean()
 
 
-def main() -> None:
-    mode, store = sys.argv[1], sys.argv[2]
-    seen = warnings.catch_warnings(record=True)
-    caught = seen.__enter__()
-    warnings.simplefilter("always")
-    if len(sys.argv) > 3:
-        from hyperacc.trace import install_auto
-
-        auto = install_auto(sys.argv[3], window=0, handle_sigterm=False)
-    graphs = []
-
-    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+def train(mode: str, backend: object) -> float:
     torch.manual_seed(0)
-    model = Model()
+    model: nn.Module = Model()
     if mode == "wrap":
         model = DDP(torch.compile(model, backend=backend))
     elif mode == "blocks":
@@ -75,11 +61,36 @@ def main() -> None:
         opt.zero_grad()
         model(torch.randn(8, 16, generator=g)).backward()
         opt.step()
-    checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
-    if len(sys.argv) > 3:
+    return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def main() -> None:
+    store, run_dir, modes = sys.argv[1], sys.argv[2], sys.argv[3:]
+    seen = warnings.catch_warnings(record=True)
+    caught = seen.__enter__()
+    warnings.simplefilter("always")
+    auto = None
+    if run_dir != "-":
+        from hyperacc.trace import install_auto
+
+        auto = install_auto(run_dir, window=0, handle_sigterm=False)
+    graphs = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    for mode in modes:
+        torch._dynamo.reset()
+        graphs.clear()
+        caught.clear()
+        checksum = train(mode, backend)
+        print(json.dumps({"mode": mode, "graphs": len(graphs), "warnings": [str(w.message)[:120] for w in caught],
+                          "checksum": checksum}), flush=True)  # fmt: skip
+    if auto is not None:
         auto.close()
     dist.destroy_process_group()
-    print(json.dumps({"graphs": len(graphs), "warnings": [str(w.message)[:120] for w in caught], "checksum": checksum}))
 
 
 if __name__ == "__main__":
