@@ -14,7 +14,9 @@ What it checks (each row: pass/FAIL and the numbers behind it):
 6. the device-side pacing delay: a collective launched inside ``PacingHook.delayed(5 ms)`` starts on
    the device about 5 ms later while the host returns at once, and the first use (which starts the
    clock calibration) does not wait for the device either;
-7. per-step cost: median step time of the traced model against the untraced twin, alternating blocks;
+7. per-step cost: median step time of the traced model against an untraced twin, and with one part
+   of the tracer off at a time (device events, signals, probe and allocator counters, resource
+   sampler), alternating blocks;
 8. end to end: the unmodified ``examples/train_ddp.py`` on NCCL through ``hyperacc run`` (default
    tracing; then in-band exchange, pacing and the stabilizers together), each with the same final
    checksum as plain torchrun, device-clock columns in the run's records, and ``hyperacc analyze``
@@ -187,33 +189,54 @@ def check_pacing(state: dict) -> Result:
                 f"{rate:.3f} cycles/ns")  # fmt: skip
 
 
+# The per-step cost, and what each part of the tracer adds to it on a GPU: every arm is the same
+# 8-bucket DDP model (its own copy), timed in alternating blocks of 20 steps.
+COST_ARMS: dict[str, dict | None] = {
+    "untraced": None,
+    "default": {},
+    "no device events": {"device_timing": False},
+    "no signals": {"signals": False},
+    "no probe, no allocator counters": {"probe_every": 0, "alloc_every": 1_000_000},
+    "no resource sampler": {"resources_every_s": 0},
+}
+
+
 def check_cost(state: dict) -> Result:
     from hyperacc.trace import Tracer
 
-    tracer = Tracer(Path(tempfile.mkdtemp(prefix="gpu-check-cost-")), rank=0, world_size=1, window=0)
-    traced, twin, _ = ddp_pair(8)
-    tracer.attach_ddp(traced)
-    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01) for m in (traced, twin)}
-    times: dict[str, list[float]] = {"untraced": [], "hyperacc": []}
+    arms = {}
+    for name, options in COST_ARMS.items():
+        tracer = None
+        if options is not None:
+            tracer = Tracer(Path(tempfile.mkdtemp(prefix="gpu-check-cost-")), rank=0, world_size=1, window=0, **options)
+        model, _, _ = ddp_pair(8)
+        if tracer is not None:
+            tracer.attach_ddp(model)
+        arms[name] = (tracer, model, torch.optim.SGD(model.parameters(), lr=0.01))
+    times: dict[str, list[float]] = {name: [] for name in arms}
     x = torch.randn(256, 64, device="cuda")
-    for block in range(20):
-        for name, model in (("untraced", twin), ("hyperacc", traced)) if block % 2 else (("hyperacc", traced), ("untraced", twin)):
-            opt = opts[id(model)]
+    names = list(arms)
+    for block in range(24):
+        for name in names[block % len(names):] + names[: block % len(names)]:
+            tracer, model, opt = arms[name]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(20):
-                if model is traced:
+                if tracer is not None:
                     tracer.begin_step()
                 model(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad(set_to_none=False)
-                if model is traced:
+                if tracer is not None:
                     tracer.end_step()
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) / 20 * 1e6)
-    tracer.close()
-    base, mine = statistics.median(times["untraced"]), statistics.median(times["hyperacc"])
-    return True, f"step {base:.1f} us untraced, {mine:.1f} us traced (ratio {mine / base:.3f}; explicit API, 8 buckets)"
+    for tracer, _, _ in arms.values():
+        if tracer is not None:
+            tracer.close()
+    base = statistics.median(times["untraced"][2:])  # the first blocks warm up
+    parts = [f"{name} {statistics.median(t[2:]):.1f} us ({statistics.median(t[2:]) / base:.3f})" for name, t in times.items()]
+    return True, "explicit API, 8 buckets, median step: " + "; ".join(parts)
 
 
 def check_end_to_end(state: dict) -> Result:
