@@ -15,6 +15,11 @@ Two halves, so that the analysis can stream ranks:
 
 The sequential part runs over blocks, vectorised over ranks. The statistics the rules are written in
 (ratios, noise floors, levels, the CUSUM) are in ``change_points.py``.
+
+Why this module is a little over 500 lines: after the change points, ``detect_episodes`` keeps or
+drops each segment and names its kind by the tests at the end of the file (``stands_out``,
+``blocked_span``, ``waited_for_input``, ``worked_between``, ``more_work``); they are the episode rule of
+docs/detection.md, each a few lines that read only the block columns, so they stay beside it.
 """
 
 from __future__ import annotations

@@ -29,6 +29,11 @@ tracing; calls on other threads are left alone):
 
 Every hook body is guarded: an exception switches automatic tracing off with one log line and the
 script runs on untouched.
+
+Why this module is over 500 lines: every hook of automatic tracing is here, because they share one
+state (the module depth, the open forward, the outermost modules, the watched parameter, whether
+detection still runs) that no other module reads; the detection that must end before compiled code
+runs (``_end_detection_now``) changes that same state inside a forward.
 """
 
 from __future__ import annotations
