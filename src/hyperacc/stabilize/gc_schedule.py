@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hyperacc.stabilize.memory import rss_bytes
+from hyperacc.stats import median
 
 log = logging.getLogger(__name__)
 
@@ -166,24 +167,24 @@ def fit_cost_model(samples: Sequence[tuple[int, int, int, int]], *, flat: str = 
         slope = sum((x - mx) * (y - my) for x, y in zip(objects, pauses, strict=True)) / sxx
         fixed = my - slope * mx
         if slope <= 0 and flat == "fixed":  # nothing accumulates between collections: a fixed cost
-            fixed, slope = _median(pauses), 0.0
+            fixed, slope = median(pauses), 0.0
         elif fixed < 0 and flat == "fixed":  # a steep line through few objects: keep the smallest pause fixed
             fixed = min(pauses)
         elif slope <= 0 or fixed < 0:  # noise hides the line: fall back to the proportional model
             fixed, slope = 0.0, math.nan
     if math.isnan(slope) and flat == "fixed" and not spread:
-        fixed, slope = _median(pauses), 0.0  # one object count only: no growth to see, keep the interval
+        fixed, slope = median(pauses), 0.0  # one object count only: no growth to see, keep the interval
     if math.isnan(slope):
         ratios = sorted(d / n for n, d in zip(objects, pauses, strict=True) if n > 0)
         slope = ratios[len(ratios) // 2] if ratios else 0.0
-        fixed = 0.0 if ratios else _median(pauses)
+        fixed = 0.0 if ratios else median(pauses)
     gaps = []  # the step time now: from the latest collections, as the rate
     tail = rows[-RECENT - 1 :]
     for prev, cur in zip(tail, tail[1:], strict=False):
         gap = cur[0] - prev[0] - prev[2]
         if gap > 0:
             gaps.append(gap / cur[3])
-    step_ns = _median(gaps) if gaps else math.nan
+    step_ns = median(gaps) if gaps else math.nan
     return CostModel(fixed, slope, per_step, step_ns, len(rows))
 
 
@@ -216,14 +217,6 @@ def _group_started() -> bool:
         return bool(dist.is_available() and dist.is_initialized())
     except Exception:  # noqa: BLE001
         return True
-
-
-def _median(values: Sequence[float]) -> float:
-    s = sorted(values)
-    n = len(s)
-    if n == 0:
-        return math.nan
-    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 # ------------------------------------------------------------------ forked children (DataLoader workers)
