@@ -117,3 +117,23 @@ def test_host_delay_sleeps_at_least_the_delay() -> None:
     with hook.delayed(0, "cpu"):
         pass
     assert hook.enabled
+
+
+def test_a_device_delay_that_fails_at_entry_switches_pacing_off_and_the_collective_still_runs(caplog) -> None:
+    """The device-side delay's side stream and clock calibration are made when its block is entered; on a
+    torch without CUDA they fail there, which must switch pacing off, not reach the collective's caller."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the device-side delay works here (make gpu-check tests it)")
+    hook = PacingHook(rank=0)
+    ran = []
+    with caplog.at_level(logging.WARNING, logger="hyperacc.pacing"):
+        with hook.delayed(3 * MS, "cuda:0"):
+            ran.append("collective")
+        with hook.delayed(3 * MS, "cuda:0"):  # off now: no second attempt, no second line
+            ran.append("collective")
+    assert ran == ["collective", "collective"] and not hook.enabled
+    lines = [r for r in caplog.records if r.name == "hyperacc.pacing"]
+    assert len(lines) == 1 and "pacing is off" in lines[0].getMessage()

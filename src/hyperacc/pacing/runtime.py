@@ -172,14 +172,16 @@ class PacingHook:
             yield
             return
         if device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda":
+            stack = contextlib.ExitStack()
             try:
                 if self._sleeper is None:
                     self._sleeper = _DeviceSleeper()
-                ctx = self._sleeper.delayed(delay_ns, device)
+                # entered here, inside the guard: the side stream, the calibration and the sleep run at
+                # entry, and a failure there switches pacing off instead of reaching the collective's caller
+                stack.enter_context(self._sleeper.delayed(delay_ns, device))
             except Exception as exc:  # noqa: BLE001
                 self._switch_off(exc)
-                ctx = contextlib.nullcontext()
-            with ctx:
+            with stack:
                 yield
             return
         time.sleep(delay_ns / 1e9)
