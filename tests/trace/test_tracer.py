@@ -230,3 +230,15 @@ def test_a_step_that_never_ends_is_said_once(tmp_path: Path, caplog: pytest.LogC
     assert len(said) == 1, caplog.text
     assert "step 0 has run" in said[0].getMessage()
     assert [r["micro_steps"] for r in store.read_steps(tmp_path / "run").to_pylist()] == [2 * UNENDED_MICRO_STEPS]
+
+
+@pytest.mark.slow  # an interpreter with torch
+def test_a_script_that_leaves_through_os_exit_after_destroy_process_group_keeps_its_records(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    job = Path(__file__).parent / "jobs" / "exit_fast_job.py"
+    out = subprocess.run([sys.executable, str(job), str(tmp_path / "store"), str(tmp_path / "run"), "30"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert store.read_steps(tmp_path / "run")["step"].to_pylist() == list(range(30))

@@ -189,8 +189,29 @@ class AutoTrace:
             return result
 
         self._patch(torch, "compile", compile)
+
+        import torch.distributed as dist
+
+        if dist.is_available():
+            orig_destroy = dist.destroy_process_group
+
+            @functools.wraps(orig_destroy)
+            def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+                if not args and kwargs.get("group") is None:
+                    auto._flush_before_exit()  # the end of a script, which may leave through os._exit
+                return orig_destroy(*args, **kwargs)
+
+            self._patch(dist, "destroy_process_group", destroy_process_group)
         self.tracer.collectives.install()
         return self
+
+    def _flush_before_exit(self) -> None:
+        """Write what was recorded: a script that ends with ``os._exit`` (to avoid exit-time hangs and
+        aborts of its backend) skips ``atexit``, and with it the final flush."""
+        try:
+            self.tracer.flush()
+        except Exception as exc:  # noqa: BLE001
+            switch_off("flushing before destroy_process_group", exc)
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         self._originals.append((owner, name, getattr(owner, name)))
