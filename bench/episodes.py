@@ -21,6 +21,7 @@ Per clean run: episodes, stragglers and live episode lines (all false).
     .venv/bin/python bench/episodes.py --seeds 3 --clean 30 --runs /tmp/ep   # the table in the docs
     .venv/bin/python bench/episodes.py --rescore /tmp/ep  # score kept runs with the current rules
     .venv/bin/python bench/episodes.py --seeds 1 --clean 8 --work both   # off-CPU faults too
+    .venv/bin/python bench/episodes.py --seeds 1 --clean 4 --work gapsleep   # waits between steps
 """
 
 from __future__ import annotations
@@ -102,9 +103,9 @@ def score(run_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
 
 def report(rows: list[dict[str, Any]]) -> None:
     print("\nlatency: steps from the onset (step 120) to the verdict; range within 10 steps of 120-179")
-    print(f"{'work':>5} {'slowdown':>9} {'found':>7} {'range ok':>9} {'offline (median, max)':>22} "
+    print(f"{'work':>8} {'slowdown':>9} {'found':>7} {'range ok':>9} {'offline (median, max)':>22} "
           f"{'live (median, max)':>19} {'kind':>9}")  # fmt: skip
-    for work, f in [(w, f) for w in ("spin", "sleep") for f in FACTORS]:
+    for work, f in [(w, f) for w in ("spin", "sleep", "gapsleep") for f in FACTORS]:
         mine = [x for x in rows if x["factor"] == f and x.get("work", "spin") == work]
         if not mine:
             continue
@@ -113,7 +114,7 @@ def report(rows: list[dict[str, Any]]) -> None:
         off = [x["latency"] for x in found]
         live = [x["live_latency"] for x in mine if x.get("live_latency") is not None]
         kinds = sorted({x["kind"] for x in found})
-        print(f"{work:>5} {f:>8}x {len(found):>3}/{len(mine):<3} {len(ok):>5}/{len(found):<3} "
+        print(f"{work:>8} {f:>8}x {len(found):>3}/{len(mine):<3} {len(ok):>5}/{len(found):<3} "
               f"{_med_max(off):>22} {_med_max(live):>13} ({len(live)}/{len(mine)}) {','.join(kinds):>9}")  # fmt: skip
     clean = [x for x in rows if x["factor"] is None]
     false = sum(1 for x in clean if x["false"])
@@ -158,8 +159,10 @@ def main() -> None:
     ap.add_argument("--load", type=int, default=1, help="busy processes beside every run")
     ap.add_argument("--runs", type=Path, default=None, help="keep the run directories here")
     ap.add_argument("--rescore", type=Path, default=None, help="score the runs kept in this directory")
-    ap.add_argument("--work", choices=("spin", "sleep", "both"), default="spin",
-                    help="the fault: a busy loop (more work), a sleep (off the CPU), or each factor both ways")
+    ap.add_argument("--work", choices=("spin", "sleep", "gapsleep", "both"), default="spin",
+                    help="the fault: a busy loop (more work), a sleep (off the CPU) in the forward, a sleep "
+                    "between optimizer.step() and the next forward (a blocking read of the next batch), or "
+                    "each factor both ways in the forward")
     args = ap.parse_args()
     logging.disable(logging.WARNING)
     print(f"machine: {machine()}")

@@ -31,6 +31,10 @@ ADVICE: dict[str, str] = {
     "and its device (clocks, thermals); drain it if it stays slow",
     "data": "make the input path steady: more loader workers, prefetch, readahead for the storage "
     "(docs/data.md)",
+    "data_between": "that rank waits off its CPU for its next batch between `optimizer.step()` and the next "
+    "forward (no DataLoader): sample its stacks while it is slow (`py-spy dump --pid PID`) to see the read "
+    "or lock, and fetch the next batch ahead (a background thread, or a DataLoader with workers; "
+    "readahead for the storage, docs/data.md)",
     "launch": "the host is slow to launch work: bind ranks to cores (`hyperacc affinity`), check CPU "
     "frequency and other load on that node",
     "gc": "make garbage collection deterministic: gc.freeze() after set-up and collect every N steps on "
@@ -308,6 +312,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             key = "compute_or_host"
         elif s["kind"] == "host" and s.get("blocked_per_step") is not None:
             key = "blocked"
+        elif s["kind"] == "data" and s.get("between_steps"):
+            key = "data_between"
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
         if key == "host_work" and _gc_excess(s) >= opts.get("floor_ns", 200_000):
             steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")
@@ -315,6 +321,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         key = "compute_or_host" if e["kind"] == "compute" and e.get("kind_basis") == "wall_time_only" else e["kind"]
         if key == "host" and e.get("blocked_per_step") is not None:
             key = "blocked"
+        elif key == "data" and e.get("between_steps"):
+            key = "data_between"
         if not any(s["rank"] == e["rank"] for s in ranks_bad[:5]):
             steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:

@@ -253,9 +253,11 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # It waited from the first to the last block in which it blocked more; the wall time's
                 # wander at the edges of the change points' range is the host's.
                 seg, blocked = waited
-                # A wait in the input fetch is for the rank's producer (its DataLoader workers, its
-                # reads), which a loaded host starves one rank at a time: the data rules judge input.
-                if data is not None and waited_for_input(wall[r], data[r], seg):
+                # A wait in a DataLoader's fetch is for the rank's producer (its loader workers), which a
+                # loaded host starves one rank at a time: the data rules judge that input. Without a
+                # DataLoader the input time is the gap between steps, where the rank's own thread ran and
+                # blocked (its reads, a lock, a sleep): judged here, as any other wait.
+                if data is not None and waited_for_input(wall[r], data[r], seg) and not in_gap(gap, r, seg):
                     continue
                 b0, b1 = int(seg[0]), int(seg[-1])
                 confirm = max(confirm, b0)
@@ -302,12 +304,15 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 continue
             between = None
             fetch = False  # the growth is a DataLoader's fetch (input, named as the straggler rule names it)
+            gap_wait = False  # the growth is a wait off the CPU between steps of a loop without a DataLoader
             if data is not None and waited_for_input(wall[r], data[r], seg):
                 # The input gap of a loop without a DataLoader that grew with the rank's CPU time, more than
                 # preemption explains, is its own work between steps (the rule of ``attribution.gap_causes``
                 # beside the CPU-versus-wall split), not an input wait.
                 between = worked_between(data, gap, cpu, r, seg, opts) if kind == "compute" else None
-                if between is None and blocked is None and rise is not None:
+                waiting = blocked is not None or rise is not None
+                gap_wait = between is None and waiting and kind == "host" and in_gap(gap, r, seg)
+                if between is None and blocked is None and rise is not None and not gap_wait:
                     continue  # as for a blocked span: a wait in the input fetch is for the data rules
                 fetch = gap is not None and nan_median(gap[r, seg]) <= 0.5
             if between is not None:
@@ -316,6 +321,10 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # slower in its DataLoader's fetch (preprocessing on the training thread, a slow read that
                 # did not block more): its input path, the data straggler's kind
                 kind, basis = "data", "input_fetch"
+            elif gap_wait:
+                # blocked off its CPU between steps, its CPU time not grown with the gap: it waits for its
+                # input (``attribution.gap_causes``: "data"), as the straggler rule names such a rank
+                kind, basis = "data", "off_cpu"
             if channel == "cpu_ns":
                 # A starved rank's CPU time grows too (caches refilled, a shared core): on a busy host
                 # 1.25-1.9x while its wall time grew 3-10x. More work is CPU time grown by more than
@@ -330,7 +339,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 since_step=int(cols[b0] * width), until_step=int(cols[b1] * width + width - 1),
                 confirmed_step=int(cols[confirm] * width + width - 1), active=active,
                 steps=int((cols[b1] - cols[b0] + 1) * width), excess_ns=float(nan_median(excess)),
-                between_steps=between is not None,
+                between_steps=between is not None or gap_wait,
                 job_time_lost_ns=float(np.nansum(np.maximum(excess, 0) * count[r, seg])),
                 shift=float(np.exp(shift)), noise=float(sigma), kind_basis=basis, cpu_share=share,
                 blocked_per_step=rise if kind == "host" else None,
@@ -481,6 +490,11 @@ def waited_for_input(wall: np.ndarray, data: np.ndarray, seg: np.ndarray) -> boo
     return bool(grown > 0 and fetched * 2 >= grown)
 
 
+def in_gap(gap: np.ndarray | None, r: int, seg: np.ndarray) -> bool:
+    """Row ``r``'s input time over blocks ``seg`` is the gap of a loop without a DataLoader (most steps)."""
+    return gap is not None and bool(nan_median(gap[r, seg]) > 0.5)
+
+
 def worked_between(data: np.ndarray, gap: np.ndarray | None, cpu: np.ndarray, r: int, seg: np.ndarray,
                    opts: DetectionOptions) -> float | None:  # fmt: skip
     """Row ``r`` worked in the input gap over blocks ``seg``: its input time there is the gap of a loop
@@ -489,7 +503,7 @@ def worked_between(data: np.ndarray, gap: np.ndarray | None, cpu: np.ndarray, r:
     blocks; the noise bar from the other ranks' spread of the same growth of CPU time). Returns the CPU
     time's growth as a share of the gap's, or None (a DataLoader's fetch, a wait off the CPU, or no
     evidence either way: the data rules judge it)."""
-    if gap is None or not nan_median(gap[r, seg]) > 0.5:
+    if not in_gap(gap, r, seg):
         return None
     with np.errstate(all="ignore"):
         fetched = nan_median(data[r, seg]) - outside_level(data[r], seg)

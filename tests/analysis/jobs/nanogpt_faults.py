@@ -7,7 +7,8 @@ DataLoader, DDP over gloo), with faults the job injects itself (no ``hyperacc.ch
   inside its forward for (F - 1) times its own median step of steps 10-59 (a transient fail-slow);
   ``--slow-work sleep``: sleeps that long instead (a fail-slow off the CPU, as a blocking read);
   ``--slow-work between``: busy-loops that long after ``optimizer.step()`` instead (its own host work
-  between steps, in the input gap of a loop without a DataLoader);
+  between steps, in the input gap of a loop without a DataLoader); ``--slow-work gapsleep``: sleeps
+  that long there (a blocking read of the next batch, off the CPU);
 - ``--input-rank R --input-ms M --input-every K``: every K-th step rank R waits M ms for its batch (a
   blocking read of the next batch, between ``optimizer.step()`` and the next forward).
 
@@ -63,7 +64,7 @@ def main() -> None:
     p.add_argument("--slow-from", type=int, default=120)
     p.add_argument("--slow-until", type=int, default=180)
     p.add_argument("--slow-factor", type=float, default=2.0)
-    p.add_argument("--slow-work", choices=("spin", "sleep", "between"), default="spin")
+    p.add_argument("--slow-work", choices=("spin", "sleep", "between", "gapsleep"), default="spin")
     p.add_argument("--input-rank", type=int, default=-1)
     p.add_argument("--input-ms", type=float, default=20.0)
     p.add_argument("--input-every", type=int, default=10)
@@ -93,14 +94,16 @@ def main() -> None:
             if it == min(60, args.slow_from):  # the rank's own median step before the fault
                 raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:it] or own or [0]))
             raw.spin_ns = raw_spin if args.slow_from <= it < args.slow_until else 0
-        between_ns, raw.spin_ns = (raw.spin_ns, 0) if args.slow_work == "between" else (0, raw.spin_ns)
+        between_ns, raw.spin_ns = (raw.spin_ns, 0) if args.slow_work in ("between", "gapsleep") else (0, raw.spin_ns)
         x, y = get_batch(it)
         logits = model(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if between_ns:  # the rank's own work between optimizer.step() and the next forward
+        if between_ns and args.slow_work == "gapsleep":  # its read of the next batch blocks
+            time.sleep(between_ns / 1e9)
+        elif between_ns:  # the rank's own work between optimizer.step() and the next forward
             end = time.perf_counter_ns() + between_ns
             while time.perf_counter_ns() < end:
                 pass
