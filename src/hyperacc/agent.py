@@ -178,7 +178,8 @@ class LiveNode(_Periodic):
 
     thread_name = "hyperacc-agent-live"
     # Live episodes (analysis.live_episodes): the change-point rule over the ranks' blocks as they are
-    # flushed; only episodes with CPU-time evidence are said live (docs/detection.md, "Episodes", Live).
+    # flushed; only episodes with CPU-time or blocking evidence are said live (docs/detection.md,
+    # "Episodes", Live).
     # A class attribute so that a deployment can switch them off.
     live_episodes = True
 

@@ -14,6 +14,7 @@ import pytest
 
 from hyperacc import harness, store
 from hyperacc.analysis import diagnose
+from hyperacc.analysis.diagnosis import kind_word
 from hyperacc.analysis.episodes import (
     BlockBudget,
     Episode,
@@ -502,6 +503,38 @@ def test_live_episodes_wait_for_every_ranks_history_and_say_only_cpu_time_eviden
                               opts)  # fmt: skip
     assert [(e.rank, e.metric, e.kind) for e in offline] == [(2, "self_ns", "host")], offline
     assert stream(waits, [(r, a, a + 7) for a in range(0, 300, 7) for r in range(4)]) == []
+
+
+@pytest.mark.parametrize("where", ["forward", "between_steps"])
+def test_live_says_a_wait_that_blocked_as_offline_does(where):
+    """A rank that waits off its CPU (twice its self-time, its CPU time unchanged) and blocks once more per
+    step while it does (voluntary context switches, which preemption does not raise) is said live, as
+    ``analyze`` finds it: kind host in its forward, kind data between the steps of a loop without a
+    DataLoader. Until 2026-12-04 the node agent's blocks carried no switch counts and live said neither."""
+    opts = DetectionOptions()
+    cols = _step_columns(4, 300, {}, seed=3)
+    for r, c in enumerate(cols):
+        n = c["step"].size
+        c["vol_ctx_switches"] = np.ones(n)
+        c["data_gap"] = np.ones(n)
+        c["data_ns"] = 1 * MS * np.ones(n)
+        if r == 2:
+            c["vol_ctx_switches"][120:180] += 1
+            c["self_ns"][120:180] += 10 * MS
+            if where == "between_steps":
+                c["data_ns"][120:180] += 10 * MS
+    offline = detect_episodes([rank_blocks(r, 0, {k: v[10:] for k, v in c.items()}, opts) for r, c in enumerate(cols)],
+                              opts)  # fmt: skip
+    kind = "data" if where == "between_steps" else "host"
+    assert [(e.rank, e.kind) for e in offline] == [(2, kind)], offline
+    streams = [BlockStream(r, 0, opts) for r in range(4)]
+    live, said = LiveEpisodes(opts), []
+    for start in range(0, 300, 7):
+        said += live.update([s.add({k: v[start:start + 7] for k, v in c.items()}) for s, c in zip(streams, cols, strict=True)])
+    said += live.update([s.close() for s in streams]) + live.close()
+    assert said and said[0][1].startswith("rank 2 (node 0) is slow since step 12"), said
+    assert f"({kind_word(kind)}:" in said[0][1] and 120 <= said[0][0] <= 140, said
+    assert len(said) == 2 and "then recovered" in said[1][1], said
 
 
 def test_live_says_an_episode_ended_only_once_the_rank_is_seen_back_at_its_level():

@@ -30,8 +30,9 @@ class BlockStream:
     """One rank's step columns, in step order, -> its complete blocks (``add``) and the rest (``close``)."""
 
     # the input wait and whether it is the gap of a loop without a DataLoader: an episode in that gap that
-    # grew with the CPU time is the rank's own work between steps (kind host_work), live as offline
-    _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns", "data_ns", "data_gap")
+    # grew with the CPU time is the rank's own work between steps (kind host_work), live as offline; the
+    # voluntary context switches: a rank that blocked off its CPU (a read, a lock, a sleep), live as offline
+    _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns", "data_ns", "data_gap", "vol_ctx_switches")
 
     def __init__(self, rank: int, node: int, opts: DetectionOptions) -> None:
         self.rank, self.node, self.opts = rank, node, opts
@@ -106,11 +107,12 @@ class LiveEpisodes:
         # steps 45-69, 1.4x in CPU time, where the other ranks reached the same later in the run).
         floor_from = max(self._first.values()) * self.opts.episode_block_steps + self.opts.spike_window
         out: list[tuple[int, str]] = []
-        # Only episodes with CPU-time evidence (more work: the metric preemption does not move). A
-        # wall-time-only stretch of a busy host's wander is, early in a run, a record of the run so far
+        # Only episodes with evidence preemption does not give: CPU time (more work), or the voluntary
+        # context switches of a rank that blocked off its CPU (preemption switches a thread involuntarily).
+        # A wall-time-only stretch of a busy host's wander is, early in a run, a record of the run so far
         # that later stretches of other ranks match; only the whole run (``analyze``) tells the two apart.
         found = [e for e in detect_episodes(list(self._history.values()), self.opts, floor_effect=1.0)
-                 if e.metric == "cpu_ns"]  # fmt: skip
+                 if e.metric == "cpu_ns" or _blocked(e)]  # fmt: skip
         for rank in [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]:
             # no longer judged an episode (its history moved on): ended by the rank's newest block, once the
             # rank is seen back at its level (below)
@@ -190,6 +192,11 @@ def _ended(first: Episode, e: Episode) -> str:
     return f"rank {e.rank} (node {e.node}) was slow from step {first.since_step} to {e.until_step}, then recovered"
 
 
+def _blocked(e: Episode) -> bool:
+    """The episode rests on the rank's voluntary context switches: host and blocked, or a wait between steps."""
+    return (e.kind == "host" and e.blocked_per_step is not None) or e.kind_basis == "off_cpu"
+
+
 def _overlap(a: Episode, b: Episode) -> bool:
     return a.rank == b.rank and a.since_step <= b.until_step and b.since_step <= a.until_step
 
@@ -206,7 +213,7 @@ def _joined(old: RankBlocks | None, new: RankBlocks) -> RankBlocks:
         new.rank, new.node, np.concatenate([old.block[keep], new.block]),
         np.concatenate([old.self_ns[keep], new.self_ns]), np.concatenate([old.cpu_ns[keep], new.cpu_ns]),
         np.concatenate([old.steps[keep], new.steps]), new.width,
-        data=joined(old.data, new.data), gap=joined(old.gap, new.gap),
+        vol=joined(old.vol, new.vol), data=joined(old.data, new.data), gap=joined(old.gap, new.gap),
     )  # fmt: skip
 
 
@@ -214,5 +221,8 @@ def _since(h: RankBlocks, first_block: int) -> RankBlocks:
     keep = h.block >= first_block
     if keep.all():
         return h
+    def kept(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else a[keep]
+
     return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep], h.width,
-                      data=None if h.data is None else h.data[keep], gap=None if h.gap is None else h.gap[keep])  # fmt: skip
+                      vol=kept(h.vol), data=kept(h.data), gap=kept(h.gap))  # fmt: skip
