@@ -307,22 +307,12 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         steps.append(f"node {node}: {ADVICE['node']}")
         seen.add("node")
     for s in ranks_bad[:5]:
-        key = s["kind"]
-        if s["kind"] == "compute" and s.get("kind_basis") == "wall_time_only":
-            key = "compute_or_host"
-        elif s["kind"] == "host" and s.get("blocked_per_step") is not None:
-            key = "blocked"
-        elif s["kind"] == "data" and s.get("between_steps"):
-            key = "data_between"
+        key = _advice_key(s)
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
         if key == "host_work" and _gc_excess(s) >= opts.get("floor_ns", 200_000):
             steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")
     for e in d.episodes[:3]:
-        key = "compute_or_host" if e["kind"] == "compute" and e.get("kind_basis") == "wall_time_only" else e["kind"]
-        if key == "host" and e.get("blocked_per_step") is not None:
-            key = "blocked"
-        elif key == "data" and e.get("between_steps"):
-            key = "data_between"
+        key = _advice_key(e)
         if not any(s["rank"] == e["rank"] for s in ranks_bad[:5]):
             steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:
@@ -513,6 +503,18 @@ def basis_phrase(s: dict[str, Any]) -> str:
     if basis == "major_faults":
         return "its major page faults stand out: the host pages from storage"
     return ""
+
+
+def _advice_key(f: dict[str, Any]) -> str:
+    """The ``ADVICE`` entry of a straggler or an episode: its kind, refined by the evidence behind it."""
+    kind = f["kind"]
+    if kind == "compute" and f.get("kind_basis") == "wall_time_only":
+        return "compute_or_host"
+    if kind == "host" and f.get("blocked_per_step") is not None:
+        return "blocked"
+    if kind == "data" and f.get("between_steps"):
+        return "data_between"
+    return kind
 
 
 def _too_short(d: Diagnosis, detail: bool = False) -> str:
