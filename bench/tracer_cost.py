@@ -53,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-def _nanogpt() -> tuple:
+def _nanogpt(device: str) -> tuple:
     import numpy as np
     import torch
     from nanogpt_loop import GPT
@@ -65,12 +65,12 @@ def _nanogpt() -> tuple:
         ix = torch.randint(len(data) - 65, (8,))
         x = torch.stack([torch.from_numpy(data[i : i + 64].astype(np.int64)) for i in ix])
         y = torch.stack([torch.from_numpy(data[i + 1 : i + 65].astype(np.int64)) for i in ix])
-        return x, y
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def build() -> list:
-        model = DDP(GPT(512, 64, 64, 2, 4))
+        model = DDP(GPT(512, 64, 64, 2, 4).to(device))
         opt = torch.optim.AdamW(model.parameters(), lr=6e-4, fused=False)
-        return [model, opt, torch.amp.GradScaler("cpu"), get_batch()]
+        return [model, opt, torch.amp.GradScaler(device.split(":")[0]), get_batch()]
 
     def iterate(arm: list) -> None:
         model, opt, scaler, (x, y) = arm
@@ -89,7 +89,7 @@ def _nanogpt() -> tuple:
     return build, iterate
 
 
-def _train_ddp() -> tuple:
+def _train_ddp(device: str) -> tuple:
     import torch
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -100,13 +100,14 @@ def _train_ddp() -> tuple:
     loss_fn = nn.CrossEntropyLoss()
 
     def build() -> list:
-        model = DDP(build_model(512, 512, 10))
+        model = DDP(build_model(512, 512, 10).to(device))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         return [model, opt, iter(DataLoader(dataset, batch_size=32, shuffle=True))]
 
     def iterate(arm: list) -> None:
         model, opt, batches = arm
         x, y = next(batches)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         opt.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         opt.step()
@@ -228,7 +229,7 @@ def _hyperacc_threads_cpu() -> float:
     return total
 
 
-def worker(job: str, pairs: int, block: int, out: Path) -> None:
+def worker(job: str, pairs: int, block: int, out: Path, device: str = "cpu") -> None:
     import torch
     import torch.distributed as dist
 
@@ -243,12 +244,15 @@ def worker(job: str, pairs: int, block: int, out: Path) -> None:
         TRAINERS[job][1](alt)
         out.write_text(json.dumps(alt.result()))
         return
-    dist.init_process_group("gloo")
+    if device.startswith("cuda"):  # one rank on the first GPU, NCCL: the device path of the tracer
+        torch.cuda.set_device(0)
+        device = "cuda:0"
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     auto = auto_mod.installed()
     if auto is None:
         raise SystemExit("run this worker under `hyperacc run` (automatic tracing was not installed)")
     torch.manual_seed(0)
-    build, iterate = JOBS[job]()
+    build, iterate = JOBS[job](device)
     auto.uninstall()
     plain = build()  # built untraced: never attached
     auto.install()
@@ -270,6 +274,8 @@ def worker(job: str, pairs: int, block: int, out: Path) -> None:
             for _ in range(block):
                 iterate(arm)
             times[name].append((time.thread_time() - t0) / block)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
     bg = _hyperacc_threads_cpu() - bg0
     auto._on = True
     out.write_text(json.dumps({**times, "bg_s": bg, "traced_iterations": pairs * block}))
@@ -298,12 +304,13 @@ def main() -> None:
     p.add_argument("--job", choices=("all", *JOBS, *TRAINERS), default="all",
                    help="all: the two loops, and HF Trainer and Lightning where installed")
     p.add_argument("--trace", default="", help="tracing options for `hyperacc run --trace` (default: its own)")
+    p.add_argument("--device", default="cpu", help="cuda: the two loops on the first GPU over NCCL (trainers stay on CPU)")
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     pairs = 150 if args.quick else args.pairs
     if args.worker:
-        worker(args.worker, pairs, args.block, Path(args.out))
+        worker(args.worker, pairs, args.block, Path(args.out), args.device)
         return
     from _machine import describe
 
@@ -311,7 +318,9 @@ def main() -> None:
     print(f"one rank under `hyperacc run --quiet`; {pairs} alternated pairs of {args.block}-iteration blocks a job")
     print(f"{'job':<10} {'pairs':>6} {'untraced ms':>12} {'traced ms':>12} {'training thread +us (95 %)':>30} "
           f"{'hyperacc threads us':>10} {'traced / untraced (95 %)':>26}")  # fmt: skip
-    if args.job == "all":
+    if args.job == "all" and args.device != "cpu":
+        jobs = list(JOBS)
+    elif args.job == "all":
         jobs = [*JOBS, *(name for name, (package, _) in TRAINERS.items() if importlib.util.find_spec(package))]
         for name in sorted(set(TRAINERS) - set(jobs)):
             print(f"{name:<10} skipped: {TRAINERS[name][0]} is not installed")
@@ -325,7 +334,8 @@ def main() -> None:
             cmd = [sys.executable, "-m", "hyperacc", "run", "--quiet", "--run-dir", str(Path(tmp) / job),
                    "--nproc-per-node", "1", *(["--trace", args.trace] if args.trace else []),
                    "--", str(Path(__file__).resolve()), "--worker", job,
-                   "--pairs", str(pairs), "--block", str(args.block), "--out", str(out)]  # fmt: skip
+                   "--pairs", str(pairs), "--block", str(args.block), "--out", str(out),
+                   "--device", args.device]  # fmt: skip
             proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if proc.returncode != 0 or not out.exists():
                 raise SystemExit(f"{job}: the traced rank failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pickle
 import time
 
-import lmdb
 import numpy as np
 import pytest
 import torch
@@ -19,6 +18,8 @@ from hyperacc.data.lmdb_dataset import (
     upcoming_positions,
 )
 from hyperacc.data.sampler import OnDemandDistributedSampler
+
+lmdb = pytest.importorskip("lmdb", reason="the data extra is not installed (pip install -e '.[data]')")
 
 
 def test_array_database_round_trips(tmp_path):

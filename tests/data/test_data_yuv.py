@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import cv2
 import numpy as np
 import pytest
 import torch
 
 from hyperacc.data.yuv import YUVToRGB, q20_constants, yuv_to_rgb
+
+cv2 = pytest.importorskip("cv2", reason="the data extra is not installed (pip install -e '.[data]')")
 
 CODES = {
     "nv12": cv2.COLOR_YUV2RGB_NV12,

@@ -27,12 +27,47 @@ DDP_COMM = 7  # a gradient collective inside backward: device wait, taken out of
 _KINDS = 8
 
 
+def _event_calls() -> tuple:
+    """``(current_stream, record, query, elapsed)``: the current CUDA stream and the event calls, without
+    torch's Python wrappers where this torch has their C base. ``torch.cuda.current_stream()`` spends
+    most of an event record's host time (measured on an H200: record() 6.7-10.7 us, of which
+    current_stream() 4.6-7.5 us, against 0.6 us for the C lookup): it re-checks CUDA availability and an
+    environment variable at every call. The Stream objects are cached by (id, device, type), the tuple
+    torch itself builds them from; stream ids come from torch's fixed pools, and the cache is cleared
+    past 256 entries all the same."""
+    import torch
+
+    public = (torch.cuda.current_stream, torch.cuda.Event.record, torch.cuda.Event.query,
+              torch.cuda.Event.elapsed_time)  # fmt: skip
+    try:
+        base = torch._C._CudaEventBase
+        get_device, get_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentStream
+        make = torch.cuda.Stream
+        cache: dict = {}
+
+        def current_stream() -> object:
+            data = get_stream(get_device())
+            stream = cache.get(data)
+            if stream is None:
+                if len(cache) >= 256:
+                    cache.clear()
+                stream = cache[data] = make(stream_id=data[0], device_index=data[1], device_type=data[2])
+            return stream
+
+        if current_stream() != torch.cuda.current_stream():
+            return public
+        return current_stream, base.record, base.query, base.elapsed_time
+    except Exception:  # noqa: BLE001 - a torch without these private calls: the public ones
+        return public
+
+
 class DeviceTimer:
     def __init__(self, steps: int = 32, events: int = 24) -> None:
         import torch
 
         self.steps, self.budget = steps, events
         self.events = [[torch.cuda.Event(enable_timing=True) for _ in range(events)] for _ in range(steps)]
+        self._stream, self._record, self._query, self._elapsed = _event_calls()
         pairs = events // 2
         self.n_events = [0] * steps
         self.n_pairs = [0] * steps
@@ -69,7 +104,7 @@ class DeviceTimer:
         n = self.n_events[k]
         if n >= self.budget - 1:  # the last event is kept for the step's end
             return -1
-        self.events[k][n].record()
+        self._record(self.events[k][n], self._stream())
         self.n_events[k] = n + 1
         return n
 
@@ -92,7 +127,7 @@ class DeviceTimer:
         if k < 0:
             return False
         n = self.n_events[k]
-        self.events[k][n].record()
+        self._record(self.events[k][n], self._stream())
         self.n_events[k] = n + 1
         self.end_event[k] = n
         self.row[k] = row
@@ -105,6 +140,7 @@ class DeviceTimer:
 
     def resolve(self, buf: list[list[int]], capacity: int, *, wait: bool = False) -> None:
         """Write the device times of completed slots into their rows of ``buf`` (oldest first)."""
+        query = self._query
         while self.tail < self.head:
             k = self.tail % self.steps
             events = self.events[k]
@@ -112,7 +148,7 @@ class DeviceTimer:
             if wait:
                 for i in range(self.n_events[k]):
                     events[i].synchronize()
-            elif not events[end].query() or not all(events[i].query() for i in range(self.n_events[k])):
+            elif not query(events[end]) or not all(query(events[i]) for i in range(self.n_events[k])):
                 return  # the end is recorded last; the others may sit on another stream
             self._write(k, buf[self.row[k] % capacity])
             self.tail += 1
@@ -123,10 +159,11 @@ class DeviceTimer:
         for i in range(_KINDS):
             sums[i] = 0.0
         kinds, a, b = self.pair_kind[k], self.pair_a[k], self.pair_b[k]
+        elapsed = self._elapsed
         for i in range(self.n_pairs[k]):
-            sums[kinds[i]] += events[a[i]].elapsed_time(events[b[i]])  # milliseconds
+            sums[kinds[i]] += elapsed(events[a[i]], events[b[i]])  # milliseconds
         bad = self.incomplete[k]
-        step = events[0].elapsed_time(events[self.end_event[k]])
+        step = elapsed(events[0], events[self.end_event[k]])
         row[DEV_STEP_NS] = max(int(step * 1e6), 0)
         if not bad & (1 << FORWARD):
             if self._had(k, FORWARD):

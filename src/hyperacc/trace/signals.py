@@ -132,10 +132,8 @@ class StepSignals:
             self._read_alloc(self._alloc_prev)
 
     def _read_alloc(self, out: list[int]) -> bool:
-        import torch
-
         try:
-            stats = torch.cuda.memory_stats()
+            stats = _alloc_stats()
             for i, (_, key) in enumerate(_ALLOC_KEYS):
                 out[i] = int(stats.get(key, 0))
             return True
@@ -204,6 +202,20 @@ class StepSignals:
         if self.syncs is not None:
             self.syncs.close()
             self.syncs = None
+
+
+def _alloc_stats() -> dict:
+    """The CUDA caching allocator's counters of the current device. Its three top-level counters are the
+    same in torch's nested dictionary as in ``torch.cuda.memory_stats()``, which flattens every nested
+    counter in Python first (an H200 here: 152 us a call against 20 us for the nested one)."""
+    import torch
+
+    try:
+        read = torch._C._cuda_memoryStats
+        device = torch._C._cuda_getDevice()
+    except AttributeError:  # a torch without the private call: the public one
+        return torch.cuda.memory_stats()
+    return read(device)
 
 
 def _cpu_us(ru: resource.struct_rusage) -> int:

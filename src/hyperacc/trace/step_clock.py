@@ -108,7 +108,7 @@ class StepClock:
         self.pace_delay = -1
         self.on_end: Callable[[int], None] | None = None  # called with the boundary time
         self.wait_sources: list[WaitSource] = []
-        self.device: Any = None  # hyperacc.trace.device.DeviceTimer on CUDA: every change accounted at once
+        self.device: Any = None  # hyperacc.trace.device.DeviceTimer on CUDA: timed kinds accounted at once
         self.device_kinds = 0  # bit per phase kind timed on the device too
 
     # ------------------------------------------------------------------ step boundaries
@@ -182,8 +182,8 @@ class StepClock:
         self.kinds[d] = kind
         if kind == COMM:
             self.comm_open += 1
-        if self.device is not None:
-            self._replay()
+        if self.device is not None and (self.device_kinds >> kind) & 1:
+            self._replay()  # a phase timed on the device too: its event is recorded now
             self._enter(kind, t)
             return
         i = self.n
@@ -217,7 +217,7 @@ class StepClock:
         if kind == COMM:
             self.comm_open -= 1
         collect = kind == BACKWARD and self.wait_sources
-        if self.device is not None:
+        if self.device is not None and (self.device_kinds >> kind) & 1:
             self._replay()
             self._exit(kind, t, *(self._collect() if collect else (0, -1, 0)))
         else:
