@@ -12,6 +12,13 @@ rank's rate of each cause with the other ranks' pooled rate of the same cause (d
         rate is an outlier among the ranks' rates (the straggler rule of one window: modified z, the
         other ranks' Tukey fence, min_slowdown)
 
+The binomial counts each spike as an independent draw. Spikes that come in bursts (a loaded host
+starving a rank's loader workers for a stretch, then another rank's) are fewer independent events
+than spikes, so the test is made on ``k / phi`` spikes of ``n / phi`` steps, where ``phi`` >= 1 is the
+cause's dispersion: Pearson's chi-square of each rank's spike counts per window around that rank's own
+rate, pooled over the ranks, over its degrees of freedom (the quasi-binomial correction). Spikes drawn
+independently give ``phi`` about 1 and the test as it was.
+
 ``tests`` is the number of (rank, cause) pairs with at least ``excess_min_spikes`` spikes (a pair with
 fewer is never a finding, so it is no test). ``k_r`` of ``n_r`` judged steps of the rank spiked with
 that cause; ``k~`` and ``n~`` are the medians of
@@ -26,7 +33,8 @@ healthy ranks' floor of them is near zero. Pure: counts in, findings out; offlin
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -69,9 +77,67 @@ class RankExcess:
     mean_excess_ns: float  # the average time one of these spikes lost
     time_lost_ns: float  # all of them together
     p_value: float
+    dispersion: float = 1.0  # the cause's phi: how bursty its spikes were (1: independent draws)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def window_dispersion(spikes: np.ndarray, judged: np.ndarray) -> tuple[float, float]:
+    """Pearson's chi-square of one rank's spike counts per window (``spikes[w]`` of ``judged[w]`` judged
+    steps) around the rank's own rate, and its degrees of freedom (windows - 1); (0, 0) where the rank
+    had no spike of it, or spiked at every step, or was judged in one window only."""
+    k = np.nan_to_num(np.asarray(spikes, dtype=np.float64))
+    n = np.nan_to_num(np.asarray(judged, dtype=np.float64))
+    ok = n > 0
+    k, n = k[ok], n[ok]
+    total_k, total_n = float(k.sum()), float(n.sum())
+    if n.size < 2 or total_k <= 0 or total_k >= total_n:
+        return 0.0, 0.0
+    p = total_k / total_n
+    return float((np.square(k - n * p) / (n * p * (1.0 - p))).sum()), float(n.size - 1)
+
+
+def member_dispersion(windows: Mapping[str, np.ndarray], causes: Sequence[str]) -> dict[tuple[str, ...], tuple[float, float]]:
+    """One rank's ``window_dispersion`` for every set of causes ``cause_groups`` can test together (each
+    cause alone, and the merged unspecific ones with and without CPU time), from its window summaries
+    (``spikes_<cause>``, ``judged_steps``): a few numbers kept per rank instead of its window tallies."""
+    if "judged_steps" not in windows:
+        return {}
+    sets = {members for cpu in (True, False) for members in cause_groups(causes, cpu).values()}
+    sets |= {(c,) for c in causes}
+    out = {}
+    for members in sets:
+        parts = [windows[f"spikes_{c}"] for c in members if f"spikes_{c}" in windows]
+        if parts:
+            out[members] = window_dispersion(np.sum(parts, axis=0), windows["judged_steps"])
+    return out
+
+
+def group_dispersion(
+    per_rank: Sequence[Mapping[tuple[str, ...], tuple[float, float]]], groups: Mapping[str, tuple[str, ...]]
+) -> dict[str, float]:
+    """``phi`` of each cause group over the ranks' ``member_dispersion`` (a set a rank lacks is the pool
+    of its members' own)."""
+    out = {}
+    for name, members in groups.items():
+        parts = []
+        for d in per_rank:
+            if members in d:
+                parts.append(d[members])
+            else:
+                parts.extend(d[(c,)] for c in members if (c,) in d)
+        out[name] = pooled_dispersion(parts)
+    return out
+
+
+def pooled_dispersion(parts: Iterable[tuple[float, float]]) -> float:
+    """``phi`` of a cause: the ranks' chi-squares over their degrees of freedom, at least 1."""
+    chi2 = df = 0.0
+    for c, d in parts:
+        chi2 += c
+        df += d
+    return max(1.0, chi2 / df) if df > 0 else 1.0
 
 
 def rank_excess(
@@ -81,11 +147,13 @@ def rank_excess(
     counts: Mapping[str, Sequence[float]],
     lost: Mapping[str, Sequence[float]],
     opts: DetectionOptions,
+    dispersion: Mapping[str, float] | None = None,
 ) -> list[RankExcess]:
     """Per rank and cause, the spikes that stand out from the other ranks' floor (module docstring).
 
     ``steps[i]`` are rank ``ranks[i]``'s judged steps; ``counts[cause][i]`` its spikes of that cause and
-    ``lost[cause][i]`` the time they lost. Needs two ranks or more; sorted by time lost."""
+    ``lost[cause][i]`` the time they lost; ``dispersion[cause]`` its ``phi`` (1 where not given). Needs
+    two ranks or more; sorted by time lost."""
     if opts.top_alpha <= 0:
         return []
     n = np.asarray(steps, dtype=np.float64)
@@ -112,13 +180,15 @@ def rank_excess(
         # candidates, one median per rank would cost ranks squared)
         med_k, med_n = loo_median(np.stack([k, n], axis=1)).T
         m = float(n.size - 1)
+        phi = max(1.0, float((dispersion or {}).get(cause, 1.0)))
         for i in candidates:
             others_k, others_n = k_all - k[i], n_all - n[i]
             q = (m * float(med_k[i]) + 1.0) / (m * float(med_n[i]) + 2.0)
             rate = k[i] / n[i]
             if rate < opts.excess_ratio * q:
                 continue
-            p = float(binom_sf(k[i], n[i], q))
+            # bursts: the independent events are fewer than the spikes (module docstring)
+            p = float(binom_sf(k[i], n[i], q)) if phi == 1.0 else float(binom_sf(math.floor(k[i] / phi), n[i] / phi, q))
             if p >= opts.top_alpha / tests:
                 continue
             out.append(
@@ -126,6 +196,7 @@ def rank_excess(
                     rank=int(ranks[i]), node=int(nodes[i]), cause=str(cause), spikes=int(k[i]), steps=int(n[i]),
                     rate=float(rate), others_rate=float(others_k / others_n) if others_n > 0 else 0.0,
                     mean_excess_ns=float(lost_c[i] / k[i]), time_lost_ns=float(lost_c[i]), p_value=p,
+                    dispersion=phi,
                 )  # fmt: skip
             )
     return sorted(out, key=lambda e: (-e.time_lost_ns, e.rank))
@@ -172,4 +243,14 @@ def excess_from_windows(
     lost = {c: per_rank(f"lost_ns_{c}") for c in causes if f"lost_ns_{c}" in windows}
     cpu = windows.get("cpu_ns_median")
     groups = cause_groups(list(counts), cpu is not None and bool(np.isfinite(np.asarray(cpu, dtype=float)).any()))
-    return rank_excess(ranks, nodes, per_rank("judged_steps"), grouped(counts, groups), grouped(lost, groups), opts)
+    per_window = grouped({c: windows[f"spikes_{c}"] for c in counts}, groups)
+    order = np.argsort(ri, kind="stable")
+    bounds = np.searchsorted(ri[order], np.arange(ranks.size + 1))
+    phi = {}
+    for name, k in per_window.items():
+        k_sorted, n_sorted = k[order], judged[order]
+        phi[name] = pooled_dispersion(
+            window_dispersion(k_sorted[a:b], n_sorted[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        )
+    return rank_excess(ranks, nodes, per_rank("judged_steps"), grouped(counts, groups), grouped(lost, groups), opts,
+                       dispersion=phi)  # fmt: skip

@@ -26,7 +26,7 @@ from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import BlockBudget, detect_episodes, merge_episodes, recovered_stragglers
-from hyperacc.analysis.excess import cause_groups, grouped, rank_excess, working_gap_ranks
+from hyperacc.analysis.excess import cause_groups, group_dispersion, grouped, rank_excess, working_gap_ranks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.outliers import window_grid
 from hyperacc.analysis.projection import project
@@ -134,6 +134,10 @@ def diagnose(
             for tally in (f.counts, f.time_lost):
                 if "data" in tally:
                     tally["host_work"] = tally.get("host_work", 0) + tally.pop("data")
+            moved = f.dispersion.pop(("data",), None)
+            if moved is not None:  # pooled with its own: the chi-squares of two tallies, summed
+                had = f.dispersion.get(("host_work",), (0.0, 0.0))
+                f.dispersion[("host_work",)] = (had[0] + moved[0], had[1] + moved[1])
     events[:] = [(e, r, n, s, ph, "host_work" if r in working and c == "data" else c) for e, r, n, s, ph, c in events]
     heapq.heapify(events)
     groups = cause_groups(RANK_CAUSES, cpu_measured=all(f.cpu_measured for f in findings))
@@ -143,6 +147,7 @@ def diagnose(
             [f.rank for f in findings], [f.node for f in findings], [f.judged_count for f in findings],
             grouped({c: [f.counts.get(c, 0) for f in findings] for c in RANK_CAUSES}, groups),
             grouped({c: [f.time_lost.get(c, 0.0) for f in findings] for c in RANK_CAUSES}, groups), opts,
+            dispersion=group_dispersion([f.dispersion for f in findings], groups),
         )
     ]  # fmt: skip
     what_if = (

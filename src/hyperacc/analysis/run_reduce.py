@@ -8,10 +8,11 @@ import dataclasses
 import numpy as np
 
 from hyperacc.analysis.episodes import RankBlocks, rank_blocks
+from hyperacc.analysis.excess import member_dispersion
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import run_slice
 from hyperacc.analysis.spikes import judge_spikes
-from hyperacc.analysis.windows import summarize_windows
+from hyperacc.analysis.windows import RANK_CAUSES, summarize_windows
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY_F = np.zeros(0)
@@ -50,6 +51,9 @@ class RankFindings:
     step_total_ns: float = 0.0  # summed step time
     blocks: RankBlocks | None = None  # per-block medians for the episodes (analysis.episodes)
     spike_causes: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_S)  # ... and their causes
+    # chi-square and degrees of freedom of its spike counts per window, per set of causes tested
+    # together (analysis.excess.member_dispersion): how bursty each cause's spikes were
+    dispersion: dict[tuple[str, ...], tuple[float, float]] = dataclasses.field(default_factory=dict)
 
     @property
     def main_cause(self) -> str | None:
@@ -102,6 +106,7 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
         timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
         self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
         blocks=rank_blocks(rank, node, cols, opts), spike_causes=np.asarray(causes, dtype=str),
+        dispersion=member_dispersion(windows, RANK_CAUSES),
     )  # fmt: skip
 
 
