@@ -255,6 +255,8 @@ def test_a_rank_blocked_off_its_cpu_is_an_episode_however_the_host_wanders():
     5-step medians wandering about 0.2 in log, the real host's with a busy loop beside 4 ranks: a bar of
     2x). Its voluntary context switches rose by one a step, which preemption never does: an episode of
     kind host with exactly the steps it blocked, however far the wall time's change points reach.
+    Without the switch counts (older records) the plateau is judged against the wander of stretches as
+    long as it, with the whole minimum effect above the host's floor: found in some seeds, never wrongly.
     Blocking as often without a longer step, and a clean busy host, are no episode."""
     opts = DetectionOptions()
     with_vol, without = 0, 0
@@ -264,10 +266,15 @@ def test_a_rank_blocked_off_its_cpu_is_an_episode_however_the_host_wanders():
         if found:
             assert (found[0].since_step, found[0].until_step, found[0].blocked_per_step) == (120, 179, 1.0)
             with_vol += 1
-        without += len(detect_episodes(_busy_host(seed, blocked=(120, 180, 1.5), wander=0.25), opts))  # older records
+        older = detect_episodes(_busy_host(seed, blocked=(120, 180, 1.5), wander=0.25), opts)  # older records
+        assert [(e.rank, e.kind) for e in older] in ([], [(3, "host")]), (seed, older)
+        if older:
+            assert abs(older[0].since_step - 120) <= 10 and abs(older[0].until_step - 179) <= 10, older
+            without += 1
         assert detect_episodes(_busy_host(seed, blocked=(120, 180, 1.0), vol=True, wander=0.25), opts) == [], seed
         assert detect_episodes(_busy_host(seed, vol=True, wander=0.25), opts) == [], seed
-    assert with_vol >= 7 and without == 0, (with_vol, without)
+        assert detect_episodes(_busy_host(seed, wander=0.25), opts) == [], seed
+    assert with_vol >= 7 and without >= 1, (with_vol, without)
 
 
 def test_a_blocked_rank_whose_waking_costs_cpu_time_is_host_not_compute():

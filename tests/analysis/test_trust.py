@@ -238,6 +238,28 @@ def test_data_spikes_in_bursts_on_every_rank_are_the_hosts_not_one_ranks():
             for _ in range(200)]  # fmt: skip
     assert 0.9 < float(np.mean(phis)) < 1.3
     assert pooled_dispersion(window_dispersion(np.asarray(r), np.full(10, 50)) for r in bursty) > 4
+    # a culprit's own fault is bursty by nature (GC pauses over 60 steps only): the dispersion is the
+    # other ranks', so it does not hide itself
+    stretch = [[0, 0, 9, 9, 0, 0, 0, 0, 0, 0], [0] * 10, [0, 0, 0, 0, 1, 0, 0, 0, 0, 0], [0] * 10]
+    (e,) = excess_from_windows(_data_windows(stretch), RANK_CAUSES, opts)
+    assert (e.rank, e.spikes) == (0, 18) and e.dispersion < 1.1
+
+
+def test_data_spikes_of_a_rank_that_did_not_wait_longer_in_all_are_no_cause_of_its_own():
+    # An outside run beside a busy loop: rank 3 had 31 data spikes (others about 7), 1.05 s lost in
+    # them, while its whole input wait was 3.19 s against the others' 3.0-3.8 s: its usual wait was
+    # shorter, so more of the same waiting counted as spikes. Spread evenly (no bursts to discount).
+    spikes = [[1] * 10, [1] * 10, [1] * 10, [3] * 10]
+    w = _data_windows(spikes)
+    typical_ms = np.repeat([5.4, 5.4, 5.4, 3.6], 10)  # per window, over its 50 judged steps
+    w["data_ns_median"] = typical_ms * 1e6
+    w["lost_ns_data"] = w["spikes_data"] * 34e6
+    opts = DetectionOptions()
+    assert excess_from_windows(w, RANK_CAUSES, opts) == []
+    # the same spikes on a rank whose usual wait is the others': 1.0 s of input wait of its own
+    w["data_ns_median"] = np.full(40, 5.4e6)
+    (e,) = excess_from_windows(w, RANK_CAUSES, opts)
+    assert (e.rank, e.cause, e.spikes) == (3, "data", 30)
 
 
 def test_a_slow_rank_the_job_did_not_wait_for_is_no_straggler():

@@ -88,6 +88,33 @@ def level_noise(x: np.ndarray) -> float:
     return float(MAD_TO_SIGMA * nan_median(mad)) if np.isfinite(mad).any() else 0.0
 
 
+class LengthBars:
+    """The host-wide bar at an episode's own length: ``z`` x the noise of a stretch's level, measured on
+    stretches of that many blocks. ``level_noise`` is the spread of one block's level; a stretch of many
+    blocks averages the host's wander, so a plateau tens of steps long is judged against the wander of
+    stretches as long (which a busy host's autocorrelated wander keeps well above ``1 / sqrt(blocks)`` of
+    the block's). Lengths are rounded down to ``span`` x a power of two and cached; up to 64 evenly spaced
+    ranks and stretches starting every quarter length estimate it (bounded work at any size)."""
+
+    def __init__(self, x: np.ndarray, span: int, z: float) -> None:
+        rows = np.unique(np.linspace(0, x.shape[0] - 1, min(x.shape[0], 64)).astype(np.int64))
+        self._x, self._span, self._z = x[rows], max(1, span), z
+        self._bars: dict[int, float] = {}
+
+    def at(self, blocks: int) -> float:
+        length = self._span
+        while length * 2 <= blocks:
+            length *= 2
+        if length not in self._bars:
+            y = self._x - nan_median(self._x, axis=1)[:, None]
+            if y.shape[1] < length:
+                self._bars[length] = math.inf
+            else:
+                windows = np.lib.stride_tricks.sliding_window_view(y, length, axis=1)[:, :: max(1, length // 4)]
+                self._bars[length] = self._z * level_noise(last_axis_nan_median(windows)[0])
+        return self._bars[length]
+
+
 def noise_floor(x: np.ndarray, opts: DetectionOptions) -> np.ndarray:
     """Per rank, the sigma of one block's log ratio: the robust spread of its successive differences
     (``1.4826 MAD / sqrt 2``, blind to the level shifts it is looking for), at least the ranks' median of

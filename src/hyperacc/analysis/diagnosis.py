@@ -25,8 +25,9 @@ SCHEMA_VERSION = 1
 
 # What to do about each kind of straggler and each spike cause (docs/detection.md, "Next steps").
 ADVICE: dict[str, str] = {
-    "compute": "that rank does more work per step: look for uneven work (larger inputs, a code path only it "
-    "takes), then check its device and host (clocks, thermals); drain it if it stays slow",
+    "compute": "that rank does more work per step, or the same work runs slower on its cores: look for uneven "
+    "work (larger inputs, a code path only it takes), then check its host for other processes sharing its "
+    "cores (`top`, `hyperacc affinity`) and its device and host clocks and thermals; drain it if it stays slow",
     "compute_or_host": "check that rank's host for other processes taking its cores (`top`, `hyperacc affinity`) "
     "and its device (clocks, thermals); drain it if it stays slow",
     "data": "make the input path steady: more loader workers, prefetch, readahead for the storage "
@@ -491,9 +492,9 @@ def basis_phrase(s: dict[str, Any]) -> str:
                 f"its CPU time grew by only {percent(max(share, 0.0))} of its extra wall time: it was preempted "
                 "or blocked, not computing more"
             )
-        return "its CPU time grew with it: it computes more"
+        return "its CPU time grew with it: it computes more (or computes slower, on cores it shares)"
     if basis == "cpu_time":
-        return "its CPU time per step stands out: it computes more"
+        return "its CPU time per step stands out: it computes more (or computes slower, on cores it shares)"
     if basis == "input_fetch":
         return "it grew in its DataLoader's fetch: its input path (loading, preprocessing) is slower"
     if basis == "device_clock":

@@ -33,6 +33,7 @@ import numpy as np
 
 from hyperacc.analysis.attribution import gap_causes
 from hyperacc.analysis.change_points import (
+    LengthBars,
     above_floor,
     change_points,
     level_noise,
@@ -219,6 +220,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
         if not np.isfinite(x).any():
             continue
         host_bar = opts.z_threshold * level_noise(x)
+        length_bars = LengthBars(x, span, opts.z_threshold) if channel == "self_ns" else None
         stretches = stretch_levels(x, span)
         vol_stretches: np.ndarray | None = None  # the same of the voluntary switches, when needed
         for r, b0, b1, confirm, active, sigma in change_points(x, opts):
@@ -246,7 +248,11 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 if vol_stretches is None:
                     vol_stretches = stretch_levels(vol, span)
                 waited = blocked_span(vol, r, seg, vol_stretches, span)
-            if not (shift >= host_bar or waited is not None):
+            # The wall time's wander at the segment's own length: a plateau of tens of steps against
+            # stretches as long, not against one block's spread. Cleared by that alone, it must also stand
+            # the whole minimum effect above the host's floor below (not half of it).
+            by_length = not (shift >= host_bar or waited is not None)
+            if by_length and not (length_bars is not None and shift >= length_bars.at(seg.size)):
                 continue
             blocked = None
             if waited is not None:
@@ -285,7 +291,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # that waits for a producer the host starves (its loader workers) blocks more, and on a busy
             # host the ranks' waits wander so (4 DataLoader ranks beside a busy loop: 2-3x for 50-100 steps).
             if not above_floor(
-                stretches, r, b0, b1, span, math.log(opts.episode_min_effect) * floor_effect,
+                stretches, r, b0, b1, span, math.log(opts.episode_min_effect) * (1.0 if by_length else floor_effect),
                 own=stretch_levels(x[r : r + 1, seg] - outside_level(x[r], seg), span, level=False),
             ):
                 continue

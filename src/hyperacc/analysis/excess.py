@@ -16,8 +16,15 @@ The binomial counts each spike as an independent draw. Spikes that come in burst
 starving a rank's loader workers for a stretch, then another rank's) are fewer independent events
 than spikes, so the test is made on ``k / phi`` spikes of ``n / phi`` steps, where ``phi`` >= 1 is the
 cause's dispersion: Pearson's chi-square of each rank's spike counts per window around that rank's own
-rate, pooled over the ranks, over its degrees of freedom (the quasi-binomial correction). Spikes drawn
-independently give ``phi`` about 1 and the test as it was.
+rate, pooled over the other ranks (the null: this rank spikes as they do; a culprit's own fault, a
+stretch of GC pauses, is bursty by nature and must not hide itself), over its degrees of freedom (the
+quasi-binomial correction). Spikes drawn independently give ``phi`` about 1 and the test as it was.
+
+For a cause whose time the window summaries measure (input waits, GC pauses), the spikes must also
+be time the rank lost that the typical rank did not: its total of that time (the windows' typical value
+over their judged steps, plus what its spikes lost) exceeds the other ranks' median total by at least
+half of what its spikes lost. On a loaded host every rank waits for its starved loader workers; a rank
+whose usual wait is shorter counts more of the same waiting as spikes, without waiting longer in all.
 
 ``tests`` is the number of (rank, cause) pairs with at least ``excess_min_spikes`` spikes (a pair with
 fewer is never a finding, so it is no test). ``k_r`` of ``n_r`` judged steps of the rank spiked with
@@ -83,6 +90,31 @@ class RankExcess:
         return dataclasses.asdict(self)
 
 
+# The causes whose time a rank's window summaries measure, and the summary column that holds it (a
+# median over the window's typical steps, or a sum over them).
+CAUSE_TIME: dict[str, tuple[str, bool]] = {"data": ("data_ns_median", False), "gc": ("gc_ns_sum", True)}
+
+
+def cause_time(windows: Mapping[str, np.ndarray], rows: np.ndarray | None = None) -> dict[str, float]:
+    """One rank's total time of each cause in ``CAUSE_TIME`` from its window summaries (``rows``: its
+    rows of a table of several ranks' windows): typical value x judged steps (or the typical steps'
+    sum), plus what its spikes of the cause lost. NaN where the rank's windows did not measure it."""
+    sel = slice(None) if rows is None else rows
+    judged = np.nan_to_num(np.asarray(windows["judged_steps"], dtype=np.float64)[sel]) if "judged_steps" in windows else None
+    out = {}
+    for cause, (column, is_sum) in CAUSE_TIME.items():
+        if column not in windows or judged is None:
+            continue
+        v = np.asarray(windows[column], dtype=np.float64)[sel]
+        if not np.isfinite(v).any():
+            out[cause] = float("nan")
+            continue
+        typical = np.nansum(v) if is_sum else np.nansum(v * judged)
+        lost = np.asarray(windows.get(f"lost_ns_{cause}", np.zeros(0)), dtype=np.float64)
+        out[cause] = float(typical + (np.nansum(lost[sel]) if lost.size else 0.0))
+    return out
+
+
 def window_dispersion(spikes: np.ndarray, judged: np.ndarray) -> tuple[float, float]:
     """Pearson's chi-square of one rank's spike counts per window (``spikes[w]`` of ``judged[w]`` judged
     steps) around the rank's own rate, and its degrees of freedom (windows - 1); (0, 0) where the rank
@@ -116,23 +148,25 @@ def member_dispersion(windows: Mapping[str, np.ndarray], causes: Sequence[str]) 
 
 def group_dispersion(
     per_rank: Sequence[Mapping[tuple[str, ...], tuple[float, float]]], groups: Mapping[str, tuple[str, ...]]
-) -> dict[str, float]:
-    """``phi`` of each cause group over the ranks' ``member_dispersion`` (a set a rank lacks is the pool
-    of its members' own)."""
+) -> dict[str, np.ndarray]:
+    """Per cause group, each rank's (chi-square, degrees of freedom) from its ``member_dispersion`` (a
+    set a rank lacks is the sum of its members' own), as a (ranks x 2) array."""
     out = {}
     for name, members in groups.items():
-        parts = []
-        for d in per_rank:
+        rows = np.zeros((len(per_rank), 2))
+        for i, d in enumerate(per_rank):
             if members in d:
-                parts.append(d[members])
+                rows[i] = d[members]
             else:
-                parts.extend(d[(c,)] for c in members if (c,) in d)
-        out[name] = pooled_dispersion(parts)
+                for c in members:
+                    if (c,) in d:
+                        rows[i] += d[(c,)]
+        out[name] = rows
     return out
 
 
 def pooled_dispersion(parts: Iterable[tuple[float, float]]) -> float:
-    """``phi`` of a cause: the ranks' chi-squares over their degrees of freedom, at least 1."""
+    """``phi`` of a cause: the chi-squares over their degrees of freedom, at least 1."""
     chi2 = df = 0.0
     for c, d in parts:
         chi2 += c
@@ -147,13 +181,16 @@ def rank_excess(
     counts: Mapping[str, Sequence[float]],
     lost: Mapping[str, Sequence[float]],
     opts: DetectionOptions,
-    dispersion: Mapping[str, float] | None = None,
+    dispersion: Mapping[str, np.ndarray] | None = None,
+    times: Mapping[str, Sequence[float]] | None = None,
 ) -> list[RankExcess]:
     """Per rank and cause, the spikes that stand out from the other ranks' floor (module docstring).
 
     ``steps[i]`` are rank ``ranks[i]``'s judged steps; ``counts[cause][i]`` its spikes of that cause and
-    ``lost[cause][i]`` the time they lost; ``dispersion[cause]`` its ``phi`` (1 where not given). Needs
-    two ranks or more; sorted by time lost."""
+    ``lost[cause][i]`` the time they lost; ``dispersion[cause][i]`` its (chi-square, degrees of
+    freedom) of the cause's spikes per window (``phi`` 1 where not given);
+    ``times[cause][i]`` its total time of the cause (``cause_time``; not tested where not given or NaN).
+    Needs two ranks or more; sorted by time lost."""
     if opts.top_alpha <= 0:
         return []
     n = np.asarray(steps, dtype=np.float64)
@@ -180,14 +217,22 @@ def rank_excess(
         # candidates, one median per rank would cost ranks squared)
         med_k, med_n = loo_median(np.stack([k, n], axis=1)).T
         m = float(n.size - 1)
-        phi = max(1.0, float((dispersion or {}).get(cause, 1.0)))
+        chi = (dispersion or {}).get(cause)
+        chi = np.zeros((n.size, 2)) if chi is None else np.asarray(chi, dtype=np.float64)
+        chi_all = chi.sum(axis=0)
+        total = np.asarray((times or {}).get(cause, np.full(n.size, np.nan)), dtype=np.float64)
+        typical_total = loo_median(total[:, None])[:, 0] if np.isfinite(total).sum() >= 2 else np.full(n.size, np.nan)
         for i in candidates:
             others_k, others_n = k_all - k[i], n_all - n[i]
             q = (m * float(med_k[i]) + 1.0) / (m * float(med_n[i]) + 2.0)
             rate = k[i] / n[i]
             if rate < opts.excess_ratio * q:
                 continue
-            # bursts: the independent events are fewer than the spikes (module docstring)
+            # the same waiting spread differently is no time of its own (module docstring)
+            if np.isfinite(total[i]) and np.isfinite(typical_total[i]) and total[i] - typical_total[i] < 0.5 * lost_c[i]:
+                continue
+            # bursts: the independent events are fewer than the spikes, by the other ranks' dispersion
+            phi = pooled_dispersion([tuple(chi_all - chi[i])])
             p = float(binom_sf(k[i], n[i], q)) if phi == 1.0 else float(binom_sf(math.floor(k[i] / phi), n[i] / phi, q))
             if p >= opts.top_alpha / tests:
                 continue
@@ -246,11 +291,13 @@ def excess_from_windows(
     per_window = grouped({c: windows[f"spikes_{c}"] for c in counts}, groups)
     order = np.argsort(ri, kind="stable")
     bounds = np.searchsorted(ri[order], np.arange(ranks.size + 1))
-    phi = {}
+    chi = {}
     for name, k in per_window.items():
         k_sorted, n_sorted = k[order], judged[order]
-        phi[name] = pooled_dispersion(
-            window_dispersion(k_sorted[a:b], n_sorted[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-        )
+        chi[name] = np.array([window_dispersion(k_sorted[a:b], n_sorted[a:b])
+                              for a, b in zip(bounds[:-1], bounds[1:], strict=True)]).reshape(-1, 2)  # fmt: skip
+    rows = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    per_rank_time = [cause_time(windows, r) for r in rows]
+    times = {c: [t.get(c, np.nan) for t in per_rank_time] for c in CAUSE_TIME if c in groups and groups[c] == (c,)}
     return rank_excess(ranks, nodes, per_rank("judged_steps"), grouped(counts, groups), grouped(lost, groups), opts,
-                       dispersion=phi)  # fmt: skip
+                       dispersion=chi, times=times)  # fmt: skip

@@ -26,7 +26,14 @@ from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import BlockBudget, detect_episodes, merge_episodes, recovered_stragglers
-from hyperacc.analysis.excess import cause_groups, group_dispersion, grouped, rank_excess, working_gap_ranks
+from hyperacc.analysis.excess import (
+    CAUSE_TIME,
+    cause_groups,
+    group_dispersion,
+    grouped,
+    rank_excess,
+    working_gap_ranks,
+)
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.outliers import window_grid
 from hyperacc.analysis.projection import project
@@ -134,6 +141,7 @@ def diagnose(
             for tally in (f.counts, f.time_lost):
                 if "data" in tally:
                     tally["host_work"] = tally.get("host_work", 0) + tally.pop("data")
+            f.cause_time.pop("data", None)  # its input gap was its own work: no time of the cause
             moved = f.dispersion.pop(("data",), None)
             if moved is not None:  # pooled with its own: the chi-squares of two tallies, summed
                 had = f.dispersion.get(("host_work",), (0.0, 0.0))
@@ -148,6 +156,7 @@ def diagnose(
             grouped({c: [f.counts.get(c, 0) for f in findings] for c in RANK_CAUSES}, groups),
             grouped({c: [f.time_lost.get(c, 0.0) for f in findings] for c in RANK_CAUSES}, groups), opts,
             dispersion=group_dispersion([f.dispersion for f in findings], groups),
+            times={c: [f.cause_time.get(c, np.nan) for f in findings] for c in CAUSE_TIME if groups.get(c) == (c,)},
         )
     ]  # fmt: skip
     what_if = (

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from hyperacc.analysis.episodes import RankBlocks, rank_blocks
-from hyperacc.analysis.excess import member_dispersion
+from hyperacc.analysis.excess import cause_time, member_dispersion
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import run_slice
 from hyperacc.analysis.spikes import judge_spikes
@@ -54,6 +54,7 @@ class RankFindings:
     # chi-square and degrees of freedom of its spike counts per window, per set of causes tested
     # together (analysis.excess.member_dispersion): how bursty each cause's spikes were
     dispersion: dict[tuple[str, ...], tuple[float, float]] = dataclasses.field(default_factory=dict)
+    cause_time: dict[str, float] = dataclasses.field(default_factory=dict)  # analysis.excess.cause_time
 
     @property
     def main_cause(self) -> str | None:
@@ -106,7 +107,7 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
         timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
         self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
         blocks=rank_blocks(rank, node, cols, opts), spike_causes=np.asarray(causes, dtype=str),
-        dispersion=member_dispersion(windows, RANK_CAUSES),
+        dispersion=member_dispersion(windows, RANK_CAUSES), cause_time=cause_time(windows),
     )  # fmt: skip
 
 
