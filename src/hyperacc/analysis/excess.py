@@ -19,6 +19,8 @@ cause's dispersion: Pearson's chi-square of each rank's spike counts per window 
 rate, pooled over the other ranks (the null: this rank spikes as they do; a culprit's own fault, a
 stretch of GC pauses, is bursty by nature and must not hide itself), over its degrees of freedom (the
 quasi-binomial correction). Spikes drawn independently give ``phi`` about 1 and the test as it was.
+A rank whose spikes of the cause all fell in one window is one burst, however many spikes: no finding
+(the live detector's first window after a start-up, offline a stretch that the episodes judge).
 
 For a cause whose time the window summaries measure (input waits, GC pauses), the spikes must also
 be time the rank lost that the typical rank did not: its total of that time (the windows' typical value
@@ -115,22 +117,24 @@ def cause_time(windows: Mapping[str, np.ndarray], rows: np.ndarray | None = None
     return out
 
 
-def window_dispersion(spikes: np.ndarray, judged: np.ndarray) -> tuple[float, float]:
+def window_dispersion(spikes: np.ndarray, judged: np.ndarray) -> tuple[float, float, float]:
     """Pearson's chi-square of one rank's spike counts per window (``spikes[w]`` of ``judged[w]`` judged
-    steps) around the rank's own rate, and its degrees of freedom (windows - 1); (0, 0) where the rank
-    had no spike of it, or spiked at every step, or was judged in one window only."""
+    steps) around the rank's own rate, its degrees of freedom (windows - 1), and the number of windows
+    with a spike; chi-square and degrees of freedom are 0 where the rank had no spike of it, or spiked
+    at every step, or was judged in one window only."""
     k = np.nan_to_num(np.asarray(spikes, dtype=np.float64))
     n = np.nan_to_num(np.asarray(judged, dtype=np.float64))
     ok = n > 0
     k, n = k[ok], n[ok]
+    spiked = float(np.count_nonzero(k > 0))
     total_k, total_n = float(k.sum()), float(n.sum())
     if n.size < 2 or total_k <= 0 or total_k >= total_n:
-        return 0.0, 0.0
+        return 0.0, 0.0, spiked
     p = total_k / total_n
-    return float((np.square(k - n * p) / (n * p * (1.0 - p))).sum()), float(n.size - 1)
+    return float((np.square(k - n * p) / (n * p * (1.0 - p))).sum()), float(n.size - 1), spiked
 
 
-def member_dispersion(windows: Mapping[str, np.ndarray], causes: Sequence[str]) -> dict[tuple[str, ...], tuple[float, float]]:
+def member_dispersion(windows: Mapping[str, np.ndarray], causes: Sequence[str]) -> dict[tuple[str, ...], tuple[float, ...]]:
     """One rank's ``window_dispersion`` for every set of causes ``cause_groups`` can test together (each
     cause alone, and the merged unspecific ones with and without CPU time), from its window summaries
     (``spikes_<cause>``, ``judged_steps``): a few numbers kept per rank instead of its window tallies."""
@@ -147,13 +151,13 @@ def member_dispersion(windows: Mapping[str, np.ndarray], causes: Sequence[str]) 
 
 
 def group_dispersion(
-    per_rank: Sequence[Mapping[tuple[str, ...], tuple[float, float]]], groups: Mapping[str, tuple[str, ...]]
+    per_rank: Sequence[Mapping[tuple[str, ...], tuple[float, ...]]], groups: Mapping[str, tuple[str, ...]]
 ) -> dict[str, np.ndarray]:
-    """Per cause group, each rank's (chi-square, degrees of freedom) from its ``member_dispersion`` (a
-    set a rank lacks is the sum of its members' own), as a (ranks x 2) array."""
+    """Per cause group, each rank's (chi-square, degrees of freedom, windows with a spike) from its
+    ``member_dispersion`` (a set a rank lacks is the sum of its members' own), as a (ranks x 3) array."""
     out = {}
     for name, members in groups.items():
-        rows = np.zeros((len(per_rank), 2))
+        rows = np.zeros((len(per_rank), 3))
         for i, d in enumerate(per_rank):
             if members in d:
                 rows[i] = d[members]
@@ -165,12 +169,13 @@ def group_dispersion(
     return out
 
 
-def pooled_dispersion(parts: Iterable[tuple[float, float]]) -> float:
-    """``phi`` of a cause: the chi-squares over their degrees of freedom, at least 1."""
+def pooled_dispersion(parts: Iterable[Sequence[float]]) -> float:
+    """``phi`` of a cause: the chi-squares over their degrees of freedom (the first two of each part),
+    at least 1."""
     chi2 = df = 0.0
-    for c, d in parts:
-        chi2 += c
-        df += d
+    for part in parts:
+        chi2 += part[0]
+        df += part[1]
     return max(1.0, chi2 / df) if df > 0 else 1.0
 
 
@@ -218,7 +223,8 @@ def rank_excess(
         med_k, med_n = loo_median(np.stack([k, n], axis=1)).T
         m = float(n.size - 1)
         chi = (dispersion or {}).get(cause)
-        chi = np.zeros((n.size, 2)) if chi is None else np.asarray(chi, dtype=np.float64)
+        chi = np.zeros((n.size, 3)) if chi is None else np.asarray(chi, dtype=np.float64)
+        one_burst = chi[:, 2] < 2 if chi.shape[1] > 2 and dispersion else np.zeros(n.size, dtype=bool)
         chi_all = chi.sum(axis=0)
         total = np.asarray((times or {}).get(cause, np.full(n.size, np.nan)), dtype=np.float64)
         typical_total = loo_median(total[:, None])[:, 0] if np.isfinite(total).sum() >= 2 else np.full(n.size, np.nan)
@@ -228,11 +234,14 @@ def rank_excess(
             rate = k[i] / n[i]
             if rate < opts.excess_ratio * q:
                 continue
+            # all of its spikes in one window: one burst, however many spikes (module docstring)
+            if one_burst[i]:
+                continue
             # the same waiting spread differently is no time of its own (module docstring)
             if np.isfinite(total[i]) and np.isfinite(typical_total[i]) and total[i] - typical_total[i] < 0.5 * lost_c[i]:
                 continue
             # bursts: the independent events are fewer than the spikes, by the other ranks' dispersion
-            phi = pooled_dispersion([tuple(chi_all - chi[i])])
+            phi = pooled_dispersion([chi_all - chi[i]])
             p = float(binom_sf(k[i], n[i], q)) if phi == 1.0 else float(binom_sf(math.floor(k[i] / phi), n[i] / phi, q))
             if p >= opts.top_alpha / tests:
                 continue
@@ -295,7 +304,7 @@ def excess_from_windows(
     for name, k in per_window.items():
         k_sorted, n_sorted = k[order], judged[order]
         chi[name] = np.array([window_dispersion(k_sorted[a:b], n_sorted[a:b])
-                              for a, b in zip(bounds[:-1], bounds[1:], strict=True)]).reshape(-1, 2)  # fmt: skip
+                              for a, b in zip(bounds[:-1], bounds[1:], strict=True)]).reshape(-1, 3)  # fmt: skip
     rows = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     per_rank_time = [cause_time(windows, r) for r in rows]
     times = {c: [t.get(c, np.nan) for t in per_rank_time] for c in CAUSE_TIME if c in groups and groups[c] == (c,)}

@@ -144,8 +144,8 @@ def diagnose(
             f.cause_time.pop("data", None)  # its input gap was its own work: no time of the cause
             moved = f.dispersion.pop(("data",), None)
             if moved is not None:  # pooled with its own: the chi-squares of two tallies, summed
-                had = f.dispersion.get(("host_work",), (0.0, 0.0))
-                f.dispersion[("host_work",)] = (had[0] + moved[0], had[1] + moved[1])
+                had = f.dispersion.get(("host_work",), (0.0, 0.0, 0.0))
+                f.dispersion[("host_work",)] = tuple(x + y for x, y in zip(had, moved, strict=True))
     events[:] = [(e, r, n, s, ph, "host_work" if r in working and c == "data" else c) for e, r, n, s, ph, c in events]
     heapq.heapify(events)
     groups = cause_groups(RANK_CAUSES, cpu_measured=all(f.cpu_measured for f in findings))

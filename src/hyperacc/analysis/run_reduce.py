@@ -51,9 +51,9 @@ class RankFindings:
     step_total_ns: float = 0.0  # summed step time
     blocks: RankBlocks | None = None  # per-block medians for the episodes (analysis.episodes)
     spike_causes: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_S)  # ... and their causes
-    # chi-square and degrees of freedom of its spike counts per window, per set of causes tested
-    # together (analysis.excess.member_dispersion): how bursty each cause's spikes were
-    dispersion: dict[tuple[str, ...], tuple[float, float]] = dataclasses.field(default_factory=dict)
+    # chi-square, degrees of freedom and windows with a spike of its spike counts per window, per set
+    # of causes tested together (analysis.excess.member_dispersion): how bursty each cause's spikes were
+    dispersion: dict[tuple[str, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
     cause_time: dict[str, float] = dataclasses.field(default_factory=dict)  # analysis.excess.cause_time
 
     @property
