@@ -97,41 +97,59 @@ class RankExcess:
 CAUSE_TIME: dict[str, tuple[str, bool]] = {"data": ("data_ns_median", False), "gc": ("gc_ns_sum", True)}
 
 
-def cause_time(windows: Mapping[str, np.ndarray], rows: np.ndarray | None = None) -> dict[str, float]:
-    """One rank's total time of each cause in ``CAUSE_TIME`` from its window summaries (``rows``: its
-    rows of a table of several ranks' windows): typical value x judged steps (or the typical steps'
-    sum), plus what its spikes of the cause lost. NaN where the rank's windows did not measure it."""
-    sel = slice(None) if rows is None else rows
-    judged = np.nan_to_num(np.asarray(windows["judged_steps"], dtype=np.float64)[sel]) if "judged_steps" in windows else None
+def cause_times(windows: Mapping[str, np.ndarray], ri: np.ndarray, n_ranks: int) -> dict[str, np.ndarray]:
+    """Each rank's total time of each cause in ``CAUSE_TIME`` from window summaries (row ``j`` is rank
+    ``ri[j]``'s): typical value x judged steps (or the typical steps' sum), plus what its spikes of the
+    cause lost. NaN where the rank's windows did not measure it. One pass per cause, for every rank."""
+    if "judged_steps" not in windows:
+        return {}
+    judged = np.nan_to_num(np.asarray(windows["judged_steps"], dtype=np.float64))
     out = {}
     for cause, (column, is_sum) in CAUSE_TIME.items():
-        if column not in windows or judged is None:
+        if column not in windows:
             continue
-        v = np.asarray(windows[column], dtype=np.float64)[sel]
-        if not np.isfinite(v).any():
-            out[cause] = float("nan")
-            continue
-        typical = np.nansum(v) if is_sum else np.nansum(v * judged)
-        lost = np.asarray(windows.get(f"lost_ns_{cause}", np.zeros(0)), dtype=np.float64)
-        out[cause] = float(typical + (np.nansum(lost[sel]) if lost.size else 0.0))
+        v = np.asarray(windows[column], dtype=np.float64)
+        measured = np.bincount(ri, weights=np.isfinite(v).astype(np.float64), minlength=n_ranks)
+        v = np.nan_to_num(v)
+        total = np.bincount(ri, weights=v if is_sum else v * judged, minlength=n_ranks)
+        lost = windows.get(f"lost_ns_{cause}")
+        if lost is not None:
+            total += np.bincount(ri, weights=np.nan_to_num(np.asarray(lost, dtype=np.float64)), minlength=n_ranks)
+        out[cause] = np.where(measured > 0, total, np.nan)
     return out
 
 
-def window_dispersion(spikes: np.ndarray, judged: np.ndarray) -> tuple[float, float, float]:
-    """Pearson's chi-square of one rank's spike counts per window (``spikes[w]`` of ``judged[w]`` judged
-    steps) around the rank's own rate, its degrees of freedom (windows - 1), and the number of windows
-    with a spike; chi-square and degrees of freedom are 0 where the rank had no spike of it, or spiked
-    at every step, or was judged in one window only."""
+def cause_time(windows: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """``cause_times`` of one rank's window summaries."""
+    n = len(windows["judged_steps"]) if "judged_steps" in windows else 0
+    return {c: float(v[0]) for c, v in cause_times(windows, np.zeros(n, dtype=np.int64), 1).items()}
+
+
+def dispersions(spikes: np.ndarray, judged: np.ndarray, ri: np.ndarray, n_ranks: int) -> np.ndarray:
+    """(ranks x 3): per rank, Pearson's chi-square of its spike counts per window (row ``j``: ``spikes[j]``
+    of ``judged[j]`` judged steps, rank ``ri[j]``) around the rank's own rate, its degrees of freedom
+    (windows - 1), and the number of windows with a spike. Chi-square and degrees of freedom are 0 where
+    the rank had no spike of it, or spiked at every step, or was judged in one window only."""
     k = np.nan_to_num(np.asarray(spikes, dtype=np.float64))
     n = np.nan_to_num(np.asarray(judged, dtype=np.float64))
     ok = n > 0
-    k, n = k[ok], n[ok]
-    spiked = float(np.count_nonzero(k > 0))
-    total_k, total_n = float(k.sum()), float(n.sum())
-    if n.size < 2 or total_k <= 0 or total_k >= total_n:
-        return 0.0, 0.0, spiked
-    p = total_k / total_n
-    return float((np.square(k - n * p) / (n * p * (1.0 - p))).sum()), float(n.size - 1), spiked
+    k, n, ri = k[ok], n[ok], ri[ok]
+    total_k = np.bincount(ri, weights=k, minlength=n_ranks)
+    total_n = np.bincount(ri, weights=n, minlength=n_ranks)
+    windows = np.bincount(ri, minlength=n_ranks).astype(np.float64)
+    spiked = np.bincount(ri, weights=(k > 0).astype(np.float64), minlength=n_ranks)
+    valid = (windows >= 2) & (total_k > 0) & (total_k < total_n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = np.where(valid, total_k / total_n, 0.5)[ri]
+        terms = np.square(k - n * p) / (n * p * (1.0 - p))
+    chi2 = np.bincount(ri, weights=np.where(valid[ri], terms, 0.0), minlength=n_ranks)
+    return np.stack([np.where(valid, chi2, 0.0), np.where(valid, windows - 1, 0.0), spiked], axis=1)
+
+
+def window_dispersion(spikes: np.ndarray, judged: np.ndarray) -> tuple[float, float, float]:
+    """``dispersions`` of one rank: (chi-square, degrees of freedom, windows with a spike)."""
+    row = dispersions(spikes, judged, np.zeros(len(spikes), dtype=np.int64), 1)[0]
+    return float(row[0]), float(row[1]), float(row[2])
 
 
 def member_dispersion(windows: Mapping[str, np.ndarray], causes: Sequence[str]) -> dict[tuple[str, ...], tuple[float, ...]]:
@@ -298,15 +316,7 @@ def excess_from_windows(
     cpu = windows.get("cpu_ns_median")
     groups = cause_groups(list(counts), cpu is not None and bool(np.isfinite(np.asarray(cpu, dtype=float)).any()))
     per_window = grouped({c: windows[f"spikes_{c}"] for c in counts}, groups)
-    order = np.argsort(ri, kind="stable")
-    bounds = np.searchsorted(ri[order], np.arange(ranks.size + 1))
-    chi = {}
-    for name, k in per_window.items():
-        k_sorted, n_sorted = k[order], judged[order]
-        chi[name] = np.array([window_dispersion(k_sorted[a:b], n_sorted[a:b])
-                              for a, b in zip(bounds[:-1], bounds[1:], strict=True)]).reshape(-1, 3)  # fmt: skip
-    rows = [order[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    per_rank_time = [cause_time(windows, r) for r in rows]
-    times = {c: [t.get(c, np.nan) for t in per_rank_time] for c in CAUSE_TIME if c in groups and groups[c] == (c,)}
+    chi = {name: dispersions(k, judged, ri, ranks.size) for name, k in per_window.items()}
+    times = {c: t for c, t in cause_times(windows, ri, ranks.size).items() if groups.get(c) == (c,)}
     return rank_excess(ranks, nodes, per_rank("judged_steps"), grouped(counts, groups), grouped(lost, groups), opts,
                        dispersion=chi, times=times)  # fmt: skip
