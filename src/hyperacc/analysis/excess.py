@@ -211,7 +211,8 @@ def rank_excess(
 
     ``steps[i]`` are rank ``ranks[i]``'s judged steps; ``counts[cause][i]`` its spikes of that cause and
     ``lost[cause][i]`` the time they lost; ``dispersion[cause][i]`` its (chi-square, degrees of
-    freedom) of the cause's spikes per window (``phi`` 1 where not given);
+    freedom, windows with a spike) of the cause's spikes per window (``dispersions``; where not given,
+    ``phi`` is 1 and one window's spikes count);
     ``times[cause][i]`` its total time of the cause (``cause_time``; not tested where not given or NaN).
     Needs two ranks or more; sorted by time lost."""
     if opts.top_alpha <= 0:
@@ -240,9 +241,9 @@ def rank_excess(
         # candidates, one median per rank would cost ranks squared)
         med_k, med_n = loo_median(np.stack([k, n], axis=1)).T
         m = float(n.size - 1)
-        chi = (dispersion or {}).get(cause)
-        chi = np.zeros((n.size, 3)) if chi is None else np.asarray(chi, dtype=np.float64)
-        one_burst = chi[:, 2] < 2 if chi.shape[1] > 2 and dispersion else np.zeros(n.size, dtype=bool)
+        given = (dispersion or {}).get(cause)
+        chi = np.zeros((n.size, 3)) if given is None else np.asarray(given, dtype=np.float64)
+        one_burst = chi[:, 2] < 2 if given is not None and chi.shape[1] > 2 else np.zeros(n.size, dtype=bool)
         chi_all = chi.sum(axis=0)
         total = np.asarray((times or {}).get(cause, np.full(n.size, np.nan)), dtype=np.float64)
         typical_total = loo_median(total[:, None])[:, 0] if np.isfinite(total).sum() >= 2 else np.full(n.size, np.nan)
