@@ -32,6 +32,7 @@ is gloo's, on one rank).
     .venv/bin/python bench/tracer_cost.py --quick       # a few minutes (150 pairs a job)
     .venv/bin/python bench/tracer_cost.py               # 1,500 pairs a job, a few minutes each
     .venv/bin/python bench/tracer_cost.py --job hf      # one job
+    python3 bench/tracer_cost.py --device cuda --pairs 800   # the two loops on the first GPU, NCCL
 """
 
 from __future__ import annotations
