@@ -98,7 +98,9 @@ class LengthBars:
 
     def __init__(self, x: np.ndarray, span: int, z: float) -> None:
         rows = np.unique(np.linspace(0, x.shape[0] - 1, min(x.shape[0], 64)).astype(np.int64))
-        self._x, self._span, self._z = x[rows], max(1, span), z
+        sample = x[rows]
+        self._y = sample - nan_median(sample, axis=1)[:, None]  # each rank against its typical level
+        self._span, self._z = max(1, span), z
         self._bars: dict[int, float] = {}
 
     def at(self, blocks: int) -> float:
@@ -106,7 +108,7 @@ class LengthBars:
         while length * 2 <= blocks:
             length *= 2
         if length not in self._bars:
-            y = self._x - nan_median(self._x, axis=1)[:, None]
+            y = self._y
             if y.shape[1] < length:
                 self._bars[length] = math.inf
             else:
