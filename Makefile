@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: setup system prepare demo test check soak bench lint clean gpu-check
+.PHONY: setup system demo test check soak bench lint clean gpu-check
 
 setup: $(STAMP)
 
@@ -21,11 +21,6 @@ system:
 	  echo "installing Debian packages:$$missing"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
 	  || echo "could not install$$missing: the tests that need them will be skipped"; fi
-
-# The test targets' set-up: the .venv and the Debian packages side by side (pip and apt wait on
-# downloads and disks more than on the CPUs; on a fresh machine apt took some 15-25 s of the minute).
-prepare:
-	@$(MAKE) --no-print-directory -j2 setup system
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -45,13 +40,13 @@ TEST_WORKERS ?= 2
 
 # The test tiers (pyproject.toml's markers; README, "Tests"). `test` is the whole suite, what CI runs;
 # `check` is the inner loop: no torchrun jobs, no browser, nothing slow; `soak` is the long repetitions.
-test: prepare
+test: setup system
 	$(BIN)/python -m pytest -q -m 'not soak' -n $(TEST_WORKERS) --dist loadfile --durations=15
 
-check: prepare
+check: setup system
 	$(BIN)/python -m pytest -q -m 'not multirank and not browser and not slow and not soak'
 
-soak: prepare
+soak: setup system
 	$(BIN)/python -m pytest -q -m soak
 
 bench: setup
