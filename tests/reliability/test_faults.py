@@ -45,9 +45,9 @@ class Fault:
 ALL_FAULTS = [Fault(t, s) for t in ("rank", "launcher", "group") for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT)]
 # `make test` runs three of the nine: every target and every signal once, each as a cluster delivers it
 # (the OOM killer's SIGKILL to a rank, a scheduler's SIGTERM to the launcher, Ctrl-C's SIGINT to the
-# process group). The other six are marked soak (`make soak`),
-# unless HYPERACC_FAULTS=all; bench/soak.py runs all nine. A rank's SIGTERM, and SIGKILL from inside the
-# tracer's flush, are also the jobs of `test_a_rank_signalled_at_a_known_step` below.
+# process group). The other six are marked soak (`make soak`), unless HYPERACC_FAULTS=all; bench/soak.py
+# runs all nine. A rank's SIGTERM, and SIGKILL from inside the tracer's flush, are also the jobs of
+# `test_a_rank_signalled_at_a_known_step` below.
 _QUICK = {"rank SIGKILL", "launcher SIGTERM", "group SIGINT"}
 _ALL = os.environ.get("HYPERACC_FAULTS") == "all"
 FAULT_PARAMS = [
