@@ -11,7 +11,8 @@ environment variable ``HYPERACC_CHAOS`` holding the same JSON (``install_from_en
         {"kind": "gc_pressure", "ranks": [3],   "live": 300000, "garbage": 20000},
         {"kind": "cold_read",   "ranks": [0],   "rate": 0.05, "mb": 8},
         {"kind": "competitor",  "ranks": [1],   "cpu": 1},
-        {"kind": "launch",      "ranks": [3],   "ms": 0.02}]}
+        {"kind": "launch",      "ranks": [3],   "ms": 0.02},
+        {"kind": "page_churn",  "ranks": [2],   "kb": 64}]}
 
 What each kind does:
 
@@ -38,6 +39,12 @@ What each kind does:
 - ``launch``: every torch operator the rank calls from Python first burns ``ms`` on the host (a
   ``TorchFunctionMode``), as a slow launch path (driver, contended host) does; the tracer's
   launch-latency probe shows it.
+- ``page_churn``: the rank's C allocator maps every block of ``kb`` KiB or more afresh and unmaps it when
+  freed (glibc's ``mallopt``: mmap threshold ``kb`` KiB, trim threshold as low), so the kernel faults in
+  and zeroes new pages for each such tensor, at every step: the same work at a higher CPU time, all of it
+  in the kernel. glibc's default, self-adjusting thresholds leave some processes in this state by
+  chance for their whole life (docs/detection.md, "Kind"). Only where the process runs on glibc; elsewhere
+  one log line says it was not applied.
 
 Randomness is counter-based (seed, rank, fault index, step), so the same configuration injects exactly
 the same faults whatever else the job does. Every injection is appended to the ground-truth file
@@ -72,7 +79,7 @@ from hyperacc.schema import chaos_path
 log = logging.getLogger(__name__)
 
 ENV = "HYPERACC_CHAOS"
-KINDS = ("slowdown", "spike", "data_stall", "gc_pressure", "cold_read", "competitor", "launch")
+KINDS = ("slowdown", "spike", "data_stall", "gc_pressure", "cold_read", "competitor", "launch", "page_churn")
 _DISTS = ("fixed", "exp", "lognormal")
 
 
@@ -95,6 +102,7 @@ class Fault:
     cpu: int = -1  # competitor: the CPU to pin the rank and the competitor to (-1: the rank's own CPUs)
     procs: int = 1  # competitor: busy processes
     work: str = "spin"  # slowdown: "spin" (a busy loop) or "matmul" (torch matrix products)
+    kb: float = 64.0  # page_churn: blocks of this many KiB and more are mapped afresh at every use
 
     def applies_to(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -135,6 +143,7 @@ def parse_config(config: Mapping[str, Any] | str) -> tuple[int, list[Fault], str
             ("ms", fault.ms >= 0, ">= 0"),
             ("factor", fault.factor >= 0, ">= 0"),
             ("mb", fault.mb > 0, "> 0"),
+            ("kb", 4 <= fault.kb <= 32 * 1024, "in [4, 32768] KiB"),
             ("live", fault.live >= 0, ">= 0"),
             ("garbage", fault.garbage >= 0, ">= 0"),
             ("work", fault.work in ("spin", "matmul"), "'spin' or 'matmul'"),
@@ -143,6 +152,25 @@ def parse_config(config: Mapping[str, Any] | str) -> tuple[int, list[Fault], str
             check("chaos", f"{where}.{name}", getattr(fault, name), ok, allowed)
         faults.append(fault)
     return seed, faults, run_dir
+
+
+def _churn_pages(threshold: int) -> bool:
+    """glibc maps blocks of ``threshold`` bytes and more afresh and trims its heap above as much; False
+    (one log line) where the process's C library is not glibc."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        log.warning("hyperacc.chaos: page_churn needs glibc's mallopt; not applied")
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold) and mallopt(_M_TRIM_THRESHOLD, threshold))
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 
 
 def burn_ns(duration_ns: int) -> None:
@@ -225,6 +253,8 @@ class Chaos:
             elif f.kind == "launch" and f.ms > 0 and self._dispatch_mode is None:
                 self._dispatch_mode = _slow_dispatch(int(f.ms * 1e6))
                 self._record(0, "launch", f.ms)
+            elif f.kind == "page_churn":
+                self._record(0, "page_churn", 0.0, {"kb": f.kb, "applied": _churn_pages(int(f.kb * 1024))})
         process.at_exit(self.close)
 
     def _start_competitor(self, fault: Fault) -> None:

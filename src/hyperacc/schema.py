@@ -80,6 +80,11 @@ _STEP_FIELDS: tuple[tuple[str, str, bool], ...] = (
     # voluntary context switches of the training thread over the step: it blocked (a read, a queue, a
     # sleep), as a wait for input does and preemption does not
     ("vol_ctx_switches", "int64", True),
+    # minor page faults of the training thread over the step, and the part of its CPU time spent in the
+    # kernel: a rank whose allocator returns its large blocks and maps them again every step (glibc's
+    # default thresholds) pays for each fresh page in the kernel, the same work at a higher CPU time
+    ("minor_faults", "int64", True),
+    ("sys_cpu_ns", "int64", True),
 )
 
 STEP_COLUMNS: tuple[str, ...] = tuple(f[0] for f in _STEP_FIELDS)
@@ -89,7 +94,7 @@ ANALYSIS_COLUMNS: tuple[str, ...] = (
     "data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns", "other_ns",
     "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
     "pace_delay_ns", "cpu_ns", "dev_step_ns", "dev_self_ns", "dev_comm_wait_ns", "dev_forward_ns",
-    "dev_backward_ns", "data_gap", "vol_ctx_switches",
+    "dev_backward_ns", "data_gap", "vol_ctx_switches", "minor_faults", "sys_cpu_ns",
 )  # fmt: skip
 
 # Columns where -1 is a value, not "not measured" (``gc_max_gen``: no collection in the step).

@@ -1,6 +1,9 @@
 """Chaos injects what it says it injected, reproducibly, and refuses bad configurations."""
 
 import json
+import platform
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -90,8 +93,40 @@ def test_cold_read_evicts_and_reads(tmp_path):
     assert not list(tmp_path.glob("chaos/*.bin"))  # its scratch file is removed
 
 
+_CHURN = """
+import json, resource, sys
+import numpy as np
+from hyperacc.chaos import Chaos
+
+def faults_per_use():
+    blocks = [np.ones(256 * 1024 // 8) for _ in range(2)]  # warm: the heap has grown past them once
+    del blocks
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(50):
+        a = np.ones(256 * 1024 // 8)  # a 256 KiB block, written, then freed
+        del a
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50
+
+plain = faults_per_use()
+Chaos({"seed": 0, "faults": [{"kind": "page_churn", "kb": 64}]}, rank=0, node=0, run_dir=sys.argv[1]).close()
+print(json.dumps([plain, faults_per_use()]))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="page_churn sets glibc's malloc thresholds")
+def test_page_churn_makes_every_use_of_a_large_block_fault_in_fresh_pages(tmp_path):
+    # in a process of its own: it changes the C allocator of the process it runs in
+    out = subprocess.run([sys.executable, "-c", _CHURN, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    plain, churned = json.loads(out.stdout)
+    assert plain < 8 and churned >= 60, (plain, churned)  # 64 pages of 4 KiB in each fresh block
+    [row] = chaos.read_ground_truth(tmp_path)
+    assert row["kind"] == "page_churn" and row["detail"] == {"kb": 64.0, "applied": True}
+
+
 @pytest.mark.parametrize("config,needle", [
     ("{not json", "not valid JSON"),
+    ({"faults": [{"kind": "page_churn", "kb": 1}]}, "kb"),
     ({"faults": [{"kind": "meteor"}]}, "kind"),
     ({"faults": [{"kind": "spike", "rate": 2}]}, "rate"),
     ({"faults": [{"kind": "spike", "colour": "red"}]}, "colour"),

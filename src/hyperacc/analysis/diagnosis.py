@@ -47,6 +47,10 @@ ADVICE: dict[str, str] = {
     "what it does there (logging, metrics, Python objects built per step)",
     "blocked": "that rank waited off its CPU (a read, a lock, a sleep): sample its stacks while it is slow "
     "(`py-spy dump --pid PID`) to see what it waits on, and check its storage and network",
+    "page_faults": "its allocator hands memory back to the kernel and takes it again, so the kernel faults "
+    "in and zeroes fresh pages at every step (glibc does this by default to some blocks, depending on "
+    "where they lie): hold freed memory (`hyperacc run --stabilize 1`, docs/stabilizers.md \"Deterministic "
+    "memory release\"), or set MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_, or preload tcmalloc",
     "node": "the whole node is slow: run a pre-flight check on it and drain it from the job",
     "allocator": "the CUDA caching allocator stalls: set PYTORCH_ALLOC_CONF=expandable_segments:True and "
     "release memory at a fixed step (hyperacc stabilizers)",
@@ -427,7 +431,7 @@ def _straggler_phrase(s: dict[str, Any]) -> str:
     return f"{text}: {between}" if between else text
 
 
-_KIND_WORD = {"host_work": "host-work", "unknown": "unexplained"}
+_KIND_WORD = {"host_work": "host-work", "page_faults": "page-fault", "unknown": "unexplained"}
 
 
 def kind_word(kind: str) -> str:
@@ -503,6 +507,16 @@ def basis_phrase(s: dict[str, Any]) -> str:
         return "CPU time was not measured, so more work cannot be told from preemption"
     if basis == "major_faults":
         return "its major page faults stand out: the host pages from storage"
+    if basis == "sys_cpu_time":
+        sys_t, sys_med = s.get("sys_cpu_ns"), s.get("cluster_sys_cpu_ns")
+        faults, faults_med = s.get("minor_faults"), s.get("cluster_minor_faults")
+        if None in (sys_t, sys_med, faults, faults_med):
+            return "its extra CPU time is the kernel's, faulting in memory pages: the same work at a higher cost"
+        return (
+            f"its extra CPU time is the kernel's ({_ms(sys_t)} of system time per step against {_ms(sys_med)} on "
+            f"the median rank) faulting in memory pages ({faults:.0f} page faults per step against "
+            f"{faults_med:.0f}): the same work at a higher cost"
+        )
     return ""
 
 

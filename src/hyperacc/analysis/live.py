@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase
+from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase, kind_word
 from hyperacc.analysis.excess import RankExcess, excess_from_windows
 from hyperacc.analysis.options import METRIC_WORD, DetectionOptions
 from hyperacc.analysis.stragglers import Straggler, detect_stragglers
@@ -109,7 +109,7 @@ class LiveDetector:
 
 
 def _straggler_line(s: Straggler, before: str | None) -> str:
-    what = f"{s.kind} straggler" if s.kind != "node" else f"straggler on slow node {s.node}"
+    what = f"{kind_word(s.kind)} straggler" if s.kind != "node" else f"straggler on slow node {s.node}"
     ratio = f"{s.slowdown:.2f}x" if s.slowdown is not None else "far above"
     line = (
         f"rank {s.rank} (node {s.node}) is a {what}: {METRIC_WORD.get(s.metric, s.metric)} {ratio} "

@@ -68,7 +68,7 @@ class WindowGrid:
     busy: np.ndarray  # (R, W) step less wait (host clock)
     self_host: np.ndarray  # (R, W) self-time on the host clock (what CPU time is compared with)
     cpu: np.ndarray  # (R, W) CPU time of the training thread per step
-    host: dict[str, np.ndarray]  # host signals -> (R, W)
+    host: dict[str, np.ndarray]  # host signals -> (R, W); ``sys_cpu_ns`` is a window mean, the rest medians
     culprit: np.ndarray  # (R, W) steps the rank waited least (offline)
     culprit_known: np.ndarray  # (R, W) steps of the window with a known culprit (offline)
     data_gap: np.ndarray | None = None  # (R, W) share of steps whose data wait is the input gap
@@ -132,9 +132,11 @@ def window_grid(windows: pa.Table | Mapping[str, Any] | WindowGrid, opts: Detect
     np.maximum.at(last, wi, np.asarray(cols["last_step"], dtype=np.int64))
     host = {
         name: pivot(col(f"{name}_median"), enough)
-        for name in ("invol_ctx_switches", "major_faults", "vol_ctx_switches")
+        for name in ("invol_ctx_switches", "major_faults", "vol_ctx_switches", "minor_faults")
         if f"{name}_median" in cols
     }
+    if "sys_cpu_ns_mean" in cols:
+        host["sys_cpu_ns"] = pivot(col("sys_cpu_ns_mean"), enough)
     busy = pivot(col("busy_ns_median"), enough)
     if np.isnan(busy).all() and "step_ns_median" in cols:  # WINDOW_SCHEMA alone
         busy = pivot(col("step_ns_median") - np.nan_to_num(col("comm_wait_ns_median")), enough)

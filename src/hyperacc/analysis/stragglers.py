@@ -72,7 +72,7 @@ _PARTS: dict[str, str] = {"forward_ns": "self", "backward_ns": "self", "data_ns"
 class Straggler:
     rank: int
     node: int
-    kind: str  # compute | data | launch | gc | host | host_work | unknown (a gap neither work nor waiting shows) | node
+    kind: str  # compute | page_faults | data | launch | gc | host | host_work | unknown (a gap neither work nor waiting shows) | node
     metric: str  # self_ns | forward_ns | backward_ns | data_ns | launch_ns | gc_ns
     slowdown: float | None  # the metric's ratio to the cluster median (None when that median is 0)
     since_step: int
@@ -89,7 +89,7 @@ class Straggler:
     rank_kind: str  # the kind before node grouping
     rule: str = "outlier"  # what confirmed it: outlier | rank_order | culprit | node
     clock: str = "host"  # host | device: the clock of the judged self-time and wait
-    kind_basis: str = "metric"  # cpu_time | device_clock | major_faults | wall_time_only | metric
+    kind_basis: str = "metric"  # cpu_time | sys_cpu_time | device_clock | major_faults | wall_time_only | metric
     cpu_share: float | None = None  # CPU time excess / self-time excess over the flagged windows
     windows_since: int = 0  # judged windows from since_step to its last judged window
     culprit_steps: int | None = None  # steps of the flagged windows in which it waited least (offline)
@@ -103,6 +103,12 @@ class Straggler:
     # a host straggler that blocked off its CPU: its voluntary context switches per step over the cluster
     # median, median over the flagged windows, where at least one (it waits: a read, a lock, a sleep)
     blocked_per_step: float | None = None
+    # kind page_faults: its CPU time in the kernel and its minor page faults per step over the flagged
+    # windows, and the cluster medians of the same
+    sys_cpu_ns: float | None = None
+    cluster_sys_cpu_ns: float | None = None
+    minor_faults: float | None = None
+    cluster_minor_faults: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -232,6 +238,8 @@ def _straggler(
         basis = "cpu_time"
     elif kind == "compute":
         kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts, blocked)
+    if kind == "compute" and basis == "cpu_time" and _kernel_paging(grid, r, fw, opts):
+        kind, basis = "page_faults", "sys_cpu_time"
     elif metric == "data_ns" and _in_gap(grid, r, fw):
         kind, basis, cpu_share = _between_steps(grid, r, fw, opts)
     judged_since = np.flatnonzero(judged)
@@ -268,6 +276,11 @@ def _straggler(
     s.between_steps = metric == "data_ns" and _in_gap(grid, r, fw)
     if kind == "host":
         s.blocked_per_step = blocked
+    if kind == "page_faults":
+        for name in ("sys_cpu_ns", "minor_faults"):
+            v = grid.host[name]
+            setattr(s, name, _finite_or_none(nan_median(v[r, fw])))
+            setattr(s, f"cluster_{name}", _finite_or_none(nan_median(nan_median(v[:, fw], axis=0))))
     return s
 
 
@@ -305,6 +318,32 @@ def _shows_in_whole(
         explains = part_excess >= opts.explain_share * ex
         ok = material & explains
     return np.where(np.isnan(whole), True, ok)
+
+
+def _kernel_paging(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions) -> bool:
+    """``kernel_paging`` over the rank's flagged windows ``fw`` (False where not recorded)."""
+    sys_time, faults = grid.host.get("sys_cpu_ns"), grid.host.get("minor_faults")
+    if sys_time is None or faults is None or not fw.size:
+        return False
+    return kernel_paging(grid.cpu[:, fw], sys_time[:, fw], faults[:, fw], r, opts)
+
+
+def kernel_paging(cpu: np.ndarray, sys_time: np.ndarray, faults: np.ndarray, r: int, opts: DetectionOptions) -> bool:
+    """The rank's extra CPU time is the kernel's, faulting in fresh pages (docs/detection.md, "Kind").
+
+    ``cpu``, ``sys_time``, ``faults``: (rank x column) CPU time, its part in the kernel (window means)
+    and minor page faults per step, over the columns in which row ``r`` was slow. True when the rank's
+    system time over the cluster median accounts for ``explain_share`` of its CPU time over it, and it
+    took more page faults per step than every other rank in most of the columns: the same work at a
+    higher cost, paid in the kernel for memory that its allocator returned and mapped again."""
+    ok = ~np.isnan(cpu[r]) & ~np.isnan(sys_time[r]) & ~np.isnan(faults[r])
+    others = np.delete(faults, r, axis=0)[:, ok]
+    if not ok.any() or np.isnan(others).all(axis=0).any():
+        return False
+    cpu_ex = nan_median((cpu[r] - nan_median(cpu, axis=0))[ok])
+    sys_ex = nan_median((sys_time[r] - nan_median(sys_time, axis=0))[ok])
+    above = faults[r, ok] > np.nanmax(others, axis=0)
+    return bool(cpu_ex > 0 and sys_ex >= opts.explain_share * cpu_ex and above.sum() * 2 > above.size)
 
 
 def _compute_or_host(

@@ -36,6 +36,7 @@ _EXTRA_MEDIANS: dict[str, str] = {
     "invol_ctx_switches_median": "invol_ctx_switches",
     "vol_ctx_switches_median": "vol_ctx_switches",
     "major_faults_median": "major_faults",
+    "minor_faults_median": "minor_faults",
     "busy_ns_median": "busy_ns",
     "cpu_ns_median": "cpu_ns",
     "dev_self_ns_median": "dev_self_ns",
@@ -54,8 +55,12 @@ _EXTRA_COUNTS: tuple[str, ...] = (
 )
 # ``data_gap_share``: the share of the window's typical steps whose data wait is the input gap of a loop
 # without a DataLoader (docs/detection.md, "The work between steps"); NaN where not recorded.
+# ``sys_cpu_ns_mean``: the mean of the typical steps' CPU time in the kernel. A mean, not a median: the
+# kernel splits a thread's CPU time into user and system time by clock-tick samples, so one step's system
+# time is 0 or a whole tick's share, and only its mean over many steps is the time (docs/detection.md,
+# "Kind").
 EXTRA_WINDOW_COLUMNS: tuple[str, ...] = (
-    *_EXTRA_MEDIANS, *_EXTRA_COUNTS, "culprit_steps", "culprit_known", "data_gap_share",
+    *_EXTRA_MEDIANS, *_EXTRA_COUNTS, "culprit_steps", "culprit_known", "data_gap_share", "sys_cpu_ns_mean",
 )  # fmt: skip
 
 _MEDIANS: dict[str, str] = {
@@ -223,12 +228,8 @@ def summarize_windows(
         n_ok = np.bincount(row[ok], minlength=uniq.size)
         total = np.bincount(row[ok], weights=g[ok], minlength=uniq.size)
         out["gc_ns_sum"] = np.where(n_ok >= opts.min_window_samples, total, np.nan)
-    gap = cols.get("data_gap")
-    g = np.full(n, np.nan) if gap is None else np.asarray(_column(gap, n), dtype=np.float64)
-    ok = ~np.isnan(g) & typical
-    n_ok = np.bincount(row[ok], minlength=uniq.size)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        out["data_gap_share"] = np.where(n_ok > 0, np.bincount(row[ok], weights=g[ok], minlength=uniq.size) / n_ok, np.nan)
+    out["data_gap_share"] = _window_mean(cols.get("data_gap"), n, row, typical, uniq.size, 1)
+    out["sys_cpu_ns_mean"] = _window_mean(cols.get("sys_cpu_ns"), n, row, typical, uniq.size, opts.min_window_samples)
     if judge:
         out["judged_steps"] = np.bincount(row[judged_at], minlength=uniq.size).astype(np.float64)
         for i, cause in enumerate(RANK_CAUSES):
@@ -241,6 +242,15 @@ def summarize_windows(
     out["culprit_steps"] = np.full(uniq.size, np.nan)
     out["culprit_known"] = np.full(uniq.size, np.nan)
     return {k: out[k][wanted] for k in SUMMARY_COLUMNS}
+
+
+def _window_mean(values: Any, n: int, row: np.ndarray, typical: np.ndarray, windows: int, need: int) -> np.ndarray:
+    """Mean of a column over each window's typical steps that measured it; NaN under ``need`` of them."""
+    v = np.full(n, np.nan) if values is None else np.asarray(_column(values, n), dtype=np.float64)
+    ok = ~np.isnan(v) & typical
+    n_ok = np.bincount(row[ok], minlength=windows)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n_ok >= need, np.bincount(row[ok], weights=v[ok], minlength=windows) / n_ok, np.nan)
 
 
 class WindowStream:

@@ -59,7 +59,7 @@ class Finding:
     """A verdict the policy may act on. Stragglers come from ``hyperacc.analysis`` (live or offline),
     spike causes from the diagnosis' ``causes``; only ``confirmed`` ones are ever acted on."""
 
-    kind: str  # straggler kind (compute, data, launch, gc, host, node) or spike cause (gc, allocator, ...)
+    kind: str  # straggler kind (compute, page_faults, data, launch, gc, host, node) or spike cause (gc, allocator, ...)
     source: str = "straggler"  # straggler | spikes
     rank: int | None = None
     node: str | None = None  # the node's name (the exclusion file's word for it)
@@ -245,6 +245,10 @@ def _switch_rule(found: list[Finding], history: Sequence[Mapping[str, Any]], job
     for f in found:
         if f.source == "straggler" and cause == "gc" and (f.kind == "gc" or f.rank_kind == "gc"):
             trigger = f"rank {f.rank} is a confirmed GC straggler ({_x(f.slowdown)} the median GC time)"
+            break
+        if f.source == "straggler" and cause == "allocator" and f.kind == "page_faults":
+            # its allocator returns and maps memory again at every step: holding freed memory ends it
+            trigger = f"rank {f.rank} is a confirmed page-fault straggler ({_x(f.slowdown)} the median CPU time)"
             break
         if f.source == "spikes" and f.kind == cause and (f.share or 0) >= share_min and (f.spikes or 0) >= spikes_min:
             trigger = f"{cause} explains {100 * (f.share or 0):.0f} % of the time lost to spikes ({f.spikes} spikes)"

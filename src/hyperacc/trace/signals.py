@@ -94,7 +94,7 @@ class HostSyncCounter:
 
 _GC_NS, _GC_COUNT, _GC_MAX_GEN = _C["gc_ns"], _C["gc_count"], _C["gc_max_gen"]
 _MAJOR_FAULTS, _INVOL_CTX, _CPU_NS = _C["major_faults"], _C["invol_ctx_switches"], _C["cpu_ns"]
-_VOL_CTX = _C["vol_ctx_switches"]
+_VOL_CTX, _MINOR_FAULTS, _SYS_CPU_NS = _C["vol_ctx_switches"], _C["minor_faults"], _C["sys_cpu_ns"]
 _ALLOC_COLS = tuple(_C[name] for name, _ in _ALLOC_KEYS)
 _HOST_SYNCS = _C["host_syncs"]
 
@@ -116,6 +116,8 @@ class StepSignals:
         self._nivcsw = 0
         self._nvcsw = 0
         self._cpu_us = 0
+        self._minflt = 0
+        self._sys_us = 0
         self._rusage_on = True
         self.alloc_every = alloc_every
         self._alloc_prev = [0, 0, 0]
@@ -153,7 +155,7 @@ class StepSignals:
             try:
                 ru = resource.getrusage(_RUSAGE_WHO)
                 self._faults, self._nivcsw, self._nvcsw = ru.ru_majflt, ru.ru_nivcsw, ru.ru_nvcsw
-                self._cpu_us = _cpu_us(ru)
+                self._cpu_us, self._minflt, self._sys_us = _cpu_us(ru), ru.ru_minflt, round(ru.ru_stime * 1e6)
             except OSError as exc:
                 self._rusage_on = False
                 switch_off("getrusage signals", exc)
@@ -171,13 +173,17 @@ class StepSignals:
             try:
                 ru = resource.getrusage(_RUSAGE_WHO)
                 # _cpu_us, inlined: this runs at every step's end
-                faults, nivcsw, nvcsw = ru.ru_majflt, ru.ru_nivcsw, ru.ru_nvcsw
-                cpu = round((ru.ru_utime + ru.ru_stime) * 1e6)
+                faults, nivcsw, nvcsw, minflt = ru.ru_majflt, ru.ru_nivcsw, ru.ru_nvcsw, ru.ru_minflt
+                sys_us = round(ru.ru_stime * 1e6)
+                cpu = round(ru.ru_utime * 1e6) + sys_us
                 row[_MAJOR_FAULTS] = faults - self._faults
                 row[_INVOL_CTX] = nivcsw - self._nivcsw
                 row[_VOL_CTX] = nvcsw - self._nvcsw
                 row[_CPU_NS] = (cpu - self._cpu_us) * 1000
+                row[_MINOR_FAULTS] = minflt - self._minflt
+                row[_SYS_CPU_NS] = (sys_us - self._sys_us) * 1000
                 self._faults, self._nivcsw, self._nvcsw, self._cpu_us = faults, nivcsw, nvcsw, cpu
+                self._minflt, self._sys_us = minflt, sys_us
             except OSError as exc:
                 self._rusage_on = False
                 switch_off("getrusage signals", exc)
@@ -220,4 +226,4 @@ def _alloc_stats() -> dict:
 
 def _cpu_us(ru: resource.struct_rusage) -> int:
     """User + system CPU time in whole microseconds (the kernel accounts it to the nanosecond)."""
-    return round((ru.ru_utime + ru.ru_stime) * 1e6)
+    return round(ru.ru_utime * 1e6) + round(ru.ru_stime * 1e6)
