@@ -58,3 +58,23 @@ def test_a_whole_slow_node_of_a_two_node_job_is_named(tmp_path):
     assert sorted((s["rank"], s["node"], s["kind"]) for s in d["stragglers"]) == [(2, 1, "node"), (3, 1, "node")], (
         d["verdict"], output[-1500:])
     assert d["verdict"].startswith("Node 1 is slow (2 of its 2 ranks")
+
+
+@pytest.mark.multirank
+def test_a_rank_whose_allocator_pages_every_step_is_a_page_fault_straggler_not_compute(tmp_path):
+    # rank 1 does the same work as the others, but glibc maps and unmaps its blocks of 64 KiB and more
+    # at every use (hyperacc.chaos page_churn), as its default thresholds leave some processes by chance:
+    # the kernel faults in fresh pages each step, and its CPU time grows in the kernel
+    run = tmp_path / "run"
+    chaos = {"seed": 1, "faults": [{"kind": "page_churn", "ranks": [1], "kb": 64}]}
+    job = harness.launch(EXAMPLE, ["--steps", "120"], nproc=4, timeout=240,
+                         traced={"run-dir": str(run), "trace": json.dumps({"window": 0}), "chaos": json.dumps(chaos)})  # fmt: skip
+    assert job.ok, job.explain()
+    d = diagnose(run, window_steps=20, warmup_steps=5).to_dict()
+    assert [(s["rank"], s["kind"], s["kind_basis"]) for s in d["stragglers"]] == [(1, "page_faults", "sys_cpu_time")], d["verdict"]
+    s = d["stragglers"][0]
+    assert s["minor_faults"] > 10 * max(s["cluster_minor_faults"], 1) and s["sys_cpu_ns"] > s["cluster_sys_cpu_ns"], s
+    assert "Rank 1 (node 0) is a persistent page-fault straggler" in d["verdict"], d["verdict"]
+    assert any("page faults per step against" in line for line in d["evidence"]), d["evidence"]
+    assert any(line.startswith("rank 1:") and "--stabilize 1" in line for line in d["next_step"]), d["next_step"]
+    assert "compute" not in d["verdict"], d["verdict"]
