@@ -57,6 +57,27 @@ def _ranks(n_ranks: int = 4, steps: int = 300, noise: float = 0.05, seed: int = 
     return out
 
 
+def test_a_stretch_of_paging_is_a_page_fault_episode_and_more_work_stays_compute():
+    # rank 2's CPU time is 2x for steps 120-179: in the kernel, with 1,000 page faults a step (its
+    # allocator hands memory back and takes it again), or in user space with no more faults (more work)
+    opts = DetectionOptions()
+    for paged in (True, False):
+        rng = np.random.default_rng(11)
+        out = []
+        for r in range(4):
+            step = np.arange(300, dtype=np.int64)
+            extra = np.where((r == 2) & (step >= 120) & (step < 180), 6 * MS, 0.0)
+            cols = {"step": step, "self_ns": (10 * MS + extra) * np.exp(rng.normal(0, 0.03, 300)),
+                    "cpu_ns": (6 * MS + extra) * np.exp(rng.normal(0, 0.03, 300)),
+                    "sys_cpu_ns": 0.4 * MS + (extra * 0.9 if paged else 0.0) * rng.uniform(0.5, 1.5, 300),
+                    "minor_faults": 11.0 + rng.integers(0, 3, 300) + (extra / MS * 170 if paged else 0.0)}  # fmt: skip
+            keep = step >= opts.warmup_steps
+            out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
+        [e] = detect_episodes(out, opts)
+        assert (e.rank, e.kind) == ((2, "page_faults") if paged else (2, "compute")), e
+        assert abs(e.since_step - 120) <= 10 and abs(e.until_step - 179) <= 10, e
+
+
 @pytest.mark.parametrize("factor", [2.0, 1.3])
 def test_a_60_step_plateau_is_an_episode_with_its_range(factor):
     for seed in range(5):

@@ -43,7 +43,7 @@ from hyperacc.analysis.change_points import (
 )
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import MAD_TO_SIGMA, group_starts, loo_median, nan_median, run_slice
-from hyperacc.analysis.stragglers import blocked_rise, compute_or_host
+from hyperacc.analysis.stragglers import blocked_rise, compute_or_host, kernel_paging
 from hyperacc.stats import last_axis_nan_median
 
 
@@ -67,6 +67,10 @@ class RankBlocks:
     # (n,) float32 median of ``data_gap`` per step: 1 where the input wait is the input gap of a loop
     # without a DataLoader (the time between ``optimizer.step()`` and the next forward); None: not known
     gap: np.ndarray | None = None
+    # (n,) float32 mean CPU time in the kernel per step, and median minor page faults per step (the
+    # ``page_faults`` kind, ``stragglers.kernel_paging``); None: not recorded
+    sys: np.ndarray | None = None
+    faults: np.ndarray | None = None
 
 
 class BlockBudget:
@@ -110,14 +114,15 @@ def coarsened(b: RankBlocks, width: int) -> RankBlocks:
     return RankBlocks(b.rank, b.node, new, mean(b.self_ns), mean(b.cpu_ns),
                       np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width,
                       None if b.vol is None else mean(b.vol), None if b.data is None else mean(b.data),
-                      None if b.gap is None else mean(b.gap))  # fmt: skip
+                      None if b.gap is None else mean(b.gap), None if b.sys is None else mean(b.sys),
+                      None if b.faults is None else mean(b.faults))  # fmt: skip
 
 
 @dataclasses.dataclass
 class Episode:
     rank: int
     node: int
-    kind: str  # compute | host (the straggler rule's CPU-versus-wall split) | host_work (work between steps)
+    kind: str  # compute | page_faults | host (the straggler rule's CPU-versus-wall split) | host_work (work between steps)
     #            | data (the growth was the DataLoader's fetch)
     metric: str  # self_ns
     slowdown: float | None  # the rank's self-time / the cluster median, median over the episode's blocks
@@ -178,7 +183,21 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     vol = medians("vol_ctx_switches") if "vol_ctx_switches" in cols else None
     data = medians("data_ns") if "data_ns" in cols else None
     gap = medians("data_gap") if data is not None and "data_gap" in cols else None
-    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap)
+    paging = "minor_faults" in cols and "sys_cpu_ns" in cols and bool(np.isfinite(cols["minor_faults"]).any())
+    sys_time = _block_means(cols["sys_cpu_ns"], row, uniq.size) if paging else None
+    faults = medians("minor_faults") if paging else None
+    return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
+                      sys_time, faults)  # fmt: skip
+
+
+def _block_means(values: np.ndarray, row: np.ndarray, blocks: int) -> np.ndarray:
+    """Mean per block of the steps that measured it (the kernel's tick-sampled system time: a mean, not a
+    median, ``windows.summarize_windows``); NaN where none did."""
+    v = np.asarray(values, dtype=np.float64)
+    ok = np.isfinite(v)
+    n = np.bincount(row[ok], minlength=blocks)
+    with np.errstate(all="ignore"):
+        return np.where(n > 0, np.bincount(row[ok], weights=v[ok], minlength=blocks) / n, np.nan).astype(np.float32)
 
 
 def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_effect: float = 0.5) -> list[Episode]:
@@ -192,12 +211,16 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     ranks = [coarsened(b, width) for b in ranks]
     cols = np.unique(np.concatenate([b.block for b in ranks]))
     shape = (len(ranks), cols.size)
-    # float32 (rank x block) matrices: about 35 bytes per cell in all while judging
+    # float32 (rank x block) matrices: about 35 bytes per cell in all while judging (8 more where the page
+    # faults and system time were recorded)
     wall, cpu = np.full(shape, np.nan, dtype=np.float32), np.full(shape, np.nan, dtype=np.float32)
     count = np.zeros(shape, dtype=np.float32)
     vol = np.full(shape, np.nan, dtype=np.float32) if any(b.vol is not None for b in ranks) else None
     data = np.full(shape, np.nan, dtype=np.float32) if any(b.data is not None for b in ranks) else None
     gap = np.full(shape, np.nan, dtype=np.float32) if data is not None and any(b.gap is not None for b in ranks) else None
+    paging = all(b.sys is not None and b.faults is not None for b in ranks)
+    sys_time = np.full(shape, np.nan, dtype=np.float32) if paging else None
+    faults = np.full(shape, np.nan, dtype=np.float32) if paging else None
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
@@ -207,6 +230,8 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             data[i, pos] = b.data
         if gap is not None and b.gap is not None:
             gap[i, pos] = b.gap
+        if sys_time is not None and faults is not None:
+            sys_time[i, pos], faults[i, pos] = b.sys, b.faults
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
@@ -302,6 +327,10 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # median where the wall time alone cleared the host-wide bar): waking cost it CPU time too.
             rise = blocked if blocked is not None or vol is None else blocked_rise(vol[:, seg], r)
             kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts, blocked=rise)
+            if kind == "compute" and sys_time is not None and faults is not None and kernel_paging(
+                cpu[:, seg], sys_time[:, seg], faults[:, seg], r, opts
+            ):
+                kind, basis = "page_faults", "sys_cpu_time"
             if kind == "host" and rise is None and _measured(vol, r, seg):
                 # Slower in wall time only, neither blocking nor computing more: preempted. The host moves
                 # its load among the ranks for tens of steps at a time (a clean rank here 4-5x for 10 steps

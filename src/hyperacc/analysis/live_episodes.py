@@ -32,7 +32,8 @@ class BlockStream:
     # the input wait and whether it is the gap of a loop without a DataLoader: an episode in that gap that
     # grew with the CPU time is the rank's own work between steps (kind host_work), live as offline; the
     # voluntary context switches: a rank that blocked off its CPU (a read, a lock, a sleep), live as offline
-    _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns", "data_ns", "data_gap", "vol_ctx_switches")
+    _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns", "data_ns", "data_gap", "vol_ctx_switches", "sys_cpu_ns",
+              "minor_faults")  # fmt: skip
 
     def __init__(self, rank: int, node: int, opts: DetectionOptions) -> None:
         self.rank, self.node, self.opts = rank, node, opts
@@ -214,6 +215,7 @@ def _joined(old: RankBlocks | None, new: RankBlocks) -> RankBlocks:
         np.concatenate([old.self_ns[keep], new.self_ns]), np.concatenate([old.cpu_ns[keep], new.cpu_ns]),
         np.concatenate([old.steps[keep], new.steps]), new.width,
         vol=joined(old.vol, new.vol), data=joined(old.data, new.data), gap=joined(old.gap, new.gap),
+        sys=joined(old.sys, new.sys), faults=joined(old.faults, new.faults),
     )  # fmt: skip
 
 
@@ -225,4 +227,5 @@ def _since(h: RankBlocks, first_block: int) -> RankBlocks:
         return None if a is None else a[keep]
 
     return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep], h.width,
-                      vol=kept(h.vol), data=kept(h.data), gap=kept(h.gap))  # fmt: skip
+                      vol=kept(h.vol), data=kept(h.data), gap=kept(h.gap), sys=kept(h.sys),
+                      faults=kept(h.faults))  # fmt: skip
