@@ -50,7 +50,8 @@ ADVICE: dict[str, str] = {
     "page_faults": "its allocator hands memory back to the kernel and takes it again, so the kernel faults "
     "in and zeroes fresh pages at every step (glibc does this by default to some blocks, depending on "
     "where they lie): hold freed memory (`hyperacc run --stabilize 1`, docs/stabilizers.md \"Deterministic "
-    "memory release\"), or set MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_, or preload tcmalloc",
+    "memory release\"), or set MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_, or preload tcmalloc (a memory-mapped "
+    "dataset read for the first time faults too: check whether that rank reads more of it)",
     "node": "the whole node is slow: run a pre-flight check on it and drain it from the job",
     "allocator": "the CUDA caching allocator stalls: set PYTORCH_ALLOC_CONF=expandable_segments:True and "
     "release memory at a fixed step (hyperacc stabilizers)",
