@@ -16,6 +16,7 @@ Scenarios (ranks as nodes x ranks per node; the faulty ranks and what a right ve
                            (hidden 1024: a rank with a 2 ms self-time that sleeps in the collective
                            keeps its CPU against a busy neighbour, the scheduler favours the waker)
     launch           1x4   rank 3's operators take 50 us longer to launch (launch)    straggler, launch
+    page faults      1x4   rank 2's allocator maps its 64 KiB+ blocks afresh (page_churn) straggler, page_faults
     node of 2        2x2   both ranks of node 1 slowed (slowdown 0.5)                 ranks 2, 3, node
     node of 3        3x2   both ranks of node 2 slowed                                ranks 4, 5, node
     30 % slow        1x10  ranks 1, 4, 7 slowed                                       stragglers, compute
@@ -37,7 +38,7 @@ scored again without running (``--rescore DIR``). Every job runs under the timin
 other work never overlap with it.
 
     .venv/bin/python bench/detection.py --quick     # 4 runs, one seed, no load (a few minutes)
-    BENCH_FULL=1 .venv/bin/python bench/detection.py   # the matrix: 10 scenarios x 3 seeds x 2 loads,
+    BENCH_FULL=1 .venv/bin/python bench/detection.py   # the matrix: 11 scenarios x 3 seeds x 2 loads,
                                                         # clean x 15 seeds x 2 loads
     .venv/bin/python bench/detection.py --rescore DIR   # score kept runs with the current rules
 """
@@ -98,6 +99,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("host", 1, 4, ({"kind": "competitor", "ranks": [1], "cpu": 1, "procs": 2},), {1: "host"},
              ("--hidden", "1024")),
     Scenario("launch", 1, 4, ({"kind": "launch", "ranks": [3], "ms": 0.05},), {3: "launch"}),
+    Scenario("page faults", 1, 4, ({"kind": "page_churn", "ranks": [2], "kb": 64},), {2: "page_faults"}),
     Scenario("node of 2", 2, 2, (_slow([2, 3]),), {2: "node", 3: "node"}),
     Scenario("node of 3", 3, 2, (_slow([4, 5]),), {4: "node", 5: "node"}),
     Scenario("30 % slow", 1, 10, (_slow([1, 4, 7]),), {1: "compute", 4: "compute", 7: "compute"},
