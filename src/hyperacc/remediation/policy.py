@@ -241,14 +241,16 @@ def _switch_rule(found: list[Finding], history: Sequence[Mapping[str, Any]], job
         return []  # once per run, whatever came of it
     share_min = config.gc_min_share if cause == "gc" else config.memory_min_share
     spikes_min = config.gc_min_spikes if cause == "gc" else config.memory_min_spikes
-    trigger = None
+    trigger, paging = None, False
     for f in found:
         if f.source == "straggler" and cause == "gc" and (f.kind == "gc" or f.rank_kind == "gc"):
             trigger = f"rank {f.rank} is a confirmed GC straggler ({_x(f.slowdown)} the median GC time)"
             break
         if f.source == "straggler" and cause == "allocator" and f.kind == "page_faults":
-            # its allocator returns and maps memory again at every step: holding freed memory ends it
+            # its allocator returns and maps memory again at every step: holding freed memory ends it, and
+            # the settings read at start (the CUDA allocator's, tcmalloc's) have nothing to do with it
             trigger = f"rank {f.rank} is a confirmed page-fault straggler ({_x(f.slowdown)} the median CPU time)"
+            paging = True
             break
         if f.source == "spikes" and f.kind == cause and (f.share or 0) >= share_min and (f.spikes or 0) >= spikes_min:
             trigger = f"{cause} explains {100 * (f.share or 0):.0f} % of the time lost to spikes ({f.spikes} spikes)"
@@ -259,7 +261,7 @@ def _switch_rule(found: list[Finding], history: Sequence[Mapping[str, Any]], job
     what = "deterministic GC (gc.freeze, full collections every N steps on all ranks)" if cause == "gc" else \
         "scheduled memory release on all ranks"  # fmt: skip
     out = [Decision(rule, action, "act", "all ranks", f"step {at}", f"{trigger}: switch on {what}", step=at)]
-    if cause == "allocator":
+    if cause == "allocator" and not paging:
         out.append(Decision("memory-release", "advise", "advise", "all ranks", "next restart",
                             "allocator settings that only take effect at start", settings=MEMORY_RESTART_SETTINGS))
     return out
