@@ -44,9 +44,12 @@ STEP_BUCKETS: tuple[float, ...] = (
 PHASES = ("data", "h2d", "forward", "backward", "comm_wait", "optimizer", "other")
 CULPRIT_WINDOW = 100  # steps over which the culprit share is measured
 
+# The step columns the straggler verdict behind ``hyperacc_straggler`` reads: its kind needs what `analyze`
+# reads for it (the CPU time, the switches, the page faults, the input gap), or it says less than `analyze`.
 _SIGNALS = (
     "step_ns", "self_ns", "comm_wait_ns", "data_ns", "h2d_ns", "forward_ns", "backward_ns", "optimizer_ns",
     "other_ns", "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
+    "cpu_ns", "vol_ctx_switches", "minor_faults", "sys_cpu_ns", "data_gap",
 )  # fmt: skip
 
 
