@@ -156,21 +156,13 @@ def parse_config(config: Mapping[str, Any] | str) -> tuple[int, list[Fault], str
 
 def _churn_pages(threshold: int) -> bool:
     """glibc maps blocks of ``threshold`` bytes and more afresh and trims its heap above as much; False
-    (one log line) where the process's C library is not glibc."""
-    import ctypes
+    (one log line) where the process's allocator is not glibc."""
+    from hyperacc.stabilize import memory  # only for this fault: the rest of chaos does without it
 
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        log.warning("hyperacc.chaos: page_churn needs glibc's mallopt; not applied")
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold) and mallopt(_M_TRIM_THRESHOLD, threshold))
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+    if memory.glibc_thresholds(memory.detect_host_allocator(), threshold, threshold):
+        return True
+    log.warning("hyperacc.chaos: page_churn needs glibc's mallopt; not applied")
+    return False
 
 
 def burn_ns(duration_ns: int) -> None:

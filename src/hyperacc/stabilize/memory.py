@@ -83,12 +83,7 @@ def hold_freed_memory(alloc: HostAllocator) -> str:
     set ``TCMALLOC_RELEASE_RATE=0`` (see :func:`launch_env`). google tcmalloc: background release
     rate 0."""
     if alloc.name == "glibc":
-        mallopt = alloc.lib.mallopt
-        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-        mallopt.restype = ctypes.c_int
-        ok = mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX) and mallopt(
-            M_TRIM_THRESHOLD, GLIBC_TRIM_THRESHOLD_HOLD
-        )
+        ok = glibc_thresholds(alloc, GLIBC_MMAP_THRESHOLD_MAX, GLIBC_TRIM_THRESHOLD_HOLD)
         return "glibc mallopt: mmap threshold 32 MiB, no automatic trim" if ok else "glibc mallopt refused"
     if alloc.name == "tcmalloc-gperftools":
         setter = _symbol(alloc.lib, "MallocExtension_SetMemoryReleaseRate")
@@ -113,6 +108,17 @@ def hold_freed_memory(alloc: HostAllocator) -> str:
             return "google tcmalloc background release rate 0"
         return "google tcmalloc without a background release setter"
     return "no known allocator; nothing held"
+
+
+def glibc_thresholds(alloc: HostAllocator, mmap: int, trim: int) -> bool:
+    """Fix glibc's mmap and trim thresholds (bytes; fixing them ends its own adjustment of both); False
+    where the allocator is not glibc or ``mallopt`` refused."""
+    if alloc.name != "glibc" or alloc.lib is None:
+        return False
+    mallopt = alloc.lib.mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, mmap) and mallopt(M_TRIM_THRESHOLD, trim))
 
 
 def release(alloc: HostAllocator) -> int:
