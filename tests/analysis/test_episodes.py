@@ -78,6 +78,32 @@ def test_a_stretch_of_paging_is_a_page_fault_episode_and_more_work_stays_compute
         assert abs(e.since_step - 120) <= 10 and abs(e.until_step - 179) <= 10, e
 
 
+def test_a_preempted_rank_on_short_steps_is_no_compute_episode():
+    # 3 ms steps of which the ranks run 2.7 ms; rank 2 is preempted for steps 120-179 (wall time 1.6x, no
+    # more voluntary switches) and refills its caches on waking: CPU time +0.4 ms a step (1.15x), more
+    # than preempt_overhead of the 1.8 ms it lost, but no minimum effect in CPU time. Before, the wall
+    # time's episode was named compute (a fresh-clone run beside a busy loop); a preempted rank's
+    # transient is the host's wander, not reported. Rank 2 computing 1.6x more over the same steps stays
+    # a compute episode.
+    opts = DetectionOptions()
+    for worked in (False, True):
+        for seed in range(5):
+            rng = np.random.default_rng(seed)
+            out = []
+            for r in range(4):
+                step = np.arange(300, dtype=np.int64)
+                hit = (r == 2) & (step >= 120) & (step < 180)
+                lost = np.where(hit, 1.8 * MS, 0.0)
+                cpu = 2.7 * MS * np.where(hit, 1.6, 1.0) if worked else 2.7 * MS + np.where(hit, 0.4 * MS, 0.0)
+                self_ns = 3 * MS * np.where(hit, 1.6, 1.0) if worked else 3 * MS + lost
+                cols = {"step": step, "self_ns": self_ns * np.exp(rng.normal(0, 0.03, 300)),
+                        "cpu_ns": cpu * np.exp(rng.normal(0, 0.03, 300)), "vol_ctx_switches": np.ones(300)}  # fmt: skip
+                keep = step >= opts.warmup_steps
+                out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
+            found = [(e.rank, e.kind) for e in detect_episodes(out, opts)]
+            assert found == ([(2, "compute")] if worked else []), (worked, seed, found)
+
+
 @pytest.mark.parametrize("factor", [2.0, 1.3])
 def test_a_60_step_plateau_is_an_episode_with_its_range(factor):
     for seed in range(5):

@@ -38,6 +38,7 @@ from hyperacc.analysis.change_points import (
     change_points,
     level_noise,
     log_ratio,
+    noise_floor,
     outside_level,
     stretch_levels,
 )
@@ -237,11 +238,13 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
     cpu_ref = loo_median(cpu)
     span = max(1, math.ceil(opts.episode_min_steps / width))  # the shortest episode, in blocks
+    cpu_x = log_ratio(cpu, cpu_ref)
+    cpu_sigma = noise_floor(cpu_x, opts) if np.isfinite(cpu_x).any() else None
     found: list[Episode] = []
     # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
     # whose preemption makes every rank's wall time wander, a rank that computes more still shows.
     for channel, values, ref in (("self_ns", wall, wall_ref), ("cpu_ns", cpu, cpu_ref)):
-        x = log_ratio(values, ref)
+        x = cpu_x if channel == "cpu_ns" else log_ratio(values, ref)
         if not np.isfinite(x).any():
             continue
         host_bar = opts.z_threshold * level_noise(x)
@@ -261,8 +264,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 shift = segment_shift(x[r], seg)
             # the minimum effect within two standard errors of the segment's level (a plateau of exactly
             # min_effect is measured on either side of it); the host-wide bar without that allowance
-            judged = max(int(np.isfinite(x[r, seg]).sum()), 1)
-            effect = shift + 2.0 * sigma / math.sqrt(judged) >= math.log(opts.episode_min_effect)
+            effect = has_effect(x[r], seg, shift, sigma, opts)
             if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not effect:
                 continue
             # The host-wide bar is the wander preemption gives every rank's wall time; a rank that blocked
@@ -327,6 +329,15 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # median where the wall time alone cleared the host-wide bar): waking cost it CPU time too.
             rise = blocked if blocked is not None or vol is None else blocked_rise(vol[:, seg], r)
             kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts, blocked=rise)
+            if kind == "compute" and basis == "cpu_time" and cpu_sigma is not None and not has_effect(
+                cpu_x[r], seg, segment_shift(cpu_x[r], seg), float(cpu_sigma[r]), opts
+            ):
+                # More work lengthens the CPU time at least as much as the wall time, by ratio ((c + x) / c
+                # >= (w + x) / w, as c <= w; equal where the rank ran the same share of its wall time as
+                # before): a wall-time episode whose CPU time did not shift by the minimum effect is not
+                # its work. On short steps preemption alone grows CPU time past ``preempt_overhead`` of the
+                # wall time lost (caches refilled): judged as the host's.
+                kind, share = "host", None
             if kind == "compute" and sys_time is not None and faults is not None and kernel_paging(
                 cpu[:, seg], sys_time[:, seg], faults[:, seg], r, opts
             ):
@@ -451,6 +462,14 @@ def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions, b
         return bool(moved[r] - center >= math.log(opts.episode_min_effect))
     spread = max(MAD_TO_SIGMA * float(np.median(np.abs(others - center))), opts.min_mad_rel)
     return bool(moved[r] - center >= opts.z_threshold * spread)
+
+
+def has_effect(row: np.ndarray, seg: np.ndarray, shift: float, sigma: float, opts: DetectionOptions) -> bool:
+    """A shift of ``row`` (a rank's log ratios) over blocks ``seg`` reaches ``episode_min_effect`` within
+    two standard errors of the segment's level (``sigma``: one block's noise), so a plateau of exactly the
+    minimum effect is found on either side of it."""
+    judged = max(int(np.isfinite(row[seg]).sum()), 1)
+    return bool(shift + 2.0 * sigma / math.sqrt(judged) >= math.log(opts.episode_min_effect))
 
 
 def segment_shift(row: np.ndarray, seg: np.ndarray) -> float:
