@@ -27,6 +27,14 @@ def test_the_doctor_judges_with_analyze_defaults():
         ("--min-slowdown", lambda o: f"{o.min_slowdown:g}"),
         ("--window-steps", lambda o: f"{o.window_steps}"),
         ("--persist", lambda o: f"{o.persist_k}/{o.persist_n}"),
+        ("--spike-mad", lambda o: f"{o.spike_mad:g}"),
+        ("--spike-floor-ms", lambda o: f"{o.spike_floor_ns / 1e6:g}"),
+        ("--spike-floor-rel", lambda o: f"{o.spike_floor_rel:g}"),
+        ("--spike-window", lambda o: f"{o.spike_window}"),
+        ("--spike-metric", lambda o: o.spike_metric),
+        ("--warmup-steps", lambda o: f"{o.warmup_steps}"),
+        ("--target", lambda o: f"{o.target:g}"),
+        ("--top", lambda o: f"{o.top_events}"),
     ],
 )
 def test_analyze_help_shows_the_defaults_that_run(option, shown):
@@ -36,3 +44,14 @@ def test_analyze_help_shows_the_defaults_that_run(option, shown):
     found = re.search(r"\[([^\]]+)\]\.?$", param.help)
     assert found, f"{option}: no [default] at the end of its help"
     assert found.group(1) == shown(DetectionOptions())
+
+
+@pytest.mark.parametrize("name", ["analyze", "doctor"])
+def test_help_names_no_missing_bound(name):
+    # an unbounded number's range read "x<=None" beside every such option before 2026-12-05
+    from click.testing import CliRunner
+
+    from hyperacc.cli import cli
+
+    out = CliRunner().invoke(cli, [name, "--help"], terminal_width=200)
+    assert out.exit_code == 0 and "None" not in out.output, out.output

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from hyperacc.analysis.options import DetectionOptions
 from hyperacc.commands.params import (
     FINITE,
     Number,
@@ -47,6 +48,7 @@ OPTION_OF = {
     "target": "--target", "ranks_per_node": "--ranks-per-node", "top_events": "--top",
 }  # fmt: skip
 _COUNT_MAX = 1 << 53  # step counts beyond float64's exact integers are no step counts
+_D = DetectionOptions()  # the defaults the help names, read from the options in force
 
 
 def _persist(ctx: click.Context, param: click.Parameter, text: str | None) -> tuple[int, int] | None:
@@ -65,38 +67,38 @@ def _persist(ctx: click.Context, param: click.Parameter, text: str | None) -> tu
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis document as JSON.")
 @click.option("--window-steps", type=click.IntRange(1, 1_000_000), default=None,
-              help="Steps per straggler window [50].")  # fmt: skip
+              help=f"Steps per straggler window [{_D.window_steps}].")  # fmt: skip
 @click.option(
     "--persist", default=None, metavar="K/N", callback=_persist,
-    help="Straggler: outlier in K of the last N windows [3/5].",
+    help=f"Straggler: outlier in K of the last N windows [{_D.persist_k}/{_D.persist_n}].",
 )  # fmt: skip
-@click.option("--z-threshold", type=FINITE, default=None, help="Modified z-score (median/MAD) threshold [3.5].")
-@click.option("--iqr-k", type=FINITE, default=None, help="Tukey fence multiplier [1.5].")
+@click.option("--z-threshold", type=FINITE, default=None, help=f"Modified z-score (median/MAD) threshold [{_D.z_threshold:g}].")
+@click.option("--iqr-k", type=FINITE, default=None, help=f"Tukey fence multiplier [{_D.iqr_k:g}].")
 @click.option("--rule", "outlier_rule", type=click.Choice(["and", "or"]), default=None,
-              help="Outlier when MAD z AND IQR agree, or when either does [and].")  # fmt: skip
+              help=f"Outlier when MAD z AND IQR agree, or when either does [{_D.outlier_rule}].")  # fmt: skip
 @click.option(
-    "--min-slowdown", type=FINITE, default=None, help="Straggler must be this much above the median [0.05]."
+    "--min-slowdown", type=FINITE, default=None, help=f"Straggler must be this much above the median [{_D.min_slowdown:g}]."
 )
 @click.option(
-    "--spike-mad", type=FINITE, default=None, help="Spike: robust deviations above the rolling median [5]."
+    "--spike-mad", type=FINITE, default=None, help=f"Spike: robust deviations above the rolling median [{_D.spike_mad:g}]."
 )
-@click.option("--spike-floor-ms", type=Number(min=0, max=1e12), default=None, help="Spike: absolute floor in ms [1].")
+@click.option("--spike-floor-ms", type=Number(min=0, max=1e12), default=None, help=f"Spike: absolute floor in ms [{_D.spike_floor_ns / 1e6:g}].")
 @click.option(
-    "--spike-floor-rel", type=FINITE, default=None, help="Spike: floor relative to the typical step [0.25]."
+    "--spike-floor-rel", type=FINITE, default=None, help=f"Spike: floor relative to the typical step [{_D.spike_floor_rel:g}]."
 )
 @click.option("--spike-window", type=click.IntRange(max=_COUNT_MAX), default=None,
-              help="Spike: rolling-median window in steps [101].")  # fmt: skip
+              help=f"Spike: rolling-median window in steps [{_D.spike_window}].")  # fmt: skip
 @click.option("--spike-metric", type=click.Choice(["self_ns", "busy_ns"]), default=None,
-              help="Series spikes are judged on [busy_ns].")  # fmt: skip
+              help=f"Series spikes are judged on [{_D.spike_metric}].")  # fmt: skip
 @click.option("--warmup-steps", type=click.IntRange(0, _COUNT_MAX), default=None,
-              help="Leading steps of each rank left out [10].")  # fmt: skip
+              help=f"Leading steps of each rank left out [{_D.warmup_steps}].")  # fmt: skip
 @click.option(
-    "--target", type=FINITE, default=None, help="Tolerated share of cluster steps that spike [0.25]."
+    "--target", type=FINITE, default=None, help=f"Tolerated share of cluster steps that spike [{_D.target:g}]."
 )
 @click.option("--ranks-per-node", type=click.IntRange(1, MAX_RANKS), default=None,
               help="Ranks per node for the projection [measured].")  # fmt: skip
 @click.option("--top", "top_events", type=click.IntRange(0, 1_000_000), default=None,
-              help="Spike events to list [50].")  # fmt: skip
+              help=f"Spike events to list [{_D.top_events}].")  # fmt: skip
 @click.option("--workers", type=click.IntRange(1, 64), default=None,
               help="Threads reading ranks [2, at most the CPUs].")  # fmt: skip
 @click.option("--batch-size", type=click.IntRange(1, 1 << 40), default=None,
@@ -116,7 +118,6 @@ def command(
     """
     from hyperacc.analysis import diagnose
     from hyperacc.analysis.cluster import ClusterError
-    from hyperacc.analysis.options import DetectionOptions
 
     options = {k: v for k, v in opts.items() if v is not None}
     if persist is not None:

@@ -28,6 +28,9 @@ import click
 
 from hyperacc.commands import run as _run
 from hyperacc.commands.params import OneLineCommand, OutputFile
+from hyperacc.preflight.options import DoctorOptions
+
+_D = DoctorOptions()  # the defaults the help names, read from the options in force
 
 # The launch options of `hyperacc run`, reused as they are (torchrun's own options).
 _LAUNCH = {"nproc_per_node", "standalone", "extra", "chaos_json",
@@ -45,12 +48,12 @@ def _fail(message: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the doctor's document as JSON.")
 @click.option("--exclude-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Add the hosts to leave out to this file (one name per line; created if missing).")  # fmt: skip
-@click.option("--seconds", type=click.FloatRange(min=1.0, max=86_400.0), default=45.0, show_default=True,
+@click.option("--seconds", type=click.FloatRange(min=1.0, max=86_400.0), default=_D.seconds, show_default=True,
               help="Measurement time (start-up of the ranks comes on top).")  # fmt: skip
-@click.option("--rounds", type=click.IntRange(min=1, max=1000), default=None, help="Rounds over which persistence is judged [5].")
+@click.option("--rounds", type=click.IntRange(min=1, max=1000), default=None, help=f"Rounds over which persistence is judged [{_D.rounds}].")
 @click.option("--min-slowdown", type=click.FloatRange(min=0.0, max=100.0), default=None,
-              help="A figure must be this much worse than the median to count [0.25].")  # fmt: skip
-@click.option("--persist", type=click.IntRange(min=1, max=1000), default=None, help="... in at least this many rounds [3].")
+              help=f"A figure must be this much worse than the median to count [{_D.min_slowdown:g}].")  # fmt: skip
+@click.option("--persist", type=click.IntRange(min=1, max=1000), default=None, help=f"... in at least this many rounds [{_D.persist_k}].")
 @click.option("--timeout", type=click.FloatRange(min=1.0, max=10 * 86_400.0), default=None,
               help="Give up after this many seconds [10 x --seconds + 300].")  # fmt: skip
 @click.option("--save", "save_path", type=OutputFile(), default=None,
@@ -78,7 +81,7 @@ def command(
 ) -> None:
     """Check every rank, node and link before training: verdict, evidence, hosts to leave out."""
     from hyperacc.preflight.judge import judge
-    from hyperacc.preflight.options import ENV, ENV_OUT, DoctorConfigError, DoctorOptions
+    from hyperacc.preflight.options import ENV, ENV_OUT, DoctorConfigError
 
     if exclude_file is not None:  # before anything is measured: a finding must have somewhere to go
         from hyperacc.remediation.exclusion import writable_problem

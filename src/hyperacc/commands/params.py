@@ -71,6 +71,10 @@ class Number(click.FloatRange):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return super().convert(number, param, ctx)
 
+    def _describe_range(self) -> str:
+        # click's help shows the range beside the option; without bounds it would read "x<=None"
+        return super()._describe_range() if self.min is not None or self.max is not None else ""
+
 
 FINITE = Number()
 
