@@ -104,6 +104,31 @@ def test_a_preempted_rank_on_short_steps_is_no_compute_episode():
             assert found == ([(2, "compute")] if worked else []), (worked, seed, found)
 
 
+def test_a_ratio_that_rose_as_the_other_ranks_cpu_time_fell_is_no_episode():
+    # A clean job beside a busy loop (bench/episodes.py, 2026-12-05): from step 240 rank 3's CPU time a
+    # step went 3.0 -> 3.5 ms while the other ranks' fell 3.0 -> 2.4 ms (the host moved its load): its
+    # ratio to the others rose 1.45x, its own level 1.17x. More work raises the rank's own CPU time:
+    # no episode. The same ratio from rank 3 computing 1.45x more stays a compute episode.
+    opts = DetectionOptions()
+    for worked in (False, True):
+        for seed in range(5):
+            rng = np.random.default_rng(seed)
+            out = []
+            for r in range(4):
+                step = np.arange(300, dtype=np.int64)
+                late = step >= 240
+                if worked:
+                    cpu = 3.0 * MS * np.where(late & (r == 3), 1.45, 1.0)
+                else:
+                    cpu = 3.0 * MS * np.where(late, 3.5 / 3.0 if r == 3 else 0.8, 1.0)
+                cols = {"step": step, "self_ns": (cpu + 0.2 * MS) * np.exp(rng.normal(0, 0.03, 300)),
+                        "cpu_ns": cpu * np.exp(rng.normal(0, 0.03, 300)), "vol_ctx_switches": np.ones(300)}  # fmt: skip
+                keep = step >= opts.warmup_steps
+                out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
+            found = [(e.rank, e.kind) for e in detect_episodes(out, opts)]
+            assert found == ([(3, "compute")] if worked else []), (worked, seed, found)
+
+
 @pytest.mark.parametrize("factor", [2.0, 1.3])
 def test_a_60_step_plateau_is_an_episode_with_its_range(factor):
     for seed in range(5):

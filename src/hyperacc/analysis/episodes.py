@@ -240,6 +240,19 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     span = max(1, math.ceil(opts.episode_min_steps / width))  # the shortest episode, in blocks
     cpu_x = log_ratio(cpu, cpu_ref)
     cpu_sigma = noise_floor(cpu_x, opts) if np.isfinite(cpu_x).any() else None
+    with np.errstate(all="ignore"):
+        cpu_own = np.where(cpu > 0, np.log(cpu), np.nan)  # each rank's own CPU time, not against the others
+    own_sigma = noise_floor(cpu_own, opts) if cpu_sigma is not None else None
+
+    def more_cpu(r: int, seg: np.ndarray) -> bool:
+        """Row ``r``'s CPU time over blocks ``seg`` shifted by the minimum effect both against the other
+        ranks' and as its own level (docs/detection.md, "A compute episode shows in CPU time too")."""
+        if cpu_sigma is None or own_sigma is None:
+            return True
+        return has_effect(cpu_x[r], seg, segment_shift(cpu_x[r], seg), float(cpu_sigma[r]), opts) and has_effect(
+            cpu_own[r], seg, segment_shift(cpu_own[r], seg), float(own_sigma[r]), opts
+        )
+
     found: list[Episode] = []
     # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
     # whose preemption makes every rank's wall time wander, a rank that computes more still shows.
@@ -267,6 +280,8 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             effect = has_effect(x[r], seg, shift, sigma, opts)
             if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not effect:
                 continue
+            if channel == "cpu_ns" and not more_cpu(r, seg):
+                continue  # its ratio rose as the others' CPU time fell (the host moved its load), not its own
             # The host-wide bar is the wander preemption gives every rank's wall time; a rank that blocked
             # off its CPU once more per step over the segment (a read, a lock, a sleep), more than any
             # other rank ever did, did not wander there: preemption switches a thread involuntarily.
@@ -329,9 +344,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # median where the wall time alone cleared the host-wide bar): waking cost it CPU time too.
             rise = blocked if blocked is not None or vol is None else blocked_rise(vol[:, seg], r)
             kind, basis, share = compute_or_host(cpu[:, seg], wall[:, seg], r, opts, blocked=rise)
-            if kind == "compute" and basis == "cpu_time" and cpu_sigma is not None and not has_effect(
-                cpu_x[r], seg, segment_shift(cpu_x[r], seg), float(cpu_sigma[r]), opts
-            ):
+            if kind == "compute" and basis == "cpu_time" and not more_cpu(r, seg):
                 # More work lengthens the CPU time at least as much as the wall time, by ratio ((c + x) / c
                 # >= (w + x) / w, as c <= w; equal where the rank ran the same share of its wall time as
                 # before): a wall-time episode whose CPU time did not shift by the minimum effect is not
