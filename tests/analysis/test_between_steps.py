@@ -67,6 +67,11 @@ def test_a_slow_input_gap_is_named_by_where_the_time_went(gap, cpu, gc, kind):
     ranks = [_rank(r, 400, 0.4, 0.3, 0.0, rng) for r in range(1, 5)] + [_rank(0, 400, gap, cpu, gc, rng)]
     found = detect_stragglers(_windows(ranks), DetectionOptions())
     assert [(s.rank, s.metric, s.kind, s.between_steps) for s in found] == [(0, "data_ns", kind, True)]
+    # the gap is the time outside the timed phases before the step's last backward: the text sends the
+    # user to both places it can lie (an outside job's busy loop between a forward and its backward)
+    if kind in ("gc", "host_work"):
+        text = _straggler_phrase(dataclasses.asdict(found[0]))
+        assert "between `optimizer.step()` and the next forward, or between a forward and its backward" in text
 
 
 def test_a_gap_spike_without_cpu_growth_is_input_with_cpu_growth_host_work():

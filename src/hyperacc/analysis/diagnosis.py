@@ -23,6 +23,14 @@ from hyperacc.stats import median
 
 SCHEMA_VERSION = 1
 
+# Where the input gap of a loop without a DataLoader lies: the time outside the timed phases before the
+# step's last backward began (trace/step_clock.py), so also the time between a forward and its backward,
+# where a nanoGPT-style loop reads its next batch (docs/detection.md, "The work between steps").
+GAP_WHERE = (
+    "outside its forward, backward and optimizer step (between `optimizer.step()` and the next forward, "
+    "or between a forward and its backward)"
+)
+
 # What to do about each kind of straggler and each spike cause (docs/detection.md, "Next steps").
 ADVICE: dict[str, str] = {
     "compute": "that rank does more work per step, or the same work runs slower on its cores: look for uneven "
@@ -32,19 +40,18 @@ ADVICE: dict[str, str] = {
     "and its device (clocks, thermals); drain it if it stays slow",
     "data": "make the input path steady: more loader workers, prefetch, readahead for the storage "
     "(docs/data.md)",
-    "data_between": "that rank waits off its CPU for its next batch between `optimizer.step()` and the next "
-    "forward (no DataLoader): sample its stacks while it is slow (`py-spy dump --pid PID`) to see the read "
-    "or lock, and fetch the next batch ahead (a background thread, or a DataLoader with workers; "
-    "readahead for the storage, docs/data.md)",
+    "data_between": f"that rank waits off its CPU for its next batch (no DataLoader) {GAP_WHERE}: sample its "
+    "stacks while it is slow (`py-spy dump --pid PID`) to see the read or lock, and fetch the next batch "
+    "ahead (a background thread, or a DataLoader with workers; readahead for the storage, docs/data.md)",
     "launch": "the host is slow to launch work: bind ranks to cores (`hyperacc affinity`), check CPU "
     "frequency and other load on that node",
     "gc": "make garbage collection deterministic: gc.freeze() after set-up and collect every N steps on "
     "all ranks at once (hyperacc stabilizers)",
     "host": "another process takes that rank's cores: bind ranks to cores (`hyperacc affinity`) and keep "
     "other work off the node",
-    "host_work": "that rank does CPU work of its own between steps: profile the code between "
-    "`optimizer.step()` and the next forward on that rank (py-spy, torch.profiler), and move or spread "
-    "what it does there (logging, metrics, Python objects built per step)",
+    "host_work": f"that rank does CPU work of its own between steps, {GAP_WHERE}: profile that code on that "
+    "rank (py-spy, torch.profiler), and move or spread what it does there (logging, metrics, Python objects "
+    "built per step)",
     "blocked": "that rank waited off its CPU (a read, a lock, a sleep): sample its stacks while it is slow "
     "(`py-spy dump --pid PID`) to see what it waits on, and check its storage and network",
     "page_faults": "its allocator hands memory back to the kernel and takes it again, so the kernel faults "
@@ -460,7 +467,7 @@ def _between_phrase(s: dict[str, Any]) -> str:
         gc_text = ""  # no more GC than the median rank's to name ("0 ms of GC per step against 0 ms")
     if s["kind"] in ("gc", "host_work"):
         what = "garbage collection" if s["kind"] == "gc" else "its own CPU work"
-        text = f"{what} between `optimizer.step()` and the next forward"
+        text = f"{what} {GAP_WHERE}"
         return f"{text} ({gc_text})" if gc_text else text
     if s["kind"] == "unknown":
         return ("its CPU time grew by half the gap or more, but within the other ranks' spread: neither its "
