@@ -78,6 +78,21 @@ def test_a_stretch_of_paging_is_a_page_fault_episode_and_more_work_stays_compute
         assert abs(e.since_step - 120) <= 10 and abs(e.until_step - 179) <= 10, e
 
 
+def _episode_kinds(times, seed: int) -> list[tuple[int, str]]:
+    """(rank, kind) of the episodes of 4 ranks x 300 steps whose self and CPU time per step ``times(r,
+    step)`` gives (3 % lognormal noise on each; one voluntary context switch a step)."""
+    rng, opts = np.random.default_rng(seed), DetectionOptions()
+    out = []
+    for r in range(4):
+        step = np.arange(300, dtype=np.int64)
+        self_ns, cpu = times(r, step)
+        cols = {"step": step, "self_ns": self_ns * np.exp(rng.normal(0, 0.03, 300)),
+                "cpu_ns": cpu * np.exp(rng.normal(0, 0.03, 300)), "vol_ctx_switches": np.ones(300)}  # fmt: skip
+        keep = step >= opts.warmup_steps
+        out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
+    return [(e.rank, e.kind) for e in detect_episodes(out, opts)]
+
+
 def test_a_preempted_rank_on_short_steps_is_no_compute_episode():
     # 3 ms steps of which the ranks run 2.7 ms; rank 2 is preempted for steps 120-179 (wall time 1.6x, no
     # more voluntary switches) and refills its caches on waking: CPU time +0.4 ms a step (1.15x), more
@@ -85,23 +100,17 @@ def test_a_preempted_rank_on_short_steps_is_no_compute_episode():
     # time's episode was named compute (a fresh-clone run beside a busy loop); a preempted rank's
     # transient is the host's wander, not reported. Rank 2 computing 1.6x more over the same steps stays
     # a compute episode.
-    opts = DetectionOptions()
-    for worked in (False, True):
-        for seed in range(5):
-            rng = np.random.default_rng(seed)
-            out = []
-            for r in range(4):
-                step = np.arange(300, dtype=np.int64)
-                hit = (r == 2) & (step >= 120) & (step < 180)
-                lost = np.where(hit, 1.8 * MS, 0.0)
-                cpu = 2.7 * MS * np.where(hit, 1.6, 1.0) if worked else 2.7 * MS + np.where(hit, 0.4 * MS, 0.0)
-                self_ns = 3 * MS * np.where(hit, 1.6, 1.0) if worked else 3 * MS + lost
-                cols = {"step": step, "self_ns": self_ns * np.exp(rng.normal(0, 0.03, 300)),
-                        "cpu_ns": cpu * np.exp(rng.normal(0, 0.03, 300)), "vol_ctx_switches": np.ones(300)}  # fmt: skip
-                keep = step >= opts.warmup_steps
-                out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
-            found = [(e.rank, e.kind) for e in detect_episodes(out, opts)]
-            assert found == ([(2, "compute")] if worked else []), (worked, seed, found)
+    def preempted(r, step):
+        hit = (r == 2) & (step >= 120) & (step < 180)
+        return 3 * MS + np.where(hit, 1.8 * MS, 0.0), 2.7 * MS + np.where(hit, 0.4 * MS, 0.0)
+
+    def worked(r, step):
+        more = np.where((r == 2) & (step >= 120) & (step < 180), 1.6, 1.0)
+        return 3 * MS * more, 2.7 * MS * more
+
+    for seed in range(5):
+        assert _episode_kinds(preempted, seed) == [], seed
+        assert _episode_kinds(worked, seed) == [(2, "compute")], seed
 
 
 def test_a_ratio_that_rose_as_the_other_ranks_cpu_time_fell_is_no_episode():
@@ -109,24 +118,17 @@ def test_a_ratio_that_rose_as_the_other_ranks_cpu_time_fell_is_no_episode():
     # step went 3.0 -> 3.5 ms while the other ranks' fell 3.0 -> 2.4 ms (the host moved its load): its
     # ratio to the others rose 1.45x, its own level 1.17x. More work raises the rank's own CPU time:
     # no episode. The same ratio from rank 3 computing 1.45x more stays a compute episode.
-    opts = DetectionOptions()
-    for worked in (False, True):
-        for seed in range(5):
-            rng = np.random.default_rng(seed)
-            out = []
-            for r in range(4):
-                step = np.arange(300, dtype=np.int64)
-                late = step >= 240
-                if worked:
-                    cpu = 3.0 * MS * np.where(late & (r == 3), 1.45, 1.0)
-                else:
-                    cpu = 3.0 * MS * np.where(late, 3.5 / 3.0 if r == 3 else 0.8, 1.0)
-                cols = {"step": step, "self_ns": (cpu + 0.2 * MS) * np.exp(rng.normal(0, 0.03, 300)),
-                        "cpu_ns": cpu * np.exp(rng.normal(0, 0.03, 300)), "vol_ctx_switches": np.ones(300)}  # fmt: skip
-                keep = step >= opts.warmup_steps
-                out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
-            found = [(e.rank, e.kind) for e in detect_episodes(out, opts)]
-            assert found == ([(3, "compute")] if worked else []), (worked, seed, found)
+    def moved(r, step):
+        cpu = 3.0 * MS * np.where(step >= 240, 3.5 / 3.0 if r == 3 else 0.8, 1.0)
+        return cpu + 0.2 * MS, cpu
+
+    def worked(r, step):
+        cpu = 3.0 * MS * np.where((step >= 240) & (r == 3), 1.45, 1.0)
+        return cpu + 0.2 * MS, cpu
+
+    for seed in range(5):
+        assert _episode_kinds(moved, seed) == [], seed
+        assert _episode_kinds(worked, seed) == [(3, "compute")], seed
 
 
 @pytest.mark.parametrize("factor", [2.0, 1.3])
