@@ -649,6 +649,10 @@ def test_live_says_an_episode_ended_only_once_the_rank_is_seen_back_at_its_level
                     noise=0.03)  # fmt: skip
     assert live_after(cols, 300)._back(seven, 179)
     assert not live_after(_step_columns(4, 300, {2: (120, 300, 7.0)}), 300)._back(seven, 179)  # still 7x
+    cols = _step_columns(4, 300, {2: (120, 180, 7.0)})
+    for name in ("self_ns", "cpu_ns"):
+        cols[2][name][180:] *= 2.5
+    assert not live_after(cols, 300)._back(seven, 179)  # still 2.5x: nearer, but still slow
 
 
 def test_blocks_widen_to_stay_within_their_budget_and_the_episode_is_still_found():

@@ -154,8 +154,8 @@ class LiveEpisodes:
     def _back(self, e: Episode, until_step: int) -> bool:
         """Whether the rank is seen back after ``until_step``: over at least ``episode_min_steps`` of blocks
         after it, the median of its log ratio to the other ranks' median (in the episode's channel) is
-        nearer that median before the onset than the episode's own median, and at least within half the
-        minimum effect of it. The change points measure the
+        nearer that median before the onset than the episode's own median, at least within half the
+        minimum effect of it and never the minimum effect or more above it. The change points measure the
         shift back against the rank's typical level (the median of its history), which is its level
         outside the episode only while the episode is less than half of that history; early in a run a
         lasting episode is most of it, and a shift back measured then is the typical level moving into
@@ -180,13 +180,14 @@ class LiveEpisodes:
         during = x[(first + width - 1 >= e.since_step) & (first <= until_step) & np.isfinite(x)]
         if before.size == 0 or after.size * width < self.opts.episode_min_steps:
             return False
-        # back: nearer its level before than the episode's own (at least within half the minimum effect
-        # of the level before). A 7x episode after which the host had moved its load so that the rank sat
-        # 1.14x above its level before was never said to end (a fresh-clone CI run, 2026-12-05).
-        level = float(np.median(before))
-        bar = math.log(self.opts.episode_min_effect) / 2
+        # back: nearer its level before than the episode's own, at least within half the minimum effect
+        # of the level before and never the minimum effect or more above it (a shift that large is still
+        # a slowdown). A 7x episode after which the host had moved its load so that the rank sat 1.14x
+        # above its level before was never said to end (a fresh-clone CI run, 2026-12-05).
+        level, effect = float(np.median(before)), math.log(self.opts.episode_min_effect)
+        bar = effect / 2
         if during.size:
-            bar = max(bar, (float(np.median(during)) - level) / 2)
+            bar = min(max(bar, (float(np.median(during)) - level) / 2), effect)
         return float(np.median(after)) - level < bar
 
 
