@@ -88,6 +88,7 @@ def test_a_gap_spike_without_cpu_growth_is_input_with_cpu_growth_host_work():
 
 
 @pytest.mark.multirank
+@pytest.mark.alone
 def test_gc_and_host_work_after_optimizer_step_are_never_input_a_blocking_read_is(tmp_path: Path) -> None:
     # rank 0 builds 30,000 reference cycles after every optimizer.step(): its own host work between
     # steps, and the automatic GC that frees them; rank 2 waits 50 ms for every 10th batch (a blocking

@@ -445,6 +445,7 @@ def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, di
 
 
 @pytest.mark.multirank
+@pytest.mark.alone
 def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clean):
     d, _, _, _ = faulty_and_clean
     eps = [e for e in d["episodes"] if e["rank"] == 2]
@@ -472,6 +473,7 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
 
 
 @pytest.mark.multirank
+@pytest.mark.alone
 def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_and_clean):
     _, d, _, _ = faulty_and_clean
     assert d["episodes"] == [] and d["stragglers"] == [], d["verdict"]
@@ -479,6 +481,7 @@ def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_a
 
 
 @pytest.mark.multirank
+@pytest.mark.alone
 def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(faulty_and_clean):
     # its voluntary context switches rose by one a step (the sleep) for exactly the faulty steps
     # No other rank waited off its CPU or is a straggler. A short CPU-time episode of another rank is the
@@ -497,6 +500,7 @@ def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(f
 
 
 @pytest.mark.multirank
+@pytest.mark.alone
 def test_a_fail_slow_between_steps_is_a_host_work_episode_not_an_input_wait(faulty_and_clean):
     # the loop has no DataLoader, so the busy loop after optimizer.step() lies in the input gap: its CPU
     # time grew with it, so it is the rank's own work (before 2026-12-04 it was named compute, or, where

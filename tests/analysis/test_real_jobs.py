@@ -48,6 +48,7 @@ def _run_two_nodes(run_dir: Path, chaos: dict, steps: int, timeout: float = 240)
 
 
 @pytest.mark.multirank
+@pytest.mark.alone
 def test_a_whole_slow_node_of_a_two_node_job_is_named(tmp_path):
     # both ranks of node 1 compute 3x longer: half the ranks are slow, which no per-rank test can see;
     # the node test (every rank of node 1 slower than every rank of node 0, window after window) does
@@ -61,6 +62,7 @@ def test_a_whole_slow_node_of_a_two_node_job_is_named(tmp_path):
 
 
 @pytest.mark.multirank
+@pytest.mark.alone
 def test_a_rank_whose_allocator_pages_every_step_is_a_page_fault_straggler_not_compute(tmp_path):
     # rank 1 does the same work as the others, but glibc maps and unmaps its blocks of 64 KiB and more
     # at every use (hyperacc.chaos page_churn), as its default thresholds leave some processes by chance:
