@@ -17,6 +17,7 @@ was never said to end (fresh-clone CI runs, 2026-12-05).
 from __future__ import annotations
 
 import fcntl
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,11 +69,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _lock_dir(config: pytest.Config) -> Path | None:
-    """The folder of this run's host lock, shared by its pytest-xdist workers (None: one process)."""
-    worker = getattr(config, "workerinput", None)
-    if worker is None:
+    """The folder of the host lock, one per user, shared by every pytest-xdist worker of every run on
+    this machine (two suites at once also take turns for their ``alone`` tests); None in one process.
+    Nothing accumulates: the same two empty files are locked run after run, and a lock dies with its
+    holder."""
+    if getattr(config, "workerinput", None) is None:
         return None
-    path = Path(tempfile.gettempdir()) / f"hyperacc-tests-{worker['testrunuid']}"
+    path = Path(tempfile.gettempdir()) / f"hyperacc-test-host-{os.getuid()}"
     path.mkdir(exist_ok=True)
     return path
 
