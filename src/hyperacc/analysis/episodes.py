@@ -244,14 +244,17 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
         cpu_own = np.where(cpu > 0, np.log(cpu), np.nan)  # each rank's own CPU time, not against the others
     own_sigma = noise_floor(cpu_own, opts) if cpu_sigma is not None else None
 
+    def own_cpu(r: int, seg: np.ndarray) -> bool:
+        """Row ``r``'s own CPU-time level over blocks ``seg`` shifted by the minimum effect (docs/detection.md,
+        "A compute episode shows in CPU time too")."""
+        return own_sigma is None or has_effect(cpu_own[r], seg, segment_shift(cpu_own[r], seg), float(own_sigma[r]), opts)
+
     def more_cpu(r: int, seg: np.ndarray) -> bool:
-        """Row ``r``'s CPU time over blocks ``seg`` shifted by the minimum effect both against the other
-        ranks' and as its own level (docs/detection.md, "A compute episode shows in CPU time too")."""
-        if cpu_sigma is None or own_sigma is None:
+        """The same, and its CPU time against the other ranks' too (a wall-time segment's test)."""
+        if cpu_sigma is None:
             return True
-        return has_effect(cpu_x[r], seg, segment_shift(cpu_x[r], seg), float(cpu_sigma[r]), opts) and has_effect(
-            cpu_own[r], seg, segment_shift(cpu_own[r], seg), float(own_sigma[r]), opts
-        )
+        ratio = has_effect(cpu_x[r], seg, segment_shift(cpu_x[r], seg), float(cpu_sigma[r]), opts)
+        return ratio and own_cpu(r, seg)
 
     found: list[Episode] = []
     # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
@@ -280,7 +283,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             effect = has_effect(x[r], seg, shift, sigma, opts)
             if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps or not effect:
                 continue
-            if channel == "cpu_ns" and not more_cpu(r, seg):
+            if channel == "cpu_ns" and not own_cpu(r, seg):
                 continue  # its ratio rose as the others' CPU time fell (the host moved its load), not its own
             # The host-wide bar is the wander preemption gives every rank's wall time; a rank that blocked
             # off its CPU once more per step over the segment (a read, a lock, a sleep), more than any
