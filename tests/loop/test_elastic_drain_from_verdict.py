@@ -70,6 +70,9 @@ def test_a_slow_node_verdict_drains_it_and_the_job_finishes_on_two_nodes(tmp_pat
     assert codes[target] not in (0, None), (codes, explain[-4000:])
     after = read_membership(run_dir)  # the round after the drain
     assert [n["name"] for n in after["nodes"]] == survivors
+    # the drained node's word reached the survivors: they restarted at once, not after signal_timeout_s
+    waited = [p for p in tmp_path.glob("logs/*/*/attempt_0/*/stderr.log") if "no word from the drained node" in p.read_text()]
+    assert not waited, (waited, explain[-4000:])
     assert "rendezvous store" in (after["nodes"][0]["why_not"] or "")  # the first agent hosts it: never drained
     resumes = [e for e in history if e["kind"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] == at, history

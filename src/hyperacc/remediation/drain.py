@@ -8,9 +8,11 @@ small all-reduce that agrees on the step. After the checkpoint is saved:
 
 1. rank 0 records the drain (event log), adds the node's name to the exclusion file and closes the
    request, then every rank meets at a barrier (the checkpoint is committed);
-2. the drained node's local rank 0 sends SIGTERM to its torchrun agent. torchrun stops its workers and
-   exits *without* closing the rendezvous (it does that only on a death signal), so the job lives on;
-3. it then sets a key in the workers' store; the other ranks wait for that key and exit with
+2. the drained node's local rank 0 sets a key in the workers' store, then sends SIGTERM to its torchrun
+   agent. torchrun stops its workers and exits *without* closing the rendezvous (it does that only on a
+   death signal), so the job lives on. (The key comes first: the agent's SIGTERM to its workers can stop
+   that rank at once, and a key never set left the survivors waiting ``signal_timeout_s``);
+3. the other ranks wait for that key and exit with
    ``RESTART_EXIT_CODE``; their agents restart them (one of ``--max-restarts``), re-rendezvous without
    the drained node once its heartbeat expires (``keep_alive_interval`` x ``keep_alive_max_attempt``
    of ``--rdzv-conf``), and the script resumes from the checkpoint.
@@ -281,9 +283,11 @@ class NodeDrain:
             if self.local_rank == 0 and self._agent is not None:
                 log.warning("hyperacc: draining this node (%s) at step %d: stopping its torchrun agent",
                             target["name"], step)  # fmt: skip
-                os.kill(self._agent, signal.SIGTERM)
+                # the word first: the agent's SIGTERM to its workers can stop this process at once, and
+                # without the word the survivors wait the whole signal_timeout_s before they restart
                 if store is not None:
                     store.set(key, "signalled")
+                os.kill(self._agent, signal.SIGTERM)
             time.sleep(self.config.signal_timeout_s)  # the agent stops this process before then
             log.error("hyperacc: the agent did not stop this drained rank; restarting it instead")
             process.run_exit_hooks()
