@@ -19,8 +19,16 @@ distributed = pytest.importorskip("distributed", reason="the cluster path needs 
 def scheduler():
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
-        yield cluster.scheduler_address
+    # Dask's nanny writes its workers' settings into this process's environment before it starts them
+    # (MALLOC_TRIM_THRESHOLD_=65536 among them): put it back, or every later test of this pytest worker
+    # starts its processes with glibc's allocator thresholds fixed
+    environ = dict(os.environ)
+    try:
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
+            yield cluster.scheduler_address
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def _comparable(doc: dict) -> str:
