@@ -3,15 +3,17 @@
 Workers take whole test files in collection order (pytest-xdist's own re-sorting of files by their
 number of tests is switched off below). The files that start real ranks take most of the
 suite's wall time, much of it waiting (rendezvous, torchrun's monitor, timeouts), so they are handed
-out first, longest-known first, and the many quick files fill the gaps at the end: otherwise one
+out early, longest-known first, and the many quick files fill the gaps at the end: otherwise one
 worker is left alone with a long job after the others have finished. Order within a file is kept.
 
 A test marked ``alone`` judges a detection verdict of a real job under the load it makes itself (a
 busy loop beside it, a 4-rank job on 2 cores): no other worker's real job runs beside it. The workers
-hold a lock on the host (``_host``) while a ``multirank`` test runs, shared, or alone for such a test;
-those files come after the other real jobs, where the other worker is on the single-process files.
+hold a lock on the host (``_host``) while a ``multirank`` test runs, shared, or alone for such a test.
 Beside another worker's 4-rank job a page-fault rank 1.35x in CPU time went unnamed, and a live episode
-was never said to end (fresh-clone CI runs, 2026-12-05).
+was never said to end (fresh-clone CI runs, 2026-12-05). The ``alone`` files open the suite, each
+followed by enough single-process files to keep the other worker busy while it runs (``_OPENING``):
+placed after the other real jobs, they met the other worker inside its last real-job file, and each
+waited for the other's tests in turn (about 95 s of idle workers in a 10.5-minute run, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -25,10 +27,31 @@ from pathlib import Path
 
 import pytest
 
-# files whose tests took 40 s or more in `make test` (pytest --durations, 2-core machine, 2026-12-01, a
-# run on a host loaded by other jobs besides), longest first: started first, in this order. The slow
-# single-process files (test_layers, test_compare_command, test_sigterm, test_scale) are among them, so
-# that none of them is left for the end either.
+# The opening: each ``alone`` file, then single-process files that take at least as long on the other
+# worker (their seconds in `make test`, 2-core machine, 2026-12-05), so that the next ``alone`` file
+# starts when the previous one has finished. pytest-xdist hands each worker two files ahead.
+_OPENING = (
+    "analysis/test_episodes.py",  # 46 s, its recorded jobs alone
+    "analysis/test_compare_command.py",  # 11 s
+    "reliability/test_cli_fuzz.py",  # 10 s
+    "stabilize/test_stabilize_units.py",  # 9 s
+    "analysis/test_scale.py",  # 9 s
+    "foundation/test_layers.py",  # 6 s
+    "analysis/test_cluster.py",  # 5 s
+    "reliability/test_segments.py",  # 5 s
+    "present/test_html_report.py",  # 4 s
+    "trace/test_aggregate.py",  # 4 s
+    "analysis/test_between_steps.py",  # 15 s, one job alone
+    "trace/test_compile.py",  # 14 s
+    "trace/test_sigterm.py",  # 10 s
+    "analysis/test_real_jobs.py",  # 19 s, two jobs alone
+    "reliability/test_watch_edges.py",  # 7 s
+    "present/test_report_sections.py",  # 5 s
+    "trace/test_tracer.py",  # 3 s
+    "reliability/test_export_interrupt.py",  # 3 s
+)
+# Then the files whose tests took 40 s or more in `make test` (pytest --durations, 2-core machine,
+# 2026-12-01, a run on a host loaded by other jobs besides), longest first, in this order.
 _FIRST = (
     "trace/test_trainers.py",
     "stabilize/test_stabilize_multirank.py",
@@ -43,19 +66,13 @@ _FIRST = (
     "trace/test_loops.py",
     "foundation/test_harness.py",
     "reliability/test_inband_round.py",
-    "foundation/test_layers.py",
-    "analysis/test_compare_command.py",
-    "trace/test_sigterm.py",
     "trace/test_auto.py",
     "trace/test_compaction_job.py",
     "loop/test_drain_decision.py",
-    "analysis/test_scale.py",
     "reliability/test_signals.py",
     "loop/test_elastic_resume.py",
-    "reliability/test_cli_fuzz.py",
     "trace/test_inband.py",
     "present/test_traced_job_live.py",
-    "reliability/test_export_interrupt.py",
     "reliability/test_run_dir_reuse.py",
 )
 
@@ -115,12 +132,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank: dict[str, tuple[int, int]] = {}
     for item in items:
         path = _file(item)
-        if path in _FIRST:
-            mine = (0, _FIRST.index(path))
+        if path in _OPENING:
+            mine = (0, _OPENING.index(path))
+        elif path in _FIRST:
+            mine = (1, _FIRST.index(path))
         elif item.get_closest_marker("alone"):
-            mine = (2, 0)  # after the other real jobs: beside the single-process files
+            mine = (0, len(_OPENING))  # a new alone file: still before the other real jobs
         else:
-            mine = (1 if item.get_closest_marker("multirank") else 3, 0)
+            mine = (2 if item.get_closest_marker("multirank") else 3, 0)
         rank[path] = min(rank.get(path, mine), mine)
     items.sort(key=lambda item: rank[_file(item)])  # stable, and a file's tests stay together in their order
 

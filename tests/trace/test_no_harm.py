@@ -20,51 +20,58 @@ def traced(run_dir: Path, **trace: object) -> dict[str, str]:
     return {"run-dir": str(run_dir), "trace": json.dumps({"window": 0, "probe_every": 0, **trace})}
 
 
+# (gradient buckets, the traced variants run beside plain torchrun): one bucket, the default and with
+# pacing; many buckets, with pacing (slots ride on the last bucket)
+DEAD_PEER = {"one": ("default", "paced"), "many": ("paced",)}
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    ("buckets", "variants"),
-    [("one", ("default", "paced")), ("many", ("paced",))],
-)
-def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(
-    tmp_path: Path, buckets: str, variants: tuple[str, ...]
-) -> None:
-    args = ["--buckets", buckets, "--die-rank", "1", "--die-step", "2"]
+def test_a_dead_peer_fails_the_survivor_as_under_plain_torchrun(tmp_path: Path) -> None:
     # torchrun stops the survivors once it sees the dead rank, at its first monitor check after the death
     # (every `--monitor-interval` seconds from the start of the workers). The survivors need that time to
     # meet the failure themselves, with and without hyperacc alike. At 10 s, a rank that died near the
     # 10 s check on a loaded host (slow start-up: three jobs beside another test's) left its survivor a
-    # fraction of a second, and it was sometimes stopped first; at 30 s the death comes well before the
-    # first check (start-up and two steps take under 20 s even then), and the job ends at that check.
-    slow_monitor = ["--monitor-interval", "30"]
+    # fraction of a second, and it was sometimes stopped first. The five jobs below start together and
+    # spend most of their time waiting for that check, so they run side by side; at 45 s the death comes
+    # well before the first check (the five survivors had failed 16-17 s after the start, a busy loop
+    # beside them), and every job ends at that check.
+    slow_monitor = ["--monitor-interval", "45"]
 
-    def run(name: str) -> harness.JobResult:
+    def run(case: tuple[str, str]) -> harness.JobResult:
+        buckets, name = case
+        args = ["--buckets", buckets, "--die-rank", "1", "--die-step", "2"]
         if name == "plain":
             return harness.launch(JOB, args, nproc=2, timeout=180, torchrun_args=slow_monitor)
-        opts = traced(tmp_path / name)
+        opts = traced(tmp_path / f"{buckets}-{name}")
         if name == "paced":
             opts["pace"] = "1"  # pacing asks for the in-band exchange: slots ride on the last bucket
         return harness.launch(JOB, args, nproc=2, timeout=180, traced=opts, torchrun_args=slow_monitor)
 
-    # the jobs spend most of their time waiting for torchrun's monitor: side by side, not one after another
-    with ThreadPoolExecutor(1 + len(variants)) as pool:
-        plain, *jobs = pool.map(run, ("plain", *variants))
+    cases = [(b, name) for b, variants in DEAD_PEER.items() for name in ("plain", *variants)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        jobs = dict(zip(cases, pool.map(run, cases), strict=True))
+    for (buckets, name), job in jobs.items():
+        if name != "plain":
+            _fails_as_plain(job, jobs[buckets, "plain"], f"{buckets} bucket(s), {name}")
+
+
+def _fails_as_plain(job: harness.JobResult, plain: harness.JobResult, name: str) -> None:
     ref = plain.ranks[0].result
     assert ref is not None and ref["error"], plain.explain()
     assert ref["optimizer_steps"] == 2  # steps 0 and 1; step 2's backward raised
-    for name, job in zip(variants, jobs, strict=True):
-        mine = job.ranks[0].result
-        assert mine is not None, job.explain()
-        assert (mine["error"], mine["optimizer_steps"], mine["steps"]) == (
-            ref["error"], ref["optimizer_steps"], ref["steps"]
-        ), (name, mine, ref)
-        assert bool(job.returncodes[0]) == bool(plain.returncodes[0]), (name, job.returncodes, plain.returncodes)
-        # the survivor's traceback is the one plain torchrun's shows: no frame of hyperacc's bootstrap or
-        # of its backward wrapper, the script's own path as Python gives it
-        assert _frames(job.ranks[0].stderr) == _frames(plain.ranks[0].stderr), (name, job.ranks[0].stderr[-3000:])
-        # torchrun's summary names the script that failed, as it does without hyperacc
-        failed = f"{JOB} FAILED"
-        assert failed in plain.launcher_output, plain.launcher_output[-3000:]
-        assert failed in job.launcher_output and "bootstrap FAILED" not in job.launcher_output, job.launcher_output[-3000:]
+    mine = job.ranks[0].result
+    assert mine is not None, job.explain()
+    assert (mine["error"], mine["optimizer_steps"], mine["steps"]) == (
+        ref["error"], ref["optimizer_steps"], ref["steps"]
+    ), (name, mine, ref)
+    assert bool(job.returncodes[0]) == bool(plain.returncodes[0]), (name, job.returncodes, plain.returncodes)
+    # the survivor's traceback is the one plain torchrun's shows: no frame of hyperacc's bootstrap or
+    # of its backward wrapper, the script's own path as Python gives it
+    assert _frames(job.ranks[0].stderr) == _frames(plain.ranks[0].stderr), (name, job.ranks[0].stderr[-3000:])
+    # torchrun's summary names the script that failed, as it does without hyperacc
+    failed = f"{JOB} FAILED"
+    assert failed in plain.launcher_output, plain.launcher_output[-3000:]
+    assert failed in job.launcher_output and "bootstrap FAILED" not in job.launcher_output, job.launcher_output[-3000:]
 
 
 def _frames(stderr: str) -> list[str]:
