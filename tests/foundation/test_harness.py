@@ -51,7 +51,7 @@ def test_many_overlapping_runs_survive_the_exit_time_abort():
 
 
 def test_timeout_kills_the_whole_process_group(tmp_path):
-    job = harness.launch(SCRIPTS / "hang.py", nproc=2, timeout=15, workdir=tmp_path)
+    job = harness.launch(SCRIPTS / "hang.py", nproc=2, timeout=10, workdir=tmp_path)
     assert job.timed_out and not job.ok
     pids = [int(p.read_text()) for p in (tmp_path / "results").glob("pid-*")]
     assert len(pids) == 2
