@@ -27,7 +27,8 @@ def scheduler():
         with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
             yield cluster.scheduler_address
     finally:
-        os.environ.clear()
+        for name in set(os.environ) - set(environ):
+            del os.environ[name]
         os.environ.update(environ)
 
 
