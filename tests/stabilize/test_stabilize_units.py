@@ -38,6 +38,20 @@ def restore_gc():
         gc.enable()
 
 
+@pytest.fixture(autouse=True)
+def restore_allocator_environment():
+    """A stabilizer's allocator settings go into this process's environment, as they must before CUDA
+    starts: put them back, or every later process this pytest worker starts inherits them."""
+    names = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 # ------------------------------------------------------------------ configuration
 
 
