@@ -84,7 +84,11 @@ def test_a_rank_whose_allocator_pages_every_step_is_a_page_fault_straggler_not_c
     # the kernel faults in fresh pages each step, and its CPU time grows in the kernel
     run = tmp_path / "run"
     chaos = {"seed": 1, "faults": [{"kind": "page_churn", "ranks": [1], "kb": 64}]}
-    job = harness.launch(EXAMPLE, ["--steps", "120"], nproc=4, timeout=240,
+    # every rank's thresholds fixed where glibc's own adjustment settles them (32 MiB mmap, 64 MiB trim),
+    # so that no other rank pages by chance (docs/detection.md, Matrix D: a clean rank in 4 of 6 CNN runs),
+    # which would leave two of the four ranks slow; the fault's mallopt then sets rank 1's to 64 KiB
+    fixed = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(64 << 20)}
+    job = harness.launch(EXAMPLE, ["--steps", "120"], nproc=4, timeout=240, env=fixed,
                          traced={"run-dir": str(run), "trace": json.dumps({"window": 0}), "chaos": json.dumps(chaos)})  # fmt: skip
     assert job.ok, job.explain()
     d = diagnose(run, window_steps=20, warmup_steps=5).to_dict()
