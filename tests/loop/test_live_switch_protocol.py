@@ -90,3 +90,57 @@ def test_an_error_on_one_rank_drops_the_switch_on_every_rank(tmp_path, server) -
     finally:
         for r in ranks:
             r.close()
+
+
+def test_a_switch_is_proposed_again_to_the_ranks_of_an_elastic_restart(tmp_path, server) -> None:
+    # the ranks restart (an elastic restart after a drain or a failure) with none of the stabilizers the
+    # first ranks started: the node agent, which outlives them, proposes every switch it made again under
+    # the restarted ranks' prefix, so the job keeps what was decided once per run
+    from hyperacc.remediation.events import read_events
+
+    decider, ranks = _job(tmp_path, server, [130, 131], world_size=2)
+    config = decider.config
+    try:
+        _propose(decider, 140)
+        assert _wait(ranks) == [{"gc_schedule": 140}] * 2
+    finally:
+        for r in ranks:
+            r.close()
+    restarted = [
+        LiveRemediation(config, rank=r, decides=False, store_address=server, prefix="t/1/", poll_s=0.02,
+                        world_size=2, current_step=lambda: 100)  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        decider.retarget("t/1/")
+        # resumed from a checkpoint at step 100: the newest acknowledged step plus the lead
+        assert _wait(restarted) == [{"gc_schedule": 100 + LEAD}] * 2
+        carried = [e for e in read_events(tmp_path) if e.get("kind") == "carry"]
+        assert [(e["rule"], e["action"], e["status"]) for e in carried] == [("gc-schedule", "gc_schedule", "proposed")]
+        decider.retarget("t/1/")  # the same ranks again: nothing more
+        assert len([e for e in read_events(tmp_path) if e.get("kind") == "carry"]) == 1
+    finally:
+        for r in restarted:
+            r.close()
+
+
+def test_a_switch_proposed_to_ranks_that_never_agreed_it_is_proposed_to_their_restart(tmp_path, server) -> None:
+    # decided while the ranks were halted (waiting out a drain), never agreed: the restart gets it
+    decider, ranks = _job(tmp_path, server, [400], world_size=2)  # rank 1 halted, never acknowledges
+    try:
+        _propose(decider, 513)
+        assert _wait(ranks, timeout_s=0.5) == [{}]
+    finally:
+        for r in ranks:
+            r.close()
+    restarted = [
+        LiveRemediation(decider.config, rank=r, decides=False, store_address=server, prefix="t/1/", poll_s=0.02,
+                        world_size=2, current_step=lambda: 400)  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        decider.retarget("t/1/")
+        assert _wait(restarted) == [{"gc_schedule": 400 + LEAD}] * 2
+    finally:
+        for r in restarted:
+            r.close()

@@ -36,6 +36,7 @@ import numpy as np
 
 from hyperacc.remediation.config import RemediationConfig
 from hyperacc.remediation.drain import read_membership
+from hyperacc.remediation.events import append_event
 from hyperacc.remediation.executor import RemediationExecutor
 from hyperacc.remediation.policy import Decision, Finding, JobState
 from hyperacc.trace.failsafe import switch_off
@@ -107,6 +108,7 @@ class LiveRemediation:
         self._pending: dict[str, tuple[int, str]] = {}  # action -> (agreed step, rule), set by the poll thread
         self._acked: set[str] = set()  # proposals this rank acknowledged, not agreed yet
         self._applied: set[str] = set()
+        self._published: dict[str, str] = {}  # the decider: action -> rule of every switch it proposed
         self._lead = config.gc_lead_steps  # the decider's lead of its latest decision
         self._seen: deque[tuple[float, int]] = deque(maxlen=16)  # rank 0: (monotonic time, step), polled
         self._store: Any = None
@@ -144,10 +146,30 @@ class LiveRemediation:
             self._off_everywhere(exc)
 
     def retarget(self, prefix: str) -> None:
-        """Publish under ``prefix`` from now on (the node agent, after an elastic restart of the ranks)."""
-        if prefix != self.prefix:
-            self.prefix = prefix
-            self._store = None
+        """Publish under ``prefix`` from now on (the node agent, after an elastic restart of the ranks).
+
+        The restarted ranks start with none of the switches the earlier ones started (or never agreed,
+        when they were halted): every switch this decider proposed is proposed again under the new prefix,
+        from step 0, so that the new ranks agree it at their newest step plus the lead. The policy decides
+        a switch once per run; this keeps it on for the run. One ``carry`` event per switch and restart."""
+        if prefix == self.prefix:
+            return
+        self.prefix = prefix
+        self._store = None
+        if not self._on or not self._published:
+            return
+        try:
+            for action, rule in list(self._published.items()):
+                self._propose(action, rule, 0)
+                if self.executor is not None and self.executor.run_dir is not None:
+                    append_event(self.executor.run_dir, {
+                        "kind": "carry", "rule": rule, "action": action, "status": "proposed",
+                        "target": "all ranks", "at": f"prefix {prefix}", "mode": self.config.mode,
+                        "reason": "the ranks restarted without it: proposed again from their newest step",
+                    })  # fmt: skip
+                log.warning("hyperacc remediation: %s proposed again to the restarted ranks (%s)", action, prefix)
+        except Exception as exc:  # noqa: BLE001 - remediation never stops training nor the aggregation
+            self._off_everywhere(exc)
 
     def observe(self, step: int, at_s: float | None = None) -> None:
         """A sample of the training step at ``at_s`` seconds (default: now, monotonic), for the rate of
@@ -195,13 +217,16 @@ class LiveRemediation:
 
     def _publish(self, decision: Decision) -> str:
         """Handler of a live switch: proposed to every rank through the store (``_acknowledge`` agrees it)."""
+        self._published[decision.action] = decision.rule
+        self._propose(decision.action, decision.rule, int(decision.step or 0))
+        return f"proposed for step {decision.step} (lead {self._lead} steps)"
+
+    def _propose(self, action: str, rule: str, step: int) -> None:
         store = self.connect()
-        spec = {"step": decision.step, "rule": decision.rule, "lead": self._lead}
-        store.set(f"switch/{decision.action}", json.dumps(spec))
+        store.set(f"switch/{action}", json.dumps({"step": step, "rule": rule, "lead": self._lead}))
         if not self._on:  # switched off meanwhile: the ranks must drop it too
             store.set("off", "switched off")
         store.add("news", 1)
-        return f"proposed for step {decision.step} (lead {self._lead} steps)"
 
     # ------------------------------------------------------------------ every rank: applying
 
