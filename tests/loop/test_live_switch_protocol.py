@@ -144,3 +144,15 @@ def test_a_switch_proposed_to_ranks_that_never_agreed_it_is_proposed_to_their_re
     finally:
         for r in restarted:
             r.close()
+
+
+def test_the_live_view_shows_a_carry_of_each_restart(tmp_path) -> None:
+    from hyperacc.present.live_view import RunFollower
+    from hyperacc.remediation.events import append_event
+
+    follower = RunFollower([tmp_path])
+    for prefix in ("t/1/", "t/2/"):
+        append_event(tmp_path, {"kind": "carry", "rule": "gc-schedule", "action": "gc_schedule",
+                                "status": "proposed", "target": "all ranks", "at": f"prefix {prefix}"})  # fmt: skip
+        assert follower._read_remediation(tmp_path), prefix  # a new line for each restart
+    assert not follower._read_remediation(tmp_path)  # and nothing more

@@ -173,7 +173,7 @@ class RunFollower:
 
         new = False
         for event in read_events(run_dir)[-20:]:
-            key = f"act:{event.get('kind')}:{event.get('rule', '')}:{event.get('target', '')}:{event.get('step')}"
+            key = f"act:{event.get('kind')}:{event.get('rule', '')}:{event.get('target', '')}:{event.get('step')}:{event.get('at', '')}"
             if key not in self._findings:
                 self._findings[key] = f"remediation: {remediation_line(event)}"
                 new = True
