@@ -86,3 +86,13 @@ def test_a_slow_rank_cannot_hide_behind_its_own_fence():
     col = np.array([[2.497], [2.678], [2.959], [2.643]])  # four ranks (ms), one 12 % slower
     assert col[2, 0] < tukey_fences(col, 1.5)[1][0]  # the whole column's fence hides it
     assert col[2, 0] > loo_upper_fence(col, 1.5)[2, 0]  # the others' fence does not
+
+
+@pytest.mark.parametrize(("n", "window"), [(1, 1), (7, 101), (400, 101), (2595, 101), (2596, 101), (50_000, 21)])
+def test_rolling_median_of_a_short_series_is_scipys_without_scipy(n, window):
+    # short series (the node agent's live windows) are filtered in numpy: the same values as scipy's
+    from scipy.ndimage import median_filter
+
+    x = np.round(np.random.default_rng(n).normal(10.0, 2.0, n), 1)  # ties too
+    w = min(window, n) - (min(window, n) % 2 == 0)
+    assert np.array_equal(rolling_median(x, window), median_filter(x, size=w, mode="nearest"))
