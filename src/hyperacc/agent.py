@@ -447,7 +447,7 @@ class LiveNode(_Periodic):
         # after an elastic restart: the world as it is now, switches where the restarted ranks look
         self._gatherer.world_size = meta0.world_size
         if self._remediation is not None:
-            self._remediation.retarget(_remediate_prefix(meta0))
+            self._remediation.retarget(_remediate_prefix(meta0), meta0.store)
         return self._gatherer
 
     def _window_event(self, w: int, received: list[int], missing: list[int]) -> None:

@@ -156,3 +156,30 @@ def test_the_live_view_shows_a_carry_of_each_restart(tmp_path) -> None:
                                 "status": "proposed", "target": "all ranks", "at": f"prefix {prefix}"})  # fmt: skip
         assert follower._read_remediation(tmp_path), prefix  # a new line for each restart
     assert not follower._read_remediation(tmp_path)  # and nothing more
+
+
+def test_the_restarted_ranks_store_of_their_own_gets_the_switch(tmp_path, server) -> None:
+    # agents that do not share their rendezvous store with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
+    # which a drain needs): each attempt of the ranks has a store of its own, and the first one is gone
+    decider, ranks = _job(tmp_path, server, [130, 131], world_size=2)
+    try:
+        _propose(decider, 140)
+        assert _wait(ranks) == [{"gc_schedule": 140}] * 2
+    finally:
+        for r in ranks:
+            r.close()
+    second = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    address = f"127.0.0.1:{second.port}"
+    restarted = [
+        LiveRemediation(decider.config, rank=r, decides=False, store_address=address, prefix="t/1/", poll_s=0.02,
+                        world_size=2, current_step=lambda: 20)  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        decider.retarget("t/1/", address)
+        assert _wait(restarted) == [{"gc_schedule": 20 + LEAD}] * 2
+        assert decider.on
+    finally:
+        for r in restarted:
+            r.close()
+        del second

@@ -145,15 +145,21 @@ class LiveRemediation:
         except Exception as exc:  # noqa: BLE001 - remediation never stops training nor the aggregation
             self._off_everywhere(exc)
 
-    def retarget(self, prefix: str) -> None:
-        """Publish under ``prefix`` from now on (the node agent, after an elastic restart of the ranks).
+    def retarget(self, prefix: str, store_address: str | None = None) -> None:
+        """Publish under ``prefix`` from now on (the node agent, after an elastic restart of the ranks),
+        in the store at ``store_address`` when given: where the agents do not share their rendezvous
+        store with the workers (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which a drain needs), each
+        attempt of the ranks has a store of its own, and the earlier one is gone.
 
         The restarted ranks start with none of the switches the earlier ones started (or never agreed,
         when they were halted): every switch this decider proposed is proposed again under the new prefix,
         from step 0, so that the new ranks agree it at their newest step plus the lead. The policy decides
         a switch once per run; this keeps it on for the run. One ``carry`` event per switch and restart."""
-        if prefix == self.prefix:
+        moved = store_address is not None and store_address != self.store_address
+        if prefix == self.prefix and not moved:
             return
+        if moved:
+            self.store_address = store_address
         self.prefix = prefix
         self._store = None
         if not self._on or not self._published:
