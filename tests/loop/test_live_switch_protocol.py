@@ -27,12 +27,16 @@ def server():
 def _job(tmp_path, address: str, steps: list[int], world_size: int):
     config = RemediationConfig(mode="auto", run_dir=str(tmp_path), gc_lead_steps=LEAD)
     decider = LiveRemediation(config, rank=0, applies=False, decides=True, store_address=address, prefix="t/")
-    ranks = [
-        LiveRemediation(config, rank=r, decides=False, store_address=address, prefix="t/", poll_s=0.02,
+    return decider, _ranks(config, address, "t/", steps, world_size)
+
+
+def _ranks(config: RemediationConfig, address: str, prefix: str, steps: list[int], world_size: int):
+    """The applying half of ``len(steps)`` ranks, rank r at step ``steps[r]``."""
+    return [
+        LiveRemediation(config, rank=r, decides=False, store_address=address, prefix=prefix, poll_s=0.02,
                         world_size=world_size, current_step=lambda r=r: steps[r])  # fmt: skip
         for r in range(len(steps))
     ]
-    return decider, ranks
 
 
 def _propose(decider: LiveRemediation, step: int) -> str:
@@ -106,11 +110,7 @@ def test_a_switch_is_proposed_again_to_the_ranks_of_an_elastic_restart(tmp_path,
     finally:
         for r in ranks:
             r.close()
-    restarted = [
-        LiveRemediation(config, rank=r, decides=False, store_address=server, prefix="t/1/", poll_s=0.02,
-                        world_size=2, current_step=lambda: 100)  # fmt: skip
-        for r in range(2)
-    ]
+    restarted = _ranks(config, server, "t/1/", [100, 100], world_size=2)
     try:
         decider.retarget("t/1/")
         # resumed from a checkpoint at step 100: the newest acknowledged step plus the lead
@@ -133,11 +133,7 @@ def test_a_switch_proposed_to_ranks_that_never_agreed_it_is_proposed_to_their_re
     finally:
         for r in ranks:
             r.close()
-    restarted = [
-        LiveRemediation(decider.config, rank=r, decides=False, store_address=server, prefix="t/1/", poll_s=0.02,
-                        world_size=2, current_step=lambda: 400)  # fmt: skip
-        for r in range(2)
-    ]
+    restarted = _ranks(decider.config, server, "t/1/", [400, 400], world_size=2)
     try:
         decider.retarget("t/1/")
         assert _wait(restarted) == [{"gc_schedule": 400 + LEAD}] * 2
@@ -170,11 +166,7 @@ def test_the_restarted_ranks_store_of_their_own_gets_the_switch(tmp_path, server
             r.close()
     second = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     address = f"127.0.0.1:{second.port}"
-    restarted = [
-        LiveRemediation(decider.config, rank=r, decides=False, store_address=address, prefix="t/1/", poll_s=0.02,
-                        world_size=2, current_step=lambda: 20)  # fmt: skip
-        for r in range(2)
-    ]
+    restarted = _ranks(decider.config, address, "t/1/", [20, 20], world_size=2)
     try:
         decider.retarget("t/1/", address)
         assert _wait(restarted) == [{"gc_schedule": 20 + LEAD}] * 2
