@@ -50,6 +50,17 @@ def _wait(ranks: list[LiveRemediation], timeout_s: float = 30.0) -> list[dict[st
     return [r.agreed for r in ranks]
 
 
+def _propose_and_close(decider: LiveRemediation, ranks: list[LiveRemediation], step: int,
+                       timeout_s: float = 30.0) -> list[dict[str, int]]:  # fmt: skip
+    """Propose ``step``, wait for the ranks to agree it (or the timeout), stop them: what each agreed."""
+    try:
+        _propose(decider, step)
+        return _wait(ranks, timeout_s)
+    finally:
+        for r in ranks:
+            r.close()
+
+
 def test_ranks_ahead_of_the_proposal_agree_the_newest_step_plus_the_lead(tmp_path, server) -> None:
     decider, ranks = _job(tmp_path, server, [130, 131, 130, 129], world_size=4)
     try:
@@ -104,12 +115,7 @@ def test_a_switch_is_proposed_again_to_the_ranks_of_an_elastic_restart(tmp_path,
 
     decider, ranks = _job(tmp_path, server, [130, 131], world_size=2)
     config = decider.config
-    try:
-        _propose(decider, 140)
-        assert _wait(ranks) == [{"gc_schedule": 140}] * 2
-    finally:
-        for r in ranks:
-            r.close()
+    assert _propose_and_close(decider, ranks, 140) == [{"gc_schedule": 140}] * 2
     restarted = _ranks(config, server, "t/1/", [100, 100], world_size=2)
     try:
         decider.retarget("t/1/")
@@ -127,12 +133,7 @@ def test_a_switch_is_proposed_again_to_the_ranks_of_an_elastic_restart(tmp_path,
 def test_a_switch_proposed_to_ranks_that_never_agreed_it_is_proposed_to_their_restart(tmp_path, server) -> None:
     # decided while the ranks were halted (waiting out a drain), never agreed: the restart gets it
     decider, ranks = _job(tmp_path, server, [400], world_size=2)  # rank 1 halted, never acknowledges
-    try:
-        _propose(decider, 513)
-        assert _wait(ranks, timeout_s=0.5) == [{}]
-    finally:
-        for r in ranks:
-            r.close()
+    assert _propose_and_close(decider, ranks, 513, timeout_s=0.5) == [{}]
     restarted = _ranks(decider.config, server, "t/1/", [400, 400], world_size=2)
     try:
         decider.retarget("t/1/")
@@ -158,12 +159,7 @@ def test_the_restarted_ranks_store_of_their_own_gets_the_switch(tmp_path, server
     # agents that do not share their rendezvous store with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1,
     # which a drain needs): each attempt of the ranks has a store of its own, and the first one is gone
     decider, ranks = _job(tmp_path, server, [130, 131], world_size=2)
-    try:
-        _propose(decider, 140)
-        assert _wait(ranks) == [{"gc_schedule": 140}] * 2
-    finally:
-        for r in ranks:
-            r.close()
+    assert _propose_and_close(decider, ranks, 140) == [{"gc_schedule": 140}] * 2
     second = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     address = f"127.0.0.1:{second.port}"
     restarted = _ranks(decider.config, address, "t/1/", [20, 20], world_size=2)
