@@ -36,15 +36,16 @@ JOB = Path(__file__).parent / "jobs" / "nanogpt_faults.py"
 def _ranks(n_ranks: int = 4, steps: int = 300, noise: float = 0.05, seed: int = 0, slow: dict | None = None,
            host: tuple[int, int, float] | None = None) -> list:  # fmt: skip
     """Per-rank step columns: self-time 10 ms, CPU time 6 ms, lognormal noise; ``slow`` = {rank: (from,
-    until, factor)} makes one rank compute more; ``host`` = (from, until, factor) slows every rank."""
+    until, factor), or a list of them} makes a rank compute more; ``host`` = (from, until, factor) slows
+    every rank."""
     rng = np.random.default_rng(seed)
     opts = DetectionOptions()
     out = []
     for r in range(n_ranks):
         step = np.arange(steps, dtype=np.int64)
         factor = np.ones(steps)
-        if slow and r in slow:
-            a, b, f = slow[r]
+        spans = (slow or {}).get(r, [])
+        for a, b, f in spans if isinstance(spans, list) else [spans]:
             factor[a:b] = f
         if host:
             a, b, f = host
@@ -142,6 +143,23 @@ def test_a_60_step_plateau_is_an_episode_with_its_range(factor):
         assert e.slowdown == pytest.approx(factor, rel=0.1)
         assert e.job_time_lost_ns == pytest.approx(60 * 10 * MS * (factor - 1), rel=0.25)
         assert e.confirmed_step < 180
+
+
+def test_fail_slows_on_other_ranks_or_earlier_on_the_same_rank_do_not_hide_each_other():
+    """The host's wander floor leaves out the other clear fail-slows of the run: three 2x ones on three
+    ranks at different steps are three episodes (before 2026-12-05 none was: each one's stretches raised
+    the others' floor, so the more fail-slows a run had, the fewer were reported), a 1.5x one after a 2x
+    one is found too, and so is a rank slow twice."""
+    opts = DetectionOptions()
+    for seed in range(5):
+        three = {1: (40, 100, 2.0), 2: (120, 180, 2.0), 3: (200, 260, 2.0)}
+        found = detect_episodes(_ranks(seed=seed, noise=0.03, slow=three), opts)
+        assert [(e.rank, e.since_step, e.until_step, e.kind) for e in found] == [
+            (r, a, b - 1, "compute") for r, (a, b, _) in three.items()], (seed, found)  # fmt: skip
+        found = detect_episodes(_ranks(seed=seed, noise=0.03, slow={2: (40, 100, 2.0), 3: (200, 260, 1.5)}), opts)
+        assert [(e.rank, e.since_step, e.until_step) for e in found] == [(2, 40, 99), (3, 200, 259)], (seed, found)
+        found = detect_episodes(_ranks(seed=seed, noise=0.03, slow={2: [(40, 100, 2.0), (180, 240, 2.0)]}), opts)
+        assert [(e.rank, e.since_step, e.until_step) for e in found] == [(2, 40, 99), (2, 180, 239)], (seed, found)
 
 
 def _gap_ranks(seed: int, work: str, n_ranks: int = 4, steps: int = 300) -> list:
@@ -412,23 +430,24 @@ def test_more_work_on_a_busy_host_is_an_episode_and_being_starved_is_not():
         assert detect_episodes(_busy_host(seed), opts) == [], seed
 
 
+# The faulty job's three fail-slows, each on its own rank and steps: (rank, first step, last step + 1, work)
+SLOW, BLOCKED, BETWEEN = (2, 120, 180, "spin"), (1, 40, 100, "sleep"), (3, 200, 260, "between")
+
+
 @pytest.fixture(scope="module")
-def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, dict, dict]:
-    """One recorded job of each kind, shared by the assertions: 4 gloo ranks of the nanoGPT-style job,
-    rank 2 twice as slow for steps 120-180 of 300 (a busy loop in its forward); the same job clean,
-    with a busy loop beside it on the host; rank 1 waiting off its CPU (a sleep in its forward) for
-    steps 120-180, with no busy loop beside it: the suite's other worker loads the host enough (the busy
-    host that moves the other ranks' levels over the fault's steps is the synthetic tests' above, and
-    bench/episodes.py's); and rank 3 twice as slow for steps 120-180 by a busy loop after its
-    ``optimizer.step()`` (work between steps, in the loop's input gap)."""
+def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """Two recorded jobs, shared by the assertions, of 4 gloo ranks of the nanoGPT-style job, 300 steps.
+
+    The faulty job holds three fail-slows of 60 steps, one rank at a time, each twice the rank's own
+    median step: rank 1 waits off its CPU (a sleep in its forward) for steps 40-99, rank 2 busy-loops in
+    its forward for steps 120-179, and rank 3 busy-loops after its ``optimizer.step()`` (work between
+    steps, in the input gap of a loop without a DataLoader) for steps 200-259. No busy loop runs beside
+    it: the suite's other worker loads the host enough (the busy host that moves the other ranks' levels
+    over a fault's steps is the synthetic tests' above, and bench/episodes.py's). The clean job is the
+    same job without faults, with a busy loop beside it on the host."""
     out = []
-    slow = ["--slow-from", "120", "--slow-until", "180", "--slow-factor", "2"]
-    for name, args, busy in (
-        ("faulty", ["--slow-rank", "2", *slow], False),
-        ("clean", [], True),
-        ("blocked", ["--slow-rank", "1", *slow, "--slow-work", "sleep"], False),
-        ("between", ["--slow-rank", "3", *slow, "--slow-work", "between"], False),
-    ):  # fmt: skip
+    faults = [f"--fault={r}:{a}:{b}:2:{work}" for r, a, b, work in (SLOW, BLOCKED, BETWEEN)]
+    for name, args, busy in (("faulty", faults, False), ("clean", [], True)):
         run_dir = tmp_path_factory.mktemp(name) / "run"
         spin = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if busy else None
         try:
@@ -441,41 +460,54 @@ def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, di
         assert job.ok, job.explain()
         live = [e for e in store.read_live_events(run_dir).to_pylist() if e["kind"] == "live_finding"]
         out.append({**diagnose(run_dir).to_dict(), "live": live})
-    return out[0], out[1], out[2], out[3]
+    return out[0], out[1]
+
+
+def _episode(d: dict, fault: tuple[int, int, int, str], within: int) -> dict:
+    """The faulty job's one episode of ``fault``'s rank, over the fault's steps give or take ``within``."""
+    rank, first, end, _ = fault
+    eps = [e for e in d["episodes"] if e["rank"] == rank]
+    assert len(eps) == 1, (fault, d["episodes"])
+    e = eps[0]
+    assert abs(e["since_step"] - first) <= within and abs(e["until_step"] - (end - 1)) <= within, (fault, e)
+    assert e["node"] == 0 and e["job_time_lost_ns"] > 0, e
+    said = f"rank {rank} (node 0) was slow from step {e['since_step']} to {e['until_step']}"
+    assert said in d["verdict"].lower(), d["verdict"]  # the verdict's first sentence names it "Rank"
+    return e
 
 
 @pytest.mark.multirank
 @pytest.mark.alone
 def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clean):
-    d, _, _, _ = faulty_and_clean
-    eps = [e for e in d["episodes"] if e["rank"] == 2]
-    assert len(eps) == 1 and not d["stragglers"], d["verdict"]
-    assert [e["rank"] for e in d["episodes"]] == [2], d["episodes"]  # no other rank
-    e = eps[0]
-    assert abs(e["since_step"] - 120) <= 10 and abs(e["until_step"] - 179) <= 10, e
-    assert e["kind"] == "compute" and e["job_time_lost_ns"] > 0 and e["node"] == 0
-    assert f"Rank 2 (node 0) was slow from step {e['since_step']} to {e['until_step']}" in d["verdict"], d["verdict"]
+    d, _ = faulty_and_clean
+    # each fail-slow is one episode of its own rank, and no other rank has one or is a straggler
+    assert sorted(e["rank"] for e in d["episodes"]) == [1, 2, 3] and not d["stragglers"], d["verdict"]
+    e = _episode(d, SLOW, within=10)
+    assert e["kind"] == "compute", e
     # what it cost, replayed without it: in the verdict and the what-if, the same figure as the episode's
     w = d["what_if"]
     row = next(c for c in w["culprits"] if c["what"] == "episode" and c["rank"] == 2)
     assert 0 < row["saved_ns"] < w["job_ns"] and row["saved_ns"] == e["job_time_lost_ns"]
     assert f"Without rank 2's steps {e['since_step']}-{e['until_step']} the job would have taken" in d["verdict"]
     # the node agent said it while the job ran: the onset within 10 steps (as offline), confirmed no earlier
-    # than that onset and within the shortest episode after the fault's, and the end
+    # than that onset and within the shortest episode after the fault's, and the end; of rank 3's later
+    # one too (rank 1's, over before the live rule has spike_window steps to learn the host from, is left
+    # to analyze: docs/detection.md, "Episodes", Live)
     said = [(f["step"], f["detail"]) for f in d["live"]]
-    lines = [(step, text) for step, text in said if "rank 2 " in text]
-    started = [(step, int(re.search(r"since step (\d+)", text)[1])) for step, text in lines if "is slow since step" in text]
-    assert len(started) == 1, said
-    (confirmed, since), = started
-    assert abs(since - 120) <= 10 and since <= confirmed <= 120 + 20 + 10, said
-    assert any("then recovered" in text for _, text in lines), said
-    assert not [text for _, text in said if "slow since step" in text and "rank 2 " not in text], said
+    for rank, first, _, _ in (SLOW, BETWEEN):
+        lines = [(step, text) for step, text in said if f"rank {rank} " in text]
+        started = [(step, int(re.search(r"since step (\d+)", text)[1])) for step, text in lines if "is slow since step" in text]
+        assert len(started) == 1, (rank, said)
+        (confirmed, since), = started
+        assert abs(since - first) <= 10 and since <= confirmed <= first + 20 + 10, (rank, said)
+        assert any("then recovered" in text for _, text in lines), (rank, said)
+    assert not [text for _, text in said if "slow since step" in text and "rank 0 " in text], said
 
 
 @pytest.mark.multirank
 @pytest.mark.alone
 def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_and_clean):
-    _, d, _, _ = faulty_and_clean
+    _, d = faulty_and_clean
     assert d["episodes"] == [] and d["stragglers"] == [], d["verdict"]
     assert not [f for f in d["live"] if "slow since step" in f["detail"]], d["live"]
 
@@ -484,17 +516,9 @@ def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_a
 @pytest.mark.alone
 def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(faulty_and_clean):
     # its voluntary context switches rose by one a step (the sleep) for exactly the faulty steps
-    # No other rank waited off its CPU or is a straggler. A short CPU-time episode of another rank is the
-    # loaded host's residual (docs/detection.md, "Episodes", Limits): a fresh-clone CI run once gave rank 0
-    # one (CPU time 1.4x over steps 220-244, 0.4 % of the job), which this test does not judge; the clean
-    # job's test does.
-    _, _, d, _ = faulty_and_clean
-    assert [(e["rank"], e["kind"]) for e in d["episodes"] if e["kind"] != "compute"] == [(1, "host")], d["verdict"]
-    assert not d["stragglers"], d["verdict"]
-    e = next(e for e in d["episodes"] if e["rank"] == 1)
-    assert abs(e["since_step"] - 120) <= 5 and abs(e["until_step"] - 179) <= 5, e
-    assert e["blocked_per_step"] >= 1.0, e
-    assert f"Rank 1 (node 0) was slow from step {e['since_step']} to {e['until_step']}" in d["verdict"], d["verdict"]
+    d, _ = faulty_and_clean
+    e = _episode(d, BLOCKED, within=5)
+    assert e["kind"] == "host" and e["blocked_per_step"] >= 1.0, e
     assert any("waited off its CPU" in line and line.startswith("rank 1") for line in d["next_step"]), d["next_step"]
     assert any("voluntary context switches" in line for line in d["evidence"]), d["evidence"]
 
@@ -505,16 +529,12 @@ def test_a_fail_slow_between_steps_is_a_host_work_episode_not_an_input_wait(faul
     # the loop has no DataLoader, so the busy loop after optimizer.step() lies in the input gap: its CPU
     # time grew with it, so it is the rank's own work (before 2026-12-04 it was named compute, or, where
     # the rank also blocked more, skipped as input); live, the node agent names it so too
-    _, _, _, d = faulty_and_clean
-    eps = [e for e in d["episodes"] if e["rank"] == 3]
-    assert len(eps) == 1 and not d["stragglers"], d["verdict"]
-    e = eps[0]
+    d, _ = faulty_and_clean
+    e = _episode(d, BETWEEN, within=10)
     assert e["kind"] == "host_work" and e["between_steps"], e
-    assert abs(e["since_step"] - 120) <= 10 and abs(e["until_step"] - 179) <= 10, e
-    assert f"Rank 3 (node 0) was slow from step {e['since_step']} to {e['until_step']} (host-work" in d["verdict"]
+    assert f"rank 3 (node 0) was slow from step {e['since_step']} to {e['until_step']} (host-work" in d["verdict"].lower()
     assert "data" not in d["verdict"] and not [line for line in d["next_step"] if "loader workers" in line], d
     assert any(line.startswith("rank 3, steps") and "between steps" in line for line in d["next_step"]), d["next_step"]
-    assert [e["rank"] for e in d["episodes"] if e["kind"] != "compute"] == [3], d["episodes"]
     said = [f["detail"] for f in d["live"] if "rank 3 " in f["detail"] and "slow since step" in f["detail"]]
     assert said and all("host-work" in line for line in said), d["live"]
 

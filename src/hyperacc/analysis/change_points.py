@@ -4,14 +4,15 @@ are written in (docs/detection.md, "Episodes").
 Every function is pure over a (rank x block) matrix of log ratios (a rank's block median over the other
 ranks' median of the same block; NaN: not judged): the ratio itself (``log_ratio``), the noise a block's
 level carries (``noise_floor``, ``level_noise``), a rank's level outside a segment (``outside_level``),
-medians of consecutive blocks (``stretch_levels``) and whether one stands above all others
-(``above_floor``), and the two-sided CUSUM that finds where a rank's level shifts and shifts back
+medians of consecutive blocks (``stretch_levels``) and whether one stands above the host's wander
+(``WanderFloor``), and the two-sided CUSUM that finds where a rank's level shifts and shifts back
 (``change_points``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -38,17 +39,54 @@ def stretch_levels(x: np.ndarray, span: int, level: bool = True) -> np.ndarray:
 _STRETCH_CELLS = 1 << 20  # values copied at a time by ``stretch_levels``
 
 
-def above_floor(stretches: np.ndarray, r: int, b0: int, b1: int, span: int, margin: float,
-                own: np.ndarray) -> bool:  # fmt: skip
-    """The highest of ``own`` (row ``r``'s stretches within blocks ``b0..b1``, against its level outside
-    them) is at least ``margin`` above every stretch elsewhere: the other ranks' anywhere, the rank's own
-    outside the segment (log units)."""
-    if not np.isfinite(own).any():
-        return False
-    row_max = _row_max(stretches)
-    mine = np.concatenate([stretches[r, : max(0, b0 - span + 1)], stretches[r, b1 + 1 :]])
-    rest = [float(np.delete(row_max, r).max(initial=-np.inf)), float(np.nanmax(mine, initial=-np.inf))]
-    return float(np.nanmax(own)) >= max(rest) + margin
+class WanderFloor:
+    """The host's own wander at an episode's time scale: the highest stretch (``stretch_levels``, rank x
+    position) elsewhere in the run, the other ranks' anywhere and a rank's own outside its segment, less
+    the stretches of *clear* candidates.
+
+    ``candidates`` are (row, first block, last block, peak) of the segments that passed every other test
+    of an episode. The stretches outside all of them give the plain floor ``F0``; a candidate whose peak
+    stands ``clear_margin`` above ``F0`` is a fault, not wander, and its stretches are left out of every
+    other segment's floor. So one fail-slow does not hide another on another rank (or later on the same
+    rank), while two candidates that only the wander could have made still bar each other, as before."""
+
+    def __init__(self, stretches: np.ndarray, span: int,
+                 candidates: Sequence[tuple[int, int, int, float]], clear_margin: float) -> None:  # fmt: skip
+        self._s, self._span = stretches, span
+        self._row_max = _row_max(stretches)
+        f0 = self._highest_without(candidates)
+        self.clear = [c for c in candidates if c[3] >= f0 + clear_margin]
+        self._clear_rows = {r: self._row_without(r, self.clear) for r in {c[0] for c in self.clear}}
+
+    def _positions(self, b0: int, b1: int) -> slice:
+        """The stretch positions that overlap blocks ``b0..b1``."""
+        return slice(max(0, b0 - self._span + 1), b1 + 1)
+
+    def _row_without(self, r: int, segments: Sequence[tuple[int, int, int, float]]) -> float:
+        row = self._s[r].copy()
+        for s_r, b0, b1, _ in segments:
+            if s_r == r:
+                row[self._positions(b0, b1)] = np.nan
+        with np.errstate(all="ignore"):
+            return float(np.nanmax(row, initial=-np.inf))
+
+    def _highest_without(self, segments: Sequence[tuple[int, int, int, float]]) -> float:
+        rows = self._row_max.copy()
+        for r in {c[0] for c in segments}:
+            rows[r] = self._row_without(r, segments)
+        return float(rows.max(initial=-np.inf))
+
+    def above(self, r: int, b0: int, b1: int, own: np.ndarray, margin: float) -> bool:
+        """The highest of ``own`` (row ``r``'s stretches within blocks ``b0..b1``, against its level outside
+        them) is at least ``margin`` above every stretch elsewhere (log units), clear candidates' aside."""
+        if self._s.shape[0] == 0 or not np.isfinite(own).any():
+            return False
+        others = self._row_max.copy()
+        for row, value in self._clear_rows.items():
+            others[row] = value
+        others[r] = -np.inf
+        mine = self._row_without(r, [*self.clear, (r, b0, b1, 0.0)])
+        return float(np.nanmax(own)) >= max(float(others.max(initial=-np.inf)), mine) + margin
 
 
 def _row_max(stretches: np.ndarray) -> np.ndarray:

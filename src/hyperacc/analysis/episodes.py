@@ -34,7 +34,7 @@ import numpy as np
 from hyperacc.analysis.attribution import gap_causes
 from hyperacc.analysis.change_points import (
     LengthBars,
-    above_floor,
+    WanderFloor,
     change_points,
     level_noise,
     log_ratio,
@@ -266,8 +266,11 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
         host_bar = opts.z_threshold * level_noise(x)
         length_bars = LengthBars(x, span, opts.z_threshold) if channel == "self_ns" else None
         stretches = stretch_levels(x, span)
-        vol_stretches: np.ndarray | None = None  # the same of the voluntary switches, when needed
-        for r, b0, b1, confirm, active, sigma in change_points(x, opts):
+        segments = []
+        points = change_points(x, opts)
+        # each rank's own shifts, left out of its level when another rank's segment is judged against it
+        shifted = {r: np.concatenate([np.arange(p[1], p[2] + 1) for p in points if p[0] == r]) for r in {p[0] for p in points}}
+        for r, b0, b1, confirm, active, sigma in points:
             seg = np.arange(b0, b1 + 1)
             shift = segment_shift(x[r], seg)
             # The CUSUM's range runs to the last block above its drift k on either side, so one noisy
@@ -285,14 +288,15 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 continue
             if channel == "cpu_ns" and not own_cpu(r, seg):
                 continue  # its ratio rose as the others' CPU time fell (the host moved its load), not its own
-            # The host-wide bar is the wander preemption gives every rank's wall time; a rank that blocked
-            # off its CPU once more per step over the segment (a read, a lock, a sleep), more than any
-            # other rank ever did, did not wander there: preemption switches a thread involuntarily.
-            waited = None
-            if channel == "self_ns" and vol is not None:
-                if vol_stretches is None:
-                    vol_stretches = stretch_levels(vol, span)
-                waited = blocked_span(vol, r, seg, vol_stretches, span)
+            segments.append((r, b0, b1, confirm, active, sigma, seg, shift))
+        # The host-wide bar is the wander preemption gives every rank's wall time; a rank that blocked
+        # off its CPU once more per step over the segment (a read, a lock, a sleep), more than any
+        # other rank ever did (other fail-slows aside: ``WanderFloor``), did not wander there:
+        # preemption switches a thread involuntarily.
+        waits = _blocked_spans(vol, segments, span) if channel == "self_ns" and vol is not None else {}
+        pending: list[tuple[Episode, int, int, int, np.ndarray, float]] = []  # judged against the floor last
+        for i, (r, b0, b1, confirm, active, sigma, seg, shift) in enumerate(segments):
+            waited = waits.get(i)
             # The wall time's wander at the segment's own length: a plateau of tens of steps against
             # stretches as long, not against one block's spread. Cleared by that alone, it must also stand
             # the whole minimum effect above the host's floor below (not half of it).
@@ -326,7 +330,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # wall time need only have moved the minimum effect beyond the other ranks' median shift: at
             # 4 ranks the spread of 3 other shifts is no measure, and the host's answer to a rank leaving
             # its core (the others' levels moving 2x over the fault's own steps) widened it past a 2x wait.
-            if not stands_out(x, r, seg, opts, blocked=blocked is not None):
+            if not stands_out(x, r, seg, opts, blocked=blocked is not None, shifted=shifted):
                 continue
             # Beyond the host's own wander at this length: above the highest stretch of the same
             # length anywhere else in the run, any rank, by half the minimum effect. On a busy host a
@@ -335,11 +339,9 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # higher than what the others reached. This holds for a rank seen blocking too: a thread
             # that waits for a producer the host starves (its loader workers) blocks more, and on a busy
             # host the ranks' waits wander so (4 DataLoader ranks beside a busy loop: 2-3x for 50-100 steps).
-            if not above_floor(
-                stretches, r, b0, b1, span, math.log(opts.episode_min_effect) * (1.0 if by_length else floor_effect),
-                own=stretch_levels(x[r : r + 1, seg] - outside_level(x[r], seg), span, level=False),
-            ):
-                continue
+            # (judged after every other test, below: ``WanderFloor``)
+            margin = math.log(opts.episode_min_effect) * (1.0 if by_length else floor_effect)
+            own = stretch_levels(x[r : r + 1, seg] - outside_level(x[r], seg), span, level=False)
             excess = wall[r, seg] - wall_ref[r, seg]
             if not nan_median(excess) >= opts.floor_ns:  # the job did not wait for it
                 continue
@@ -395,7 +397,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                     continue
             with np.errstate(all="ignore"):
                 slowdown = float(nan_median(wall[r, seg] / wall_ref[r, seg]))
-            found.append(Episode(
+            pending.append((Episode(
                 rank=ranks[r].rank, node=ranks[r].node, kind=kind, metric=channel,
                 slowdown=_finite_or_none(slowdown),
                 since_step=int(cols[b0] * width), until_step=int(cols[b1] * width + width - 1),
@@ -405,8 +407,32 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 job_time_lost_ns=float(np.nansum(np.maximum(excess, 0) * count[r, seg])),
                 shift=float(np.exp(shift)), noise=float(sigma), kind_basis=basis, cpu_share=share,
                 blocked_per_step=rise if kind == "host" else None,
-            ))  # fmt: skip
+            ), r, b0, b1, own, margin))  # fmt: skip
+        # Every fail-slow of the run is judged against the host's wander without the others' clear ones.
+        floor = WanderFloor(stretches, span, [(r, b0, b1, _peak(own)) for _, r, b0, b1, own, _ in pending],
+                            math.log(opts.episode_min_effect))  # fmt: skip
+        found += [e for e, r, b0, b1, own, margin in pending if floor.above(r, b0, b1, own, margin)]
     return _merged(found)
+
+
+def _peak(own: np.ndarray) -> float:
+    """The highest of a segment's stretches (-inf where none was judged)."""
+    with np.errstate(all="ignore"):
+        return float(np.nanmax(own, initial=-np.inf))
+
+
+def _blocked_spans(vol: np.ndarray, segments: Sequence[tuple], span: int) -> dict[int, tuple[np.ndarray, float]]:
+    """The segments (by index) in which their rank blocked (``blocked_span``) above the wander of the
+    switch counts (``WanderFloor``, a switch per step, other ranks' clear waits aside)."""
+    spans = {i: blocked_span(vol, seg[0], seg[6], span) for i, seg in enumerate(segments)}
+    spans = {i: found for i, found in spans.items() if found is not None}
+    if not spans:
+        return {}
+    floor = WanderFloor(stretch_levels(vol, span), span,
+                        [(segments[i][0], int(sp[0]), int(sp[-1]), _peak(mine)) for i, (sp, _, mine) in spans.items()],
+                        1.0)  # fmt: skip
+    return {i: (sp, own) for i, (sp, own, mine) in spans.items()
+            if floor.above(segments[i][0], int(sp[0]), int(sp[-1]), mine, 1.0)}  # fmt: skip
 
 
 def recovered_stragglers(
@@ -462,13 +488,18 @@ def _merged(found: list[Episode]) -> list[Episode]:
     return sorted(out, key=lambda e: (e.rank, e.since_step))
 
 
-def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions, blocked: bool = False) -> bool:
+def stands_out(x: np.ndarray, r: int, seg: np.ndarray, opts: DetectionOptions, blocked: bool = False,
+               shifted: Mapping[int, np.ndarray] | None = None) -> bool:  # fmt: skip
     """Row ``r`` shifted over blocks ``seg`` while the other ranks did not: its shift (median over the
     blocks, less its typical ratio) is a ``z_threshold`` outlier (median/MAD, MAD at least
     ``min_mad_rel``) above the other ranks' shifts over the same blocks; ``blocked`` (the rank's switch
-    counts already show the shift is its own): at least ``log(episode_min_effect)`` above their median."""
+    counts already show the shift is its own): at least ``log(episode_min_effect)`` above their median.
+    A rank's typical ratio is its level outside ``seg`` and outside its own ``shifted`` blocks (its
+    change points' segments): another rank's fail-slow elsewhere in the run does not move its level."""
+    shifted = shifted or {}
     with np.errstate(all="ignore"):
-        moved = nan_median(x[:, seg], axis=1) - np.array([outside_level(row, seg) for row in x])
+        levels = [outside_level(row, np.union1d(seg, shifted[i]) if i in shifted else seg) for i, row in enumerate(x)]
+        moved = nan_median(x[:, seg], axis=1) - np.array(levels)
     others = np.delete(moved, r)
     others = others[np.isfinite(others)]
     if others.size == 0 or not np.isfinite(moved[r]):
@@ -511,20 +542,21 @@ def _measured(vol: np.ndarray | None, r: int, seg: np.ndarray) -> bool:
     return vol is not None and np.isfinite(vol[r, seg]).sum() * 2 >= seg.size
 
 
-def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, stretches: np.ndarray, span_blocks: int,
-                 ) -> tuple[np.ndarray, float] | None:  # fmt: skip
+def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, span_blocks: int,
+                 ) -> tuple[np.ndarray, float, np.ndarray] | None:  # fmt: skip
     """Where row ``r`` of ``vol`` (rank x block medians of voluntary context switches per step: the
-    training thread blocked) shows it waiting within blocks ``seg``, and how many more times per step it
-    blocked there; None when it did not.
+    training thread blocked) shows it waiting within blocks ``seg``: the span, how many more times per
+    step it blocked there, and its stretches of ``span_blocks`` blocks over the span against its level
+    outside it; None when it did not.
 
     The span runs from the first to the last block of ``seg`` in which the rank blocked at least half a
     switch per step more than at its own level outside ``seg``, widened over the blocks next to it that
     did too. Over the span, its rise (median, over its outside level) less the other ranks' median rise
-    over the same blocks must be at least one switch per step, and its highest stretch of
-    ``span_blocks`` blocks there must stand a switch per step above every other stretch of that length
-    (``above_floor`` on ``stretches``, ``stretch_levels`` of ``vol``): a thread that waits for a
-    producer the host starves (a loader worker, a thread holding the interpreter lock) blocks more too,
-    and on a busy host every rank's waits wander so. A wait in the collective is a voluntary switch
+    over the same blocks must be at least one switch per step; the caller then asks its highest stretch
+    to stand a switch per step above every other stretch of that length (``WanderFloor`` on
+    ``stretch_levels`` of ``vol``): a thread that waits for a producer the host starves (a loader
+    worker, a thread holding the interpreter lock) blocks more too, and on a busy host every rank's
+    waits wander so. A wait in the collective is a voluntary switch
     too, but a slow rank arrives last and waits less, so the collective can only lower a slow rank's
     count, never raise it; preemption switches a thread involuntarily, never voluntarily."""
     level = outside_level(vol[r], seg)
@@ -547,8 +579,7 @@ def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, stretches: np.ndarray
     own = float(rise[r] - np.median(others))
     if not (rise[r] >= 1.0 and own >= 1.0):
         return None
-    mine = stretch_levels(vol[r : r + 1, span] - level, span_blocks, level=False)
-    return (span, own) if above_floor(stretches, r, first, last, span_blocks, 1.0, own=mine) else None
+    return span, own, stretch_levels(vol[r : r + 1, span] - level, span_blocks, level=False)
 
 
 def waited_for_input(wall: np.ndarray, data: np.ndarray, seg: np.ndarray) -> bool:

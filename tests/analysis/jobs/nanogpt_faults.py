@@ -9,6 +9,8 @@ DataLoader, DDP over gloo), with faults the job injects itself (no ``hyperacc.ch
   ``--slow-work between``: busy-loops that long after ``optimizer.step()`` instead (its own host work
   between steps, in the input gap of a loop without a DataLoader); ``--slow-work gapsleep``: sleeps
   that long there (a blocking read of the next batch, off the CPU);
+- ``--fault R:A:B:F:WORK`` (repeatable, one per rank): the same fail-slow for rank R, so that one job
+  holds several at different steps on different ranks;
 - ``--input-rank R --input-ms M --input-every K``: every K-th step rank R waits M ms for its batch (a
   blocking read of the next batch, between ``optimizer.step()`` and the next forward).
 
@@ -65,15 +67,22 @@ def main() -> None:
     p.add_argument("--slow-until", type=int, default=180)
     p.add_argument("--slow-factor", type=float, default=2.0)
     p.add_argument("--slow-work", choices=("spin", "sleep", "between", "gapsleep"), default="spin")
+    p.add_argument("--fault", action="append", default=[], metavar="R:A:B:F:WORK")
     p.add_argument("--input-rank", type=int, default=-1)
     p.add_argument("--input-ms", type=float, default=20.0)
     p.add_argument("--input-every", type=int, default=10)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    faults = {args.slow_rank: (args.slow_from, args.slow_until, args.slow_factor, args.slow_work)}
+    for spec in args.fault:
+        r, a, b, f, work = spec.split(":")
+        faults[int(r)] = (int(a), int(b), float(f), work)
+    slow_from, slow_until, slow_factor, slow_work = faults.get(rank, (0, 0, 1.0, "spin"))
+    print("FAULT", rank, faults.get(rank), flush=True)
     torch.manual_seed(0)
     raw = TinyGPT()
-    raw.sleep = args.slow_work == "sleep"
+    raw.sleep = slow_work == "sleep"
     model = DDP(raw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = torch.randint(0, 64, (4096, 17), generator=torch.Generator().manual_seed(rank))
@@ -90,18 +99,18 @@ def main() -> None:
     raw_spin = 0
     t_prev = time.perf_counter_ns()
     for it in range(args.steps):
-        if rank == args.slow_rank:
-            if it == min(60, args.slow_from):  # the rank's own median step before the fault
-                raw_spin = int((args.slow_factor - 1.0) * statistics.median(own[10:it] or own or [0]))
-            raw.spin_ns = raw_spin if args.slow_from <= it < args.slow_until else 0
-        between_ns, raw.spin_ns = (raw.spin_ns, 0) if args.slow_work in ("between", "gapsleep") else (0, raw.spin_ns)
+        if slow_until:
+            if it == min(60, slow_from):  # the rank's own median step before the fault
+                raw_spin = int((slow_factor - 1.0) * statistics.median(own[10:it] or own or [0]))
+            raw.spin_ns = raw_spin if slow_from <= it < slow_until else 0
+        between_ns, raw.spin_ns = (raw.spin_ns, 0) if slow_work in ("between", "gapsleep") else (0, raw.spin_ns)
         x, y = get_batch(it)
         logits = model(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if between_ns and args.slow_work == "gapsleep":  # its read of the next batch blocks
+        if between_ns and slow_work == "gapsleep":  # its read of the next batch blocks
             time.sleep(between_ns / 1e9)
         elif between_ns:  # the rank's own work between optimizer.step() and the next forward
             end = time.perf_counter_ns() + between_ns
