@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 
@@ -75,7 +76,10 @@ def main() -> None:
         from hyperacc.integrations.hf import HyperaccCallback
 
         trainer.add_callback(HyperaccCallback(args.trace_dir))
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # the Trainer's output folder (nothing is saved in it)
     checksum = float(sum(p.detach().double().sum() for p in model.parameters()))
     result = {"rank": int(os.environ.get("RANK", "0")), "checksum": checksum}
     if args.timing:

@@ -85,6 +85,20 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.loadscopereorder = False
 
 
+_SYSTEM_TMP = tempfile.gettempdir()  # before the suite points ``tempfile`` at its own folder (below)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _job_folders_in_the_suites_own_temp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The folders ``harness.launch`` makes for a job given no ``workdir`` (and any other ``tempfile``
+    folder a test leaves) go under pytest's temporary folder, which pytest prunes (the last three runs
+    are kept), not the system's: each run of the suite left about 250 there."""
+    old = tempfile.tempdir
+    tempfile.tempdir = str(tmp_path_factory.mktemp("tempfile"))
+    yield
+    tempfile.tempdir = old
+
+
 def _lock_dir(config: pytest.Config) -> Path | None:
     """The folder of the host lock, one per user, shared by every pytest-xdist worker of every run on
     this machine (two suites at once also take turns for their ``alone`` tests); None in one process.
@@ -92,7 +106,7 @@ def _lock_dir(config: pytest.Config) -> Path | None:
     holder."""
     if getattr(config, "workerinput", None) is None:
         return None
-    path = Path(tempfile.gettempdir()) / f"hyperacc-test-host-{os.getuid()}"
+    path = Path(_SYSTEM_TMP) / f"hyperacc-test-host-{os.getuid()}"
     path.mkdir(exist_ok=True)
     return path
 

@@ -3,6 +3,7 @@
 Each dtype gets its own DDP model and tracer with ``inband=True``; a listener keeps what it heard.
 """
 
+import shutil
 import tempfile
 
 import torch
@@ -19,7 +20,8 @@ out = {}
 for dtype in (torch.float16, torch.bfloat16):
     torch.manual_seed(0)
     m = DDP(nn.Linear(8, 8).to(dtype))
-    t = Tracer(tempfile.mkdtemp(), inband=True, window=0, probe_every=0)
+    run_dir = tempfile.mkdtemp()
+    t = Tracer(run_dir, inband=True, window=0, probe_every=0)
     t.attach_ddp(m)
     seen: list = []
     t.inband.add_listener(lambda s, a, w, seen=seen: seen.append([s, w.tolist()]))
@@ -28,5 +30,6 @@ for dtype in (torch.float16, torch.bfloat16):
             m(torch.randn(4, 8, dtype=dtype)).float().sum().backward()
     out[str(dtype)] = {"seen": seen, "exchanging": t.inband.exchanging}
     t.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
 harness.write_result({"rank": rank, **out})
 harness.finish()
