@@ -79,7 +79,6 @@ def main() -> None:
         r, a, b, f, work = spec.split(":")
         faults[int(r)] = (int(a), int(b), float(f), work)
     slow_from, slow_until, slow_factor, slow_work = faults.get(rank, (0, 0, 1.0, "spin"))
-    print("FAULT", rank, faults.get(rank), flush=True)
     torch.manual_seed(0)
     raw = TinyGPT()
     raw.sleep = slow_work == "sleep"
