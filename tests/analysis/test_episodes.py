@@ -149,7 +149,8 @@ def test_fail_slows_on_other_ranks_or_earlier_on_the_same_rank_do_not_hide_each_
     """The host's wander floor leaves out the other clear fail-slows of the run: three 2x ones on three
     ranks at different steps are three episodes (before 2026-12-05 none was: each one's stretches raised
     the others' floor, so the more fail-slows a run had, the fewer were reported), a 1.5x one after a 2x
-    one is found too, and so is a rank slow twice."""
+    one is found too, and so is a rank slow twice; and so are ranks slow together (a node's ranks: before,
+    none of them was, each one's stretches barring the others')."""
     opts = DetectionOptions()
     for seed in range(5):
         three = {1: (40, 100, 2.0), 2: (120, 180, 2.0), 3: (200, 260, 2.0)}
@@ -160,6 +161,10 @@ def test_fail_slows_on_other_ranks_or_earlier_on_the_same_rank_do_not_hide_each_
         assert [(e.rank, e.since_step, e.until_step) for e in found] == [(2, 40, 99), (3, 200, 259)], (seed, found)
         found = detect_episodes(_ranks(seed=seed, noise=0.03, slow={2: [(40, 100, 2.0), (180, 240, 2.0)]}), opts)
         assert [(e.rank, e.since_step, e.until_step) for e in found] == [(2, 40, 99), (2, 180, 239)], (seed, found)
+        for n_ranks, together in ((4, (2, 3)), (8, (4, 5, 6, 7))):
+            slow = {r: (120, 180, 2.0) for r in together}
+            found = detect_episodes(_ranks(n_ranks, seed=seed, noise=0.03, slow=slow), opts)
+            assert [(e.rank, e.since_step, e.until_step) for e in found] == [(r, 120, 179) for r in together], found
 
 
 def _gap_ranks(seed: int, work: str, n_ranks: int = 4, steps: int = 300) -> list:
