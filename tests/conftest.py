@@ -31,7 +31,7 @@ import pytest
 # worker (their seconds in `make test`, 2-core machine, 2026-12-05), so that the next ``alone`` file
 # starts when the previous one has finished. pytest-xdist hands each worker two files ahead.
 _OPENING = (
-    "analysis/test_episodes.py",  # 46 s, its recorded jobs alone
+    "analysis/test_episodes.py",  # 38 s, its recorded jobs alone
     "analysis/test_compare_command.py",  # 11 s
     "reliability/test_cli_fuzz.py",  # 10 s
     "stabilize/test_stabilize_units.py",  # 9 s
@@ -68,7 +68,6 @@ _FIRST = (
     "reliability/test_inband_round.py",
     "trace/test_auto.py",
     "trace/test_compaction_job.py",
-    "loop/test_drain_decision.py",
     "reliability/test_signals.py",
     "loop/test_elastic_resume.py",
     "trace/test_inband.py",

@@ -6,7 +6,8 @@ checkpoint on 2 nodes (no step twice, none lost), and node-c is in the exclusion
 
 One job serves both halves of the loop: the decision (from the verdict) and the drain itself (the
 request file that the decision writes, `drain.request_drain`, is the same one a person writes by hand;
-tests/loop/test_remediation_policy.py covers the hand-written request)."""
+tests/loop/test_remediation_policy.py covers the hand-written request, and ``dry-run``'s "would" with
+nothing drained, on the real executor; until 2026-12-05 a second real 2-node job checked that too)."""
 
 from __future__ import annotations
 
