@@ -21,6 +21,9 @@ rank is skipped).
 At a boundary the ranks all-reduce ``[step, -step, drain]`` once: a rank whose step differs stops the
 job with an error instead of deadlocking in the save, and a pending drain request (read by rank 0) is
 agreed by all (``hyperacc.remediation.drain``). Nothing runs between boundaries.
+
+A tracer running in the rank (``hyperacc run``) numbers the steps after ``resume`` as the run it
+continues (``Tracer.resume_at``), and does not take the checkpoint's load for a step.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import os
 import pickle
 import random
 import shutil
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -237,19 +241,21 @@ class Checkpointer:
         if found is None:
             return 0
         step, path = found
-        t0 = time.perf_counter()
-        saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        state = self._app_state()
-        state["meta"] = b""
-        rng_key = f"rank{self.rank}"
-        if f"rng.{rng_key}" in saved_keys:
-            state["rng"] = {rng_key: b""}
-        with _single_process_quiet(self._dist):
-            dcp.load(state, checkpoint_id=str(path), no_dist=not self._dist)
-        if self.optimizer is not None:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        else:
-            set_model_state_dict(self.model, state["model"])
+        # not training: the optimizer state's initialisation (an optimizer step of its own) is no step
+        with _tracing_paused():
+            t0 = time.perf_counter()
+            saved_keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+            state = self._app_state()
+            state["meta"] = b""
+            rng_key = f"rank{self.rank}"
+            if f"rng.{rng_key}" in saved_keys:
+                state["rng"] = {rng_key: b""}
+            with _single_process_quiet(self._dist):
+                dcp.load(state, checkpoint_id=str(path), no_dist=not self._dist)
+            if self.optimizer is not None:
+                set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            else:
+                set_model_state_dict(self.model, state["model"])
         meta = pickle.loads(state["meta"])
         if self.scheduler is not None and meta.get("scheduler") is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
@@ -259,6 +265,11 @@ class Checkpointer:
             _set_rng_state(pickle.loads(state["rng"][rng_key]))
         self.resumed_from = step
         self.last_saved = step
+        # the tracer of this rank, if one runs, numbers the next step as the run it continues does
+        tracing = sys.modules.get("hyperacc.trace.tracer")
+        tracer = tracing.current() if tracing is not None else None
+        if tracer is not None:
+            tracer.resume_at(step)
         if self.rank == 0:
             log.info("hyperacc.elastic: resumed at step %d (saved by %d ranks, now %d) in %.2f s",
                      step, meta["world_size"], self.world_size, time.perf_counter() - t0)  # fmt: skip
@@ -270,6 +281,13 @@ class Checkpointer:
 
     def _data_position(self, saved: dict[str, Any], saved_world: int) -> dict[str, Any]:
         return carry_data_position(saved, saved_world, self.world_size)
+
+
+def _tracing_paused() -> contextlib.AbstractContextManager[None]:
+    """This rank's automatic tracing paused (``AutoTrace.paused``), if ``hyperacc run`` installed it."""
+    auto = sys.modules.get("hyperacc.trace.auto")
+    installed = auto.installed() if auto is not None else None
+    return installed.paused() if installed is not None else contextlib.nullcontext()
 
 
 def carry_data_position(saved: dict[str, Any], saved_world: int, world: int) -> dict[str, Any]:

@@ -624,13 +624,20 @@ def _segments_of(run_dir: str | os.PathLike | Sequence[str | os.PathLike], kind:
 def read_steps(
     run_dir: str | os.PathLike | Sequence[str | os.PathLike], columns: list[str] | None = None
 ) -> pa.Table:
-    """Every rank's step records that fit ``STEP_SCHEMA``, sorted by (rank, step)."""
+    """Every rank's step records that fit ``STEP_SCHEMA``, sorted by (rank, step), one row per step: of a
+    step recorded twice (a job resumed from a checkpoint ran the steps after it again) the later record,
+    as ``analysis.columns.read_rank`` keeps it."""
     unknown = [c for c in columns or () if STEP_SCHEMA.get_field_index(c) < 0]
     if unknown:
         raise ValueError(f"unknown step column(s) {unknown}; see hyperacc.schema.STEP_SCHEMA")
     table = _read_segments(lambda: _segments_of(run_dir, "steps"), STEP_SCHEMA, columns)
     if table.num_rows and {"rank", "step"} <= set(table.column_names):
-        table = table.sort_by([("rank", "ascending"), ("step", "ascending")])
+        table = table.sort_by([("rank", "ascending"), ("step", "ascending")])  # stable: written order kept
+        rank = table.column("rank").to_numpy(zero_copy_only=False)
+        step = table.column("step").to_numpy(zero_copy_only=False)
+        again = (rank[1:] == rank[:-1]) & (step[1:] == step[:-1])  # row i is written again at row i + 1
+        if again.any():
+            table = table.filter(pa.array(np.concatenate([~again, [True]])))
     return table
 
 

@@ -3,12 +3,13 @@ over to another number of ranks without reading a sample twice."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from hyperacc import harness
+from hyperacc import harness, store
 from hyperacc.data.pipeline import make_loader
 from hyperacc.elastic import Checkpointer, carry_data_position, reshard_position
 
@@ -21,8 +22,14 @@ def test_a_resumed_run_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     # 30 steps straight, saving at step 20 (saving changes nothing); then a second job resumes there
     straight = harness.launch(WORKER, ["--steps", "30", "--ckpt", ckpt, "--every", "20"], nproc=2, timeout=240)
     assert straight.ok, straight.explain()
-    resumed = harness.launch(WORKER, ["--steps", "30", "--ckpt", ckpt, "--every", "20"], nproc=2, timeout=240)
+    # the second job traced (`hyperacc run`): its tracer numbers the steps it runs as the run it continues
+    run_dir = tmp_path / "run"
+    resumed = harness.launch(WORKER, ["--steps", "30", "--ckpt", ckpt, "--every", "20"], nproc=2, timeout=240,
+                             traced={"run-dir": str(run_dir), "trace": json.dumps({"window": 0})})  # fmt: skip
     assert resumed.ok, resumed.explain()
+    table = store.read_steps(run_dir, columns=["rank", "step"])
+    for rank in range(2):
+        assert [r["step"] for r in table.to_pylist() if r["rank"] == rank] == list(range(20, 30))
     for s, r in zip(straight.results(), resumed.results(), strict=True):
         assert s["first"] == 0 and r["first"] == 20
         assert sorted(map(int, r["losses"])) == list(range(20, 30))

@@ -171,3 +171,31 @@ def test_the_restarted_ranks_store_of_their_own_gets_the_switch(tmp_path, server
         for r in restarted:
             r.close()
         del second
+
+
+def test_a_switch_agreed_before_the_checkpoints_load_moves_with_the_resumed_step_numbers(tmp_path, server) -> None:
+    # an elastic restart: the agent proposes its switch again at once, the restarted ranks acknowledge it
+    # at their step 0, before their checkpoint's load, then their tracers number the steps from the
+    # checkpoint's step 250 (``Tracer.resume_at``): the agreed step moves with them, on every rank alike,
+    # instead of being long past (before 2026-12-05 every rank started it at its first step, "LATE")
+    config = RemediationConfig(mode="auto", run_dir=str(tmp_path), gc_lead_steps=LEAD)
+    decider = LiveRemediation(config, rank=0, applies=False, decides=True, store_address=server, prefix="t/")
+    steps = [0, 0]
+    resumed: list[tuple[int, int] | None] = [None]
+    ranks = [
+        LiveRemediation(config, rank=r, decides=False, store_address=server, prefix="t/", poll_s=0.02, world_size=2,
+                        current_step=lambda r=r: steps[r], resumed=lambda: resumed[0])  # fmt: skip
+        for r in range(2)
+    ]
+    started: list[list[tuple[int, str]]] = [[], []]
+    for r, rank in enumerate(ranks):
+        rank.record = lambda kind, step, detail, r=r: started[r].append((step, detail))
+    assert _propose_and_close(decider, ranks, 0) == [{"gc_schedule": LEAD}] * 2
+    resumed[0] = (0, 250)
+    for rank in ranks:
+        for step in range(250, 250 + LEAD + 2):
+            rank.step(step)
+        for stabilizer in rank.stabilizers:
+            stabilizer.close()
+    assert [[step for step, _ in s] for s in started] == [[250 + LEAD]] * 2, started
+    assert all("LATE" not in detail for s in started for _, detail in s), started

@@ -80,6 +80,28 @@ def test_step_decorator_and_explicit_step_numbers(tmp_path: Path) -> None:
     assert steps == [0, 1, 100, 101]
 
 
+def test_a_resumed_job_numbers_its_steps_as_the_run_it_continues(tmp_path: Path) -> None:
+    # an attempt that ran 5 steps past its checkpoint at step 3, then the restarted attempt: its tracer is
+    # told the checkpoint's step (``hyperacc.elastic`` does so) and records the steps it runs under the
+    # run's own numbers; a step open before that (the checkpoint's load) is not recorded at all
+    first = make(tmp_path)
+    for _ in range(5):
+        with first.step():
+            pass
+    first.close()
+    second = make(tmp_path)
+    second.begin_step()  # work before the resumed loop
+    second.resume_at(3)
+    for _ in range(4):
+        with second.step():
+            pass
+    second.close()
+    table = store.read_steps(tmp_path / "run")
+    assert table["step"].to_pylist() == [0, 1, 2, 3, 4, 5, 6]  # steps 3 and 4 run twice: the later kept
+    with pytest.raises(ValueError, match="resume_at"):
+        second.resume_at(-1)
+
+
 def test_unknown_phase_names_the_valid_ones(tmp_path: Path) -> None:
     tracer = make(tmp_path)
     with pytest.raises(ValueError, match="unknown phase 'fwd'.*forward"):

@@ -89,8 +89,11 @@ class LiveRemediation:
         store_address: str | None = None,
         prefix: str | None = None,
         world_size: int = 1,
+        resumed: Callable[[], tuple[int, int] | None] | None = None,
     ) -> None:
         self.config = config
+        # the tracer's (steps counted before, step resumed at) once the job resumed from a checkpoint
+        self.resumed = resumed
         self.rank = rank
         self.record = record  # (kind, step, detail) -> an event of the rank's trace
         self.current_step = current_step  # rank 0: the training thread's step (read, never waited on)
@@ -316,12 +319,24 @@ class LiveRemediation:
         """At every step boundary (training thread; ``step`` just ended): start a published switch before
         its agreed step, and drive the stabilizers started so far."""
         if self._pending:
-            for action, (at, rule) in list(self._pending.items()):
+            for action, (agreed, rule) in list(self._pending.items()):
+                at = self._renumbered(agreed)
                 if step + 1 >= at:
                     del self._pending[action]
                     self._apply(action, at, rule, step + 1)
         for stabilizer in self.stabilizers:
             stabilizer.step(step)
+
+    def _renumbered(self, at: int) -> int:
+        """An agreed step in this rank's numbering. Ranks that acknowledged a switch before their
+        checkpoint's load (an elastic restart: the node agent proposes its switches again at once) agreed a
+        step of their own count from 0; the tracer then numbered the steps from the one resumed at, on every
+        rank alike (``Tracer.resume_at``), so such a step moves by as much. A step agreed at or after it is
+        already in that numbering."""
+        resumed = self.resumed() if self.resumed is not None else None
+        if resumed is not None and at < resumed[1]:
+            return at + resumed[1] - resumed[0]
+        return at
 
     def _apply(self, action: str, at: int, rule: str, start: int) -> None:
         self._applied.add(action)
@@ -365,7 +380,7 @@ def install(auto: Any) -> LiveRemediation | None:
     agent = bool(os.environ.get(ENV_NODE_AGENT))  # hyperacc run's node agent decides, not rank 0
     try:
         live = LiveRemediation(
-            config, rank=tracer.rank, current_step=lambda: tracer.current_step,
+            config, rank=tracer.rank, current_step=lambda: tracer.current_step, resumed=lambda: tracer.resumed,
             record=lambda kind, step, detail: tracer.record_event(kind, step, detail=detail),
             decides=tracer.rank == 0 and not agent, world_size=tracer.world_size,
         )  # fmt: skip

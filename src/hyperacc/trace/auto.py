@@ -38,9 +38,11 @@ runs (``_end_detection_now``) changes that same state inside a forward.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
+from collections.abc import Iterator
 from threading import get_ident
 from time import perf_counter_ns
 from typing import Any
@@ -100,6 +102,17 @@ class AutoTrace:
         self._step_callbacks.append(fn)
 
     # ------------------------------------------------------------------ install / uninstall
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No step, phase or boundary is seen inside (the hooks return at their first line): work of
+        hyperacc's own that is not training, such as a checkpoint's load (whose optimizer state is
+        initialised by an optimizer step of its own, ``torch.distributed.checkpoint``)."""
+        was, self._on = self._on, False
+        try:
+            yield
+        finally:
+            self._on = was
 
     def install(self) -> AutoTrace:
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -211,6 +211,9 @@ class Tracer:
         self._on = True  # recording switch: off after an internal error or close()
         self._t0 = 0
         self._next_step = 0
+        # (steps counted before, step resumed at) of the last ``resume_at``: the live switches agreed in
+        # the attempt's own count from 0 move with it (``remediation.live``)
+        self.resumed: tuple[int, int] | None = None
         self._ended_at = -1  # perf_counter_ns of the last step's end (contiguous steps share it)
         self.clock = StepClock()
         self.clock.on_end = self._boundary
@@ -356,6 +359,19 @@ class Tracer:
             self._ended_at = t1
         except Exception as exc:  # noqa: BLE001
             self._fail("step recording", exc)
+
+    def resume_at(self, step: int) -> None:
+        """Number the next step ``step``: a job resumed from a checkpoint saved after ``step`` steps goes
+        on with the step numbers of the run it continues, on every rank alike, instead of from 0
+        (``hyperacc.elastic.Checkpointer.resume`` calls this). A step still open (work before the
+        resumed loop: the checkpoint's own load) is dropped, not recorded under a step number of the run
+        it continues. Where a run directory holds a step twice (the steps an interrupted attempt ran
+        past its last checkpoint, run again), readers keep the later record."""
+        if int(step) < 0:
+            raise ValueError(f"resume_at needs the number of steps already done, >= 0 (got {step})")
+        self._open = False
+        self.resumed = (self._next_step, int(step))
+        self._next_step = int(step)
 
     def add_phase(self, name: str, duration_ns: int) -> None:
         """Add ``duration_ns`` to a phase of the current step (for times measured elsewhere)."""
