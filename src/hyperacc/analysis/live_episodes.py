@@ -80,6 +80,7 @@ class LiveEpisodes:
         self._history: dict[int, RankBlocks] = {}
         self._open: dict[int, Episode] = {}  # rank -> the episode said to be going on
         self._said: dict[int, int] = {}  # rank -> last step of the episodes already said
+        self._missing: dict[int, int] = {}  # rank -> the newest block when its open episode was first not found
         self._first: dict[int, int] = {}  # rank -> the first block it was seen with
 
     def update(self, blocks: Sequence[RankBlocks]) -> list[tuple[int, str]]:
@@ -114,9 +115,17 @@ class LiveEpisodes:
         # that later stretches of other ranks match; only the whole run (``analyze``) tells the two apart.
         found = [e for e in detect_episodes(list(self._history.values()), self.opts, floor_effect=1.0)
                  if e.metric == "cpu_ns" or _blocked(e)]  # fmt: skip
-        for rank in [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]:
+        missing = [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]
+        frontier = min(int(h.block[-1]) for h in self._history.values() if h.block.size)  # judged by all ranks
+        self._missing = {r: self._missing.get(r, frontier) for r in missing}
+        for rank in missing:
             # no longer judged an episode (its history moved on): ended by the rank's newest block, once the
-            # rank is seen back at its level (below)
+            # rank is seen back at its level (below), and once it has not been found while every rank's
+            # blocks moved on by the shortest episode's: an update can hold the first blocks of another
+            # rank's fail-slow before the blocks that close this one, and that start, too short yet to
+            # judge, counts in this one's floor until it is judged itself (docs/detection.md, "Episodes")
+            if frontier - self._missing[rank] < math.ceil(self.opts.episode_min_steps / self.opts.episode_block_steps):
+                continue
             if not self._back(self._open[rank], self._open[rank].until_step):
                 continue
             going = self._open.pop(rank)
