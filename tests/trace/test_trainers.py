@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -18,8 +20,10 @@ import pytest
 
 from hyperacc import harness, store
 from hyperacc.analysis import diagnose
+from hyperacc.schema import STEP_SCHEMA
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+JOBS = Path(__file__).parent / "jobs"
 PHASES = ("data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns")
 STEPS, ACCUM, RANKS = 60, 2, 4
 
@@ -76,3 +80,24 @@ def test_the_trainers_callback_traces_a_run_started_by_plain_torchrun(tmp_path: 
         rows = table.filter(pc.equal(table["rank"], rank)).to_pylist()
         assert [r["step"] for r in rows] == list(range(12))
         assert all(r["comm_wait_ns"] is not None and r["forward_ns"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework,package", [("hf", "transformers"), ("lightning", "lightning")])
+def test_a_trainer_resumed_from_its_checkpoint_numbers_its_steps_as_the_run_it_continues(
+    tmp_path: Path, framework: str, package: str
+) -> None:
+    # 8 steps saving at step 4, then a second trainer resumes from that checkpoint (in the same process,
+    # as a restarted job would from its own); the callback passes the trainer's global_step to the tracer
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed (pip install -e '.[dev]')")
+    run_dir = tmp_path / "run"
+    job = subprocess.run([sys.executable, str(JOBS / "trainer_resume.py"), framework, str(run_dir), str(tmp_path / "work")],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    written = []  # every record as written, in order
+    for path in store.live_segments(run_dir / "steps" / "rank-00000"):
+        written += store.read_segment(path, STEP_SCHEMA, ["step"])["step"].to_pylist()
+    # the first run's steps 0-7, then the resumed run's from 4 (not 8 on, nor 0 on)
+    assert written[:8] == list(range(8)) and written[8:] == list(range(4, len(written) - 4)), written
+    assert store.read_steps(run_dir)["step"].to_pylist() == list(range(8))  # each step once, the later kept

@@ -2,7 +2,9 @@
 
 The callback installs automatic tracing when it is created, which is before the strategy wraps the
 model in DDP, so the gradient collectives are timed as under ``hyperacc run``; it flushes when
-training ends. Under ``hyperacc run`` (tracing already installed) it does nothing more.
+training ends. A run resumed from a checkpoint (``fit(..., ckpt_path=...)``) numbers its steps from the
+checkpoint's ``global_step``, as the run it continues (``Tracer.resume_at``). Under ``hyperacc run``
+(tracing already installed) it does nothing more.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ class HyperaccCallback(L.Callback):
         super().__init__()
         live_aggregate.install()  # live window summaries, as under ``hyperacc run``
         self.auto = install_auto(run_dir, **trace_options)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.global_step:  # the checkpoint is restored by now
+            self.auto.tracer.resume_at(trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self.auto.tracer.flush()
