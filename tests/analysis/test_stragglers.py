@@ -244,6 +244,16 @@ def test_extra_cpu_time_paid_in_the_kernel_for_fresh_pages_is_page_faults_not_co
     faults[0] += 995
     (s,) = detect_stragglers(_cpu_windows(cpu, sys_ms, faults), DetectionOptions())
     assert (s.rank, s.kind) == (2, "compute")
+    # two ranks paging so: each one's faults are above every rank that is not (before 2026-12-05 each hid
+    # the other's, and both were named compute)
+    faults[0] -= 995
+    cpu6 = np.vstack([cpu, cpu[:2]])
+    sys6, faults6 = np.vstack([sys_ms, sys_ms[:2]]), np.vstack([faults, faults[:2]])
+    cpu6[4] += 2.4
+    sys6[4] += 2.2
+    faults6[4] += 990
+    found = detect_stragglers(_cpu_windows(cpu6, sys6, faults6), DetectionOptions())
+    assert [(s.rank, s.kind) for s in found] == [(2, "page_faults"), (4, "page_faults")], found
     # recorded before these columns existed: compute, as before
     cols = _cpu_windows(cpu, sys_ms, faults)
     del cols["sys_cpu_ns_mean"], cols["minor_faults_median"]

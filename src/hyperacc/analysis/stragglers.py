@@ -335,15 +335,25 @@ def kernel_paging(cpu: np.ndarray, sys_time: np.ndarray, faults: np.ndarray, r: 
     and minor page faults per step, over the columns in which row ``r`` was slow. True when the rank's
     system time over the cluster median accounts for ``explain_share`` of its CPU time over it, and it
     took more page faults per step than every other rank in most of the columns: the same work at a
-    higher cost, paid in the kernel for memory that its allocator returned and mapped again."""
+    higher cost, paid in the kernel for memory that its allocator returned and mapped again. "Every other
+    rank" leaves out the other ranks that are paging so themselves (materially slower in CPU time, most of
+    it in the kernel): two such ranks do not hide each other's faults."""
     ok = ~np.isnan(cpu[r]) & ~np.isnan(sys_time[r]) & ~np.isnan(faults[r])
-    others = np.delete(faults, r, axis=0)[:, ok]
-    if not ok.any() or np.isnan(others).all(axis=0).any():
+    if not ok.any():
         return False
-    cpu_ex = nan_median((cpu[r] - nan_median(cpu, axis=0))[ok])
-    sys_ex = nan_median((sys_time[r] - nan_median(sys_time, axis=0))[ok])
+    with np.errstate(all="ignore"):
+        cpu_med = nan_median(cpu[:, ok], axis=0)
+        cpu_ex = nan_median(cpu[:, ok] - cpu_med, axis=1)  # every rank's CPU time over the cluster median
+        sys_ex = nan_median(sys_time[:, ok] - nan_median(sys_time[:, ok], axis=0), axis=1)
+        base = nan_median(cpu_med)
+        paging = (cpu_ex >= opts.floor_ns) & (cpu_ex >= opts.min_slowdown * base) & (sys_ex >= opts.explain_share * cpu_ex)
+    keep = ~paging
+    keep[r] = False
+    others = faults[keep][:, ok]
+    if not others.shape[0] or np.isnan(others).all(axis=0).any():
+        return False
     above = faults[r, ok] > np.nanmax(others, axis=0)
-    return bool(cpu_ex > 0 and sys_ex >= opts.explain_share * cpu_ex and above.sum() * 2 > above.size)
+    return bool(cpu_ex[r] > 0 and sys_ex[r] >= opts.explain_share * cpu_ex[r] and above.sum() * 2 > above.size)
 
 
 def _compute_or_host(
