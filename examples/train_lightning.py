@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import tempfile
 import time
 
@@ -80,14 +81,18 @@ def main() -> None:
     L.seed_everything(0, verbose=False)
     module = TinyGPT()
     loader = torch.utils.data.DataLoader(Tokens(512, 32, 256), batch_size=4, shuffle=False)
+    root = tempfile.mkdtemp(prefix="pl-job-")  # the Trainer's folder (no logger, no checkpoint: stays empty)
     trainer = L.Trainer(
         accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", "1")), strategy="ddp", max_steps=args.steps,
         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tempfile.mkdtemp(),
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
         callbacks=([times] if args.timing else []) + callbacks,
     )  # fmt: skip
-    trainer.fit(module, loader)
+    try:
+        trainer.fit(module, loader)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     checksum = float(sum(p.detach().double().sum() for p in module.parameters()))
     result = {"rank": int(os.environ.get("RANK", "0")), "checksum": checksum}
     if args.timing:
