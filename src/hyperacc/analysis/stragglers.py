@@ -346,7 +346,9 @@ def kernel_paging(cpu: np.ndarray, sys_time: np.ndarray, faults: np.ndarray, r: 
         cpu_ex = nan_median(cpu[:, ok] - cpu_med, axis=1)  # every rank's CPU time over the cluster median
         sys_ex = nan_median(sys_time[:, ok] - nan_median(sys_time[:, ok], axis=0), axis=1)
         base = nan_median(cpu_med)
-        paging = (cpu_ex >= opts.floor_ns) & (cpu_ex >= opts.min_slowdown * base) & (sys_ex >= opts.explain_share * cpu_ex)
+    # materially slower in CPU time, most of it in the kernel: the part-and-whole test of the phases
+    paging = _shows_in_whole(sys_ex[:, None], (base + cpu_ex)[:, None], np.array([base]), opts)[:, 0]
+    paging &= np.isfinite(cpu_ex)
     keep = ~paging
     keep[r] = False
     others = faults[keep][:, ok]
