@@ -85,6 +85,11 @@ _STEP_FIELDS: tuple[tuple[str, str, bool], ...] = (
     # default thresholds) pays for each fresh page in the kernel, the same work at a higher CPU time
     ("minor_faults", "int64", True),
     ("sys_cpu_ns", "int64", True),
+    # time the training thread was ready to run but waited for a CPU over the step (the kernel's
+    # run-queue delay, /proc/self/task/TID/schedstat): what the host's preemption added to the step's
+    # wall time, so that wall = CPU time + this + time blocked (a read, a queue, a sleep). Recorded, not
+    # yet read by a rule: over the whole step it holds the wait in the collective too (docs/detection.md)
+    ("run_delay_ns", "int64", True),
 )
 
 STEP_COLUMNS: tuple[str, ...] = tuple(f[0] for f in _STEP_FIELDS)

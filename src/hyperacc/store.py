@@ -12,7 +12,8 @@ Reading (docs/reliability.md, "Run directories"): every segment is checked again
 
 - a column the schema does not know, or one whose type does not fit (text in a number column, a
   fractional ``step``), makes the segment foreign: it is skipped with one warning that names the file
-  and what did not fit;
+  and what did not fit; except that a segment with every column the schema cannot be without (a newer
+  hyperacc's, with the columns it added) is read without the columns this one does not know;
 - a column the segment lacks (written by an older schema) is read as null: not measured;
 - a segment that cannot be read at all (truncated by a SIGKILL, corrupted on disk) is skipped the
   same way. None of these ever stops the analysis of the rest of the run.
@@ -399,20 +400,24 @@ def segment_problem(schema: pa.Schema, expected: pa.Schema, required: Sequence[s
     """Why a segment with ``schema`` does not fit ``expected`` (None when it fits).
 
     Foreign columns and columns of the wrong type do not fit; columns the segment lacks do, except
-    ``required`` ones.
+    ``required`` ones. Columns ``expected`` does not know in a segment that holds every column it cannot
+    be without (its non-nullable ones: a newer hyperacc's segment, with the columns it added) are left
+    out by ``conform``, not foreign.
     """
     names = schema.names
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         return f"column(s) {', '.join(map(repr, dup))} appear more than once"
     foreign = [n for n in names if expected.get_field_index(n) < 0]
-    if foreign:
+    if foreign and not all(f.name in names for f in expected if not f.nullable):
         shown = ", ".join(repr(n) for n in foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return f"foreign column(s) {shown}"
     missing = [n for n in required if n not in names]
     if missing:
         return f"no {', '.join(missing)} column"
     for field in schema:
+        if field.name in foreign:
+            continue
         want = expected.field(field.name).type
         if not _type_fits(field.type, want, field.name in _IDENTITY):
             return f"column {field.name!r} is {field.type}, not {want}"

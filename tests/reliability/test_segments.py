@@ -47,6 +47,9 @@ CASES = {
                                None),
     "older schema (few columns)": (pa.table({**_ids([STEPS + 1]), "step_ns": pa.array([2 * 10**6], pa.int64())}),
                                    STEPS + 1, None),
+    # a newer hyperacc's segment: its identity columns, and one this hyperacc does not know (left out)
+    "newer schema (a column more)": (pa.table({**_ids([STEPS + 1]), "step_ns": pa.array([2 * 10**6], pa.int64()),
+                                              "added_later_ns": pa.array([7], pa.int64())}), STEPS + 1, None),
 }  # fmt: skip
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 from pathlib import Path
 
+import pytest
+
 from hyperacc import store
 from hyperacc.trace import Tracer
 from hyperacc.trace.columns import (
@@ -159,3 +161,43 @@ def test_a_step_with_more_phase_changes_than_the_stamp_list_holds_is_accounted_w
     assert row[FORWARD_NS] == 700 * MS and row[BACKWARD_NS] == 1400 * MS and row[MICRO_STEPS] == 700
     assert row[DATA_NS] == 0 and row[DATA_GAP] == 1  # no time was left uncovered before the last backward
 
+
+
+def test_run_queue_delay_is_what_a_competitor_on_the_same_cpu_took_from_the_step() -> None:
+    """Pinned to one CPU beside a busy process, a spinning step waits for that CPU about half its wall
+    time; a sleeping step waits for none of it (blocked, not ready to run)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from hyperacc.trace.columns import COL
+    from hyperacc.trace.signals import RunDelay, StepSignals
+
+    if not hasattr(os, "sched_setaffinity") or not RunDelay().open:
+        pytest.skip("the kernel keeps no run-queue delay here (/proc/self/task/TID/schedstat)")
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    try:
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.2)  # the busy process is running
+        signals = StepSignals()
+        rows = []
+        for work in ("spin", "sleep"):
+            row = [-1] * NCOLS
+            signals.begin(contiguous=False)
+            t0 = time.perf_counter_ns()
+            while time.perf_counter_ns() - t0 < 200 * MS:
+                if work == "sleep":
+                    time.sleep(0.2)
+            signals.end(row)
+            rows.append((row[COL["run_delay_ns"]], time.perf_counter_ns() - t0))
+        signals.close()
+    finally:
+        os.sched_setaffinity(0, before)
+        busy.kill()
+        busy.wait()
+    (spin_delay, spin_wall), (sleep_delay, sleep_wall) = rows
+    assert 0.2 * spin_wall < spin_delay < spin_wall, rows
+    assert 0 <= sleep_delay < 0.1 * sleep_wall, rows

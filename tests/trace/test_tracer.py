@@ -53,7 +53,7 @@ def test_explicit_steps_phases_and_signals_reach_parquet(tmp_path: Path) -> None
         assert r["backward_ns"] is None and r["comm_wait_ns"] is None and r["h2d_ns"] is None
         assert (r["launch_ns"] is not None) == (r["step"] % 4 == 0)
         assert wall0 <= r["t_start_ns"] <= time.time_ns()
-        assert r["major_faults"] >= 0 and r["invol_ctx_switches"] >= 0
+        assert r["major_faults"] >= 0 and r["invol_ctx_switches"] >= 0 and r["run_delay_ns"] >= 0
     assert [r["t_start_ns"] for r in rows] == sorted(r["t_start_ns"] for r in rows)
     collected = rows[3]
     assert collected["gc_count"] >= 1 and collected["gc_max_gen"] == 2 and collected["gc_ns"] > 0

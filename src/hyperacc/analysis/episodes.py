@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,16 @@ class RankBlocks:
     sys: np.ndarray | None = None
     faults: np.ndarray | None = None
 
+    def mapped(self, fn: Callable[[np.ndarray], np.ndarray], **fields: Any) -> RankBlocks:
+        """These blocks with ``fn`` applied to every per-block column (``fields`` set as given)."""
+        out = {name: fn(getattr(self, name)) for name in PER_BLOCK if getattr(self, name) is not None}
+        return dataclasses.replace(self, **{**out, **fields})
+
+
+# RankBlocks' per-block columns (besides ``block`` and ``steps``); the optional ones are None where the
+# records did not measure them
+PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults")
+
 
 class BlockBudget:
     """Every rank's blocks, kept within ``episode_max_cells`` (ranks x blocks): past it, every block
@@ -112,11 +122,7 @@ def coarsened(b: RankBlocks, width: int) -> RankBlocks:
             return np.where(n > 0, total / n, np.nan).astype(np.float32)
 
     steps = np.bincount(row, weights=b.steps.astype(np.float64), minlength=new.size)
-    return RankBlocks(b.rank, b.node, new, mean(b.self_ns), mean(b.cpu_ns),
-                      np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width,
-                      None if b.vol is None else mean(b.vol), None if b.data is None else mean(b.data),
-                      None if b.gap is None else mean(b.gap), None if b.sys is None else mean(b.sys),
-                      None if b.faults is None else mean(b.faults))  # fmt: skip
+    return b.mapped(mean, block=new, steps=np.minimum(steps, np.iinfo(np.uint16).max).astype(np.uint16), width=width)
 
 
 @dataclasses.dataclass

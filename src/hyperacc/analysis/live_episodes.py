@@ -12,6 +12,7 @@ Pure: the caller (``agent.LiveNode``) reads the records and writes the lines as 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from hyperacc.analysis.change_points import log_ratio
 from hyperacc.analysis.diagnosis import kind_word
-from hyperacc.analysis.episodes import Episode, RankBlocks, detect_episodes, rank_blocks
+from hyperacc.analysis.episodes import PER_BLOCK, Episode, RankBlocks, detect_episodes, rank_blocks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
 
@@ -225,26 +226,15 @@ def _joined(old: RankBlocks | None, new: RankBlocks) -> RankBlocks:
     if old is None or not old.block.size:
         return new
     keep = old.block < new.block[0]  # a block seen again (the rest of a partial one) is replaced
-
-    def joined(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None or b is None else np.concatenate([a[keep], b])
-
-    return RankBlocks(
-        new.rank, new.node, np.concatenate([old.block[keep], new.block]),
-        np.concatenate([old.self_ns[keep], new.self_ns]), np.concatenate([old.cpu_ns[keep], new.cpu_ns]),
-        np.concatenate([old.steps[keep], new.steps]), new.width,
-        vol=joined(old.vol, new.vol), data=joined(old.data, new.data), gap=joined(old.gap, new.gap),
-        sys=joined(old.sys, new.sys), faults=joined(old.faults, new.faults),
-    )  # fmt: skip
+    # a column one of the two lacks is not measured over the joined blocks
+    fields = {name: None if getattr(old, name) is None or getattr(new, name) is None
+              else np.concatenate([getattr(old, name)[keep], getattr(new, name)]) for name in PER_BLOCK}  # fmt: skip
+    return dataclasses.replace(new, block=np.concatenate([old.block[keep], new.block]),
+                               steps=np.concatenate([old.steps[keep], new.steps]), **fields)  # fmt: skip
 
 
 def _since(h: RankBlocks, first_block: int) -> RankBlocks:
     keep = h.block >= first_block
     if keep.all():
         return h
-    def kept(a: np.ndarray | None) -> np.ndarray | None:
-        return None if a is None else a[keep]
-
-    return RankBlocks(h.rank, h.node, h.block[keep], h.self_ns[keep], h.cpu_ns[keep], h.steps[keep], h.width,
-                      vol=kept(h.vol), data=kept(h.data), gap=kept(h.gap), sys=kept(h.sys),
-                      faults=kept(h.faults))  # fmt: skip
+    return h.mapped(lambda a: a[keep], block=h.block[keep], steps=h.steps[keep])

@@ -1,5 +1,5 @@
-"""Cause signals of one rank, as per-step deltas: GC pauses by generation, CPU time, major page faults
-and involuntary context switches of the training thread, CUDA allocator counters, device syncs.
+"""Cause signals of one rank, as per-step deltas: GC pauses by generation, CPU time, page faults,
+context switches and run-queue delay of the training thread, CUDA allocator counters, device syncs.
 
 All counters are cumulative; nothing here allocates arrays or takes a lock on the training path.
 See docs/tracing.md, "Cause signals".
@@ -8,8 +8,10 @@ See docs/tracing.md, "Cause signals".
 from __future__ import annotations
 
 import gc
+import os
 import re
 import resource
+import threading
 import warnings
 from time import perf_counter_ns
 from typing import Any
@@ -97,6 +99,40 @@ _MAJOR_FAULTS, _INVOL_CTX, _CPU_NS = _C["major_faults"], _C["invol_ctx_switches"
 _VOL_CTX, _MINOR_FAULTS, _SYS_CPU_NS = _C["vol_ctx_switches"], _C["minor_faults"], _C["sys_cpu_ns"]
 _ALLOC_COLS = tuple(_C[name] for name, _ in _ALLOC_KEYS)
 _HOST_SYNCS = _C["host_syncs"]
+_RUN_DELAY_NS = _C["run_delay_ns"]
+
+
+class RunDelay:
+    """The kernel's run-queue delay of one thread (``/proc/self/task/TID/schedstat``, second field: the
+    nanoseconds it was ready to run but waited for a CPU), read with one ``pread`` of a file kept open
+    (about 1 us). ``read()`` is -1 where the kernel does not keep it (not Linux, no ``CONFIG_SCHED_INFO``)
+    or from another thread than the one it was opened on."""
+
+    def __init__(self) -> None:
+        self.tid = threading.get_native_id()
+        try:
+            self._fd = os.open(f"/proc/self/task/{self.tid}/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = -1
+        if self.read() < 0:
+            self.close()
+
+    @property
+    def open(self) -> bool:
+        return self._fd >= 0
+
+    def read(self) -> int:
+        if self._fd < 0 or threading.get_native_id() != self.tid:
+            return -1
+        try:
+            return int(os.pread(self._fd, 80, 0).split()[1])
+        except (OSError, ValueError, IndexError):
+            return -1
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class StepSignals:
@@ -118,6 +154,9 @@ class StepSignals:
         self._cpu_us = 0
         self._minflt = 0
         self._sys_us = 0
+        self._delay: RunDelay | None = None
+        self._delay_off = False
+        self._delay_ns = -1
         self._rusage_on = True
         self.alloc_every = alloc_every
         self._alloc_prev = [0, 0, 0]
@@ -161,6 +200,7 @@ class StepSignals:
                 switch_off("getrusage signals", exc)
         if self.syncs is not None:
             self._syncs_prev = self.syncs.count
+        self._delay_ns = self._run_delay()
 
     def end(self, row: list[int]) -> None:
         gcc = self.gc
@@ -187,6 +227,13 @@ class StepSignals:
             except OSError as exc:
                 self._rusage_on = False
                 switch_off("getrusage signals", exc)
+        if self._delay is not None:
+            now = self._delay.read()
+            if now < 0:  # steps moved to another thread: measured again from the next step
+                now = self._run_delay()
+            elif self._delay_ns >= 0:
+                row[_RUN_DELAY_NS] = now - self._delay_ns
+            self._delay_ns = now
         if self._alloc_on:
             self._alloc_steps += 1
             if self._alloc_steps >= self.alloc_every:
@@ -203,8 +250,26 @@ class StepSignals:
             row[_HOST_SYNCS] = count - self._syncs_prev
             self._syncs_prev = count
 
+    def _run_delay(self) -> int:
+        """The run-queue delay of the calling thread, the thread that runs the steps (the file reopened
+        on it where steps moved to another thread); -1 where the kernel does not keep it, and then
+        never tried again."""
+        delay = self._delay
+        if delay is None or delay.tid != threading.get_native_id():
+            if delay is not None:
+                delay.close()
+            elif self._delay_off:
+                return -1
+            self._delay = delay = RunDelay()
+            if not delay.open:
+                self._delay, self._delay_off = None, True
+                return -1
+        return delay.read()
+
     def close(self) -> None:
         self.gc.close()
+        if self._delay is not None:
+            self._delay.close()
         if self.syncs is not None:
             self.syncs.close()
             self.syncs = None
