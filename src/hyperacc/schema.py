@@ -87,9 +87,13 @@ _STEP_FIELDS: tuple[tuple[str, str, bool], ...] = (
     ("sys_cpu_ns", "int64", True),
     # time the training thread was ready to run but waited for a CPU over the step (the kernel's
     # run-queue delay, /proc/self/task/TID/schedstat): what the host's preemption added to the step's
-    # wall time, so that wall = CPU time + this + time blocked (a read, a queue, a sleep). Recorded, not
-    # yet read by a rule: over the whole step it holds the wait in the collective too (docs/detection.md)
+    # wall time, so that wall = CPU time + this + time blocked (a read, a queue, a sleep); over the whole
+    # step, the wait in the collective included
     ("run_delay_ns", "int64", True),
+    # the part of it inside the step's waits in DDP's gradient all-reduce (``DDPWait``: from the graph's
+    # end to the buckets reduced): a thread woken there waits for a CPU before the step's self-time goes
+    # on, so ``run_delay_ns - comm_run_delay_ns`` is the delay within the self-time; null where not timed
+    ("comm_run_delay_ns", "int64", True),
 )
 
 STEP_COLUMNS: tuple[str, ...] = tuple(f[0] for f in _STEP_FIELDS)
@@ -99,7 +103,8 @@ ANALYSIS_COLUMNS: tuple[str, ...] = (
     "data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns", "other_ns",
     "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
     "pace_delay_ns", "cpu_ns", "dev_step_ns", "dev_self_ns", "dev_comm_wait_ns", "dev_forward_ns",
-    "dev_backward_ns", "data_gap", "vol_ctx_switches", "minor_faults", "sys_cpu_ns",
+    "dev_backward_ns", "data_gap", "vol_ctx_switches", "minor_faults", "sys_cpu_ns", "run_delay_ns",
+    "comm_run_delay_ns",
 )  # fmt: skip
 
 # Columns where -1 is a value, not "not measured" (``gc_max_gen``: no collection in the step).

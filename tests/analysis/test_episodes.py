@@ -298,7 +298,7 @@ def test_ranks_moving_together_are_no_episode():
 def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: tuple[int, int, float] | None = None,
                steps: int = 300, n_ranks: int = 4, blocked: tuple[int, int, float] | None = None,
                vol: bool = False, wander: float = 1.2, answer: float = 1.0, in_input: bool = False,
-               wake: float = 0.0) -> list:  # fmt: skip
+               wake: float = 0.0, delay: bool = False) -> list:  # fmt: skip
     """Per-rank columns of a busy 2-core host: every step's wall time is stretched by preemption
     (lognormal, sigma ``wander`` 1.2: 5-step medians wander 0.3-3x as on the real host), the CPU time by that
     stretch to the power 0.1 (caches refilled); ``work`` = (from, until, factor) makes rank 2 compute
@@ -308,7 +308,9 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
     ``vol``: record voluntary context switches, one a step (the wait in the collective), two where rank 3
     sleeps; ``answer``: over those steps the host moves its load, rank 0 that many times faster and rank 2
     that many times slower; ``in_input``: rank 3 waits in its input fetch (``data_ns``); ``wake``: rank 3's
-    CPU time grows by that share of its sleep (waking: caches refilled, as a preempted rank's)."""
+    CPU time grows by that share of its sleep (waking: caches refilled, as a preempted rank's); ``delay``:
+    record the run-queue delay, the wall time preemption added (the step less its unpreempted time), none
+    of it inside a collective wait."""
     rng = np.random.default_rng(seed)
     opts = DetectionOptions()
     step = np.arange(steps, dtype=np.int64)
@@ -316,12 +318,14 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
     for r in range(n_ranks):
         pre = np.exp(rng.normal(0, wander, steps))
         cpu_ns = 6 * MS * pre ** 0.1 * np.exp(rng.normal(0, 0.05, steps))
-        self_ns = 10 * MS * pre * np.exp(rng.normal(0, 0.05, steps))
+        own = 10 * MS * np.exp(rng.normal(0, 0.05, steps))  # the step unpreempted
+        self_ns = own * pre
         if work and r == 2:
             a, b, f = work
             extra = 6 * MS * (f - 1)
             cpu_ns[a:b] += extra
             self_ns[a:b] += extra / 0.2
+            own[a:b] += extra
         if starved and r == 1:
             a, b, f = starved
             self_ns[a:b] *= f
@@ -331,6 +335,7 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
         if blocked and r == 3:
             a, b, f = blocked
             self_ns[a:b] += 10 * MS * (f - 1)
+            own[a:b] += 10 * MS * (f - 1)
             switches[a:b] += 1
             cpu_ns[a:b] += wake * 10 * MS * (f - 1)
             if in_input:
@@ -342,6 +347,8 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
         cols = {"step": step[keep], "self_ns": self_ns[keep], "cpu_ns": cpu_ns[keep]}
         if vol:
             cols["vol_ctx_switches"], cols["data_ns"] = switches[keep], data_ns[keep]
+        if delay:
+            cols["run_delay_ns"], cols["comm_run_delay_ns"] = np.maximum(self_ns - own, 0)[keep], np.zeros(keep.sum())
         out.append(rank_blocks(r, 0, cols, opts))
     return out
 
@@ -372,6 +379,24 @@ def test_a_rank_blocked_off_its_cpu_is_an_episode_however_the_host_wanders():
         assert detect_episodes(_busy_host(seed, vol=True, wander=0.25), opts) == [], seed
         assert detect_episodes(_busy_host(seed, wander=0.25), opts) == [], seed
     assert with_vol >= 7 and without >= 1, (with_vol, without)
+
+
+def test_with_the_run_queue_delay_a_wait_stands_out_of_the_wander_preemption_gives_the_wall_time():
+    """On a host busier than the one above (5-step medians wandering 2x), a 1.5x wait mostly stays under
+    the floor the other ranks' preempted stretches set, switch counts or not. The run-queue delay says
+    how much of each rank's wall time the host's preemption added; taken out, that wander goes and the
+    wait stands out, with exactly the steps it blocked. Being starved as much, a clean busy host, and
+    a rank blocking as often without a longer step stay no episode."""
+    opts = DetectionOptions()
+    found_without = 0
+    for seed in range(8):
+        host = dict(blocked=(120, 180, 1.5), vol=True, wander=0.6)
+        found_without += bool(detect_episodes(_busy_host(seed, **host), opts))
+        found = detect_episodes(_busy_host(seed, delay=True, **host), opts)
+        assert [(e.rank, e.kind, e.since_step, e.until_step) for e in found] == [(3, "host", 120, 179)], (seed, found)
+        for quiet in (dict(vol=True), dict(blocked=(120, 180, 1.0), vol=True), dict(starved=(120, 180, 2.0), vol=True)):
+            assert detect_episodes(_busy_host(seed, wander=0.6, delay=True, **quiet), opts) == [], (seed, quiet)
+    assert found_without <= 4, found_without
 
 
 def test_a_blocked_rank_whose_waking_costs_cpu_time_is_host_not_compute():

@@ -83,6 +83,8 @@ def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Pat
     # is left on the model (any hook sends every call down torch's slower path)
     assert [r["forward_pre_hooks"] for r in job.results()] == [0, 0]
     assert all(row["comm_wait_ns"] is not None for r in range(2) for row in rows[r])
+    # the run-queue delay inside that wait is told apart from the step's (on the training thread)
+    assert all(0 <= row["comm_run_delay_ns"] <= row["run_delay_ns"] for r in range(2) for row in rows[r][1:])
     # (rank 0's own 3x backward, slower still on a loaded host, eats into its wait: a CI run saw 130 ms
     # once, so each late step is judged against the other rank, and the 300 ms only over them all)
     late = [s for s in range(steps) if s % 3 == 1]

@@ -165,7 +165,8 @@ def test_a_step_with_more_phase_changes_than_the_stamp_list_holds_is_accounted_w
 
 def test_run_queue_delay_is_what_a_competitor_on_the_same_cpu_took_from_the_step() -> None:
     """Pinned to one CPU beside a busy process, a spinning step waits for that CPU about half its wall
-    time; a sleeping step waits for none of it (blocked, not ready to run)."""
+    time, the part of it inside a collective wait counted apart; a sleeping step waits for none of it
+    (blocked, not ready to run), and with no wait timed its wait part is not measured."""
     import os
     import subprocess
     import sys
@@ -191,13 +192,19 @@ def test_run_queue_delay_is_what_a_competitor_on_the_same_cpu_took_from_the_step
             while time.perf_counter_ns() - t0 < 200 * MS:
                 if work == "sleep":
                     time.sleep(0.2)
+            if work == "spin":  # a second half inside a (spinning) collective wait
+                signals.wait_begins()
+                while time.perf_counter_ns() - t0 < 400 * MS:
+                    pass
+                signals.wait_ends()
             signals.end(row)
-            rows.append((row[COL["run_delay_ns"]], time.perf_counter_ns() - t0))
+            rows.append((row[COL["run_delay_ns"]], row[COL["comm_run_delay_ns"]], time.perf_counter_ns() - t0))
         signals.close()
     finally:
         os.sched_setaffinity(0, before)
         busy.kill()
         busy.wait()
-    (spin_delay, spin_wall), (sleep_delay, sleep_wall) = rows
+    (spin_delay, in_wait, spin_wall), (sleep_delay, no_wait, sleep_wall) = rows
     assert 0.2 * spin_wall < spin_delay < spin_wall, rows
-    assert 0 <= sleep_delay < 0.1 * sleep_wall, rows
+    assert 0.1 * spin_delay < in_wait < 0.9 * spin_delay, rows  # about half of it in the wait's half
+    assert 0 <= sleep_delay < 0.1 * sleep_wall and no_wait == -1, rows

@@ -72,6 +72,10 @@ class RankBlocks:
     # ``page_faults`` kind, ``stragglers.kernel_paging``); None: not recorded
     sys: np.ndarray | None = None
     faults: np.ndarray | None = None
+    # (n,) float32 median run-queue delay per step within the self-time (``run_delay_ns`` less
+    # ``comm_run_delay_ns``: the training thread was ready to run and waited for a CPU); None or NaN: not
+    # measured
+    delay: np.ndarray | None = None
 
     def mapped(self, fn: Callable[[np.ndarray], np.ndarray], **fields: Any) -> RankBlocks:
         """These blocks with ``fn`` applied to every per-block column (``fields`` set as given)."""
@@ -81,7 +85,7 @@ class RankBlocks:
 
 # RankBlocks' per-block columns (besides ``block`` and ``steps``); the optional ones are None where the
 # records did not measure them
-PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults")
+PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay")
 
 
 class BlockBudget:
@@ -173,8 +177,8 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
     run = run_slice(row * width + offset)
 
-    def medians(name: str) -> np.ndarray:
-        v = cols.get(name)
+    def medians(name: str, values: np.ndarray | None = None) -> np.ndarray:
+        v = cols.get(name) if values is None else values
         grid = np.full((uniq.size, width), np.nan)
         if v is not None:
             if run is not None:
@@ -193,8 +197,13 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     paging = "minor_faults" in cols and "sys_cpu_ns" in cols and bool(np.isfinite(cols["minor_faults"]).any())
     sys_time = _block_means(cols["sys_cpu_ns"], row, uniq.size) if paging else None
     faults = medians("minor_faults") if paging else None
+    delay = None
+    if "run_delay_ns" in cols and "comm_run_delay_ns" in cols:
+        # the delay within the self-time: the step's, less the part inside its collective waits
+        within = np.asarray(cols["run_delay_ns"], dtype=np.float64) - np.asarray(cols["comm_run_delay_ns"], dtype=np.float64)
+        delay = medians("", within) if np.isfinite(within).any() else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
-                      sys_time, faults)  # fmt: skip
+                      sys_time, faults, delay)  # fmt: skip
 
 
 def _block_means(values: np.ndarray, row: np.ndarray, blocks: int) -> np.ndarray:
@@ -219,7 +228,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     cols = np.unique(np.concatenate([b.block for b in ranks]))
     shape = (len(ranks), cols.size)
     # float32 (rank x block) matrices: about 35 bytes per cell in all while judging (8 more where the page
-    # faults and system time were recorded)
+    # faults and system time were recorded, 12 more where the run-queue delay was)
     wall, cpu = np.full(shape, np.nan, dtype=np.float32), np.full(shape, np.nan, dtype=np.float32)
     count = np.zeros(shape, dtype=np.float32)
     vol = np.full(shape, np.nan, dtype=np.float32) if any(b.vol is not None for b in ranks) else None
@@ -228,6 +237,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     paging = all(b.sys is not None and b.faults is not None for b in ranks)
     sys_time = np.full(shape, np.nan, dtype=np.float32) if paging else None
     faults = np.full(shape, np.nan, dtype=np.float32) if paging else None
+    delay = np.full(shape, np.nan, dtype=np.float32) if any(b.delay is not None for b in ranks) else None
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
@@ -239,10 +249,15 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             gap[i, pos] = b.gap
         if sys_time is not None and faults is not None:
             sys_time[i, pos], faults[i, pos] = b.sys, b.faults
+        if delay is not None and b.delay is not None:
+            delay[i, pos] = b.delay
     wall[:, np.count_nonzero(np.isfinite(wall) & (wall > 0), axis=0) < opts.min_ranks] = np.nan
     cpu[:, np.count_nonzero(np.isfinite(cpu) & (cpu > 0), axis=0) < opts.min_ranks] = np.nan
     wall_ref = loo_median(wall)  # each rank's reference: the median of the other ranks
     cpu_ref = loo_median(cpu)
+    # The wall self-time the change points judge: less what the host's preemption added, where measured
+    judged = unpreempted(wall, cpu, delay)
+    judged_ref = wall_ref if judged is wall else loo_median(judged)
     span = max(1, math.ceil(opts.episode_min_steps / width))  # the shortest episode, in blocks
     cpu_x = log_ratio(cpu, cpu_ref)
     cpu_sigma = noise_floor(cpu_x, opts) if np.isfinite(cpu_x).any() else None
@@ -265,7 +280,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     found: list[Episode] = []
     # Wall self-time is what the job waits for; CPU time is immune to preemption, so on a busy host,
     # whose preemption makes every rank's wall time wander, a rank that computes more still shows.
-    for channel, values, ref in (("self_ns", wall, wall_ref), ("cpu_ns", cpu, cpu_ref)):
+    for channel, values, ref in (("self_ns", judged, judged_ref), ("cpu_ns", cpu, cpu_ref)):
         x = cpu_x if channel == "cpu_ns" else log_ratio(values, ref)
         if not np.isfinite(x).any():
             continue
@@ -586,6 +601,19 @@ def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, span_blocks: int,
     if not (rise[r] >= 1.0 and own >= 1.0):
         return None
     return span, own, stretch_levels(vol[r : r + 1, span] - level, span_blocks, level=False)
+
+
+def unpreempted(wall: np.ndarray, cpu: np.ndarray, delay: np.ndarray | None) -> np.ndarray:
+    """Each (rank, block)'s self-time less the rise of its run-queue delay over the rank's own typical
+    delay (what the host's preemption added), never below its CPU time; ``wall`` itself where the delay
+    was not measured (docs/detection.md, "Episodes", "The run-queue delay")."""
+    if delay is None or not np.isfinite(delay).any():
+        return wall
+    with np.errstate(all="ignore"):
+        typical = last_axis_nan_median(delay)[0][:, None]
+        rise = np.nan_to_num(np.maximum(delay - typical, 0), nan=0.0)
+        least = np.where(np.isfinite(cpu), np.minimum(cpu, wall), wall)
+        return np.where(np.isfinite(wall), np.maximum(wall - rise, least), wall).astype(np.float32)
 
 
 def waited_for_input(wall: np.ndarray, data: np.ndarray, seg: np.ndarray) -> bool:

@@ -51,9 +51,11 @@ class DDPWait:
 
     inband = None  # never exchanges (``Exchange.exchanging``)
 
-    def __init__(self, model: Any, *, device: Any = None) -> None:
+    def __init__(self, model: Any, *, device: Any = None, waits: Any = None) -> None:
         self.model = model
         self.device = device  # DeviceTimer (CUDA) or None
+        # StepSignals: told where each wait begins and ends (its run-queue delay), or None
+        self.waits = waits
         self.on = True
         self.armed = False  # the last forward with grad prepared a synchronised backward
         self.queued = False
@@ -106,6 +108,8 @@ class DDPWait:
                 return
             self._graph_done = perf_counter_ns()
             self._ev_graph = self.device.mark() if self.device is not None else -1
+            if self.waits is not None:
+                self.waits.wait_begins()
             Variable._execution_engine.queue_callback(self._after_reduce_cb)
         except Exception as exc:  # noqa: BLE001
             self._fail(exc)
@@ -116,6 +120,8 @@ class DDPWait:
             start, self._graph_done = self._graph_done, -1
             if not self.on or start < 0:
                 return
+            if self.waits is not None:
+                self.waits.wait_ends()
             if start > self._launch_acc:
                 self._launch_acc = start
             if t > self._done_acc:

@@ -350,6 +350,7 @@ class Exchange:
         self.listeners: list[Listener] = []
         self.pacer: Any = None
         self.device: Any = None
+        self.waits: Any = None  # StepSignals (the run-queue delay inside the waits), or None
         self.device_values: Callable[[int], tuple[int, int]] | None = None
         self.next_row: Callable[[], int] = lambda: -1
         self._warned = False
@@ -395,7 +396,7 @@ class Exchange:
                 switch_off("in-band exchange", RuntimeError("not every rank of the group agreed in time"))
         timer: GradientRounds | DDPWait
         if inband is None and not (hooked and self.pacer is not None):
-            timer = DDPWait(model, device=self.device)
+            timer = DDPWait(model, device=self.device, waits=self.waits)
         else:
             _patch_ddp_registration()
             timer = GradientRounds(model, device=self.device)

@@ -99,7 +99,7 @@ _MAJOR_FAULTS, _INVOL_CTX, _CPU_NS = _C["major_faults"], _C["invol_ctx_switches"
 _VOL_CTX, _MINOR_FAULTS, _SYS_CPU_NS = _C["vol_ctx_switches"], _C["minor_faults"], _C["sys_cpu_ns"]
 _ALLOC_COLS = tuple(_C[name] for name, _ in _ALLOC_KEYS)
 _HOST_SYNCS = _C["host_syncs"]
-_RUN_DELAY_NS = _C["run_delay_ns"]
+_RUN_DELAY_NS, _COMM_RUN_DELAY_NS = _C["run_delay_ns"], _C["comm_run_delay_ns"]
 
 
 class RunDelay:
@@ -157,6 +157,8 @@ class StepSignals:
         self._delay: RunDelay | None = None
         self._delay_off = False
         self._delay_ns = -1
+        self._wait_from = -1  # the delay when the current collective wait began (-1: none open)
+        self._in_waits = -1  # the delay inside this step's collective waits (-1: none timed)
         self._rusage_on = True
         self.alloc_every = alloc_every
         self._alloc_prev = [0, 0, 0]
@@ -201,6 +203,7 @@ class StepSignals:
         if self.syncs is not None:
             self._syncs_prev = self.syncs.count
         self._delay_ns = self._run_delay()
+        self._in_waits = self._wait_from = -1
 
     def end(self, row: list[int]) -> None:
         gcc = self.gc
@@ -233,7 +236,9 @@ class StepSignals:
                 now = self._run_delay()
             elif self._delay_ns >= 0:
                 row[_RUN_DELAY_NS] = now - self._delay_ns
+                row[_COMM_RUN_DELAY_NS] = self._in_waits
             self._delay_ns = now
+            self._in_waits = self._wait_from = -1
         if self._alloc_on:
             self._alloc_steps += 1
             if self._alloc_steps >= self.alloc_every:
@@ -249,6 +254,20 @@ class StepSignals:
             count = self.syncs.count
             row[_HOST_SYNCS] = count - self._syncs_prev
             self._syncs_prev = count
+
+    def wait_begins(self) -> None:
+        """A wait in a gradient collective begins on this thread (``DDPWait``: the graph is done)."""
+        if self._delay is not None:
+            self._wait_from = self._delay.read()
+
+    def wait_ends(self) -> None:
+        """That wait ended: its run-queue delay joins the step's ``comm_run_delay_ns``. Read only on the
+        thread the delay is kept for (a backward's callbacks on a device thread are not measured)."""
+        if self._delay is not None and self._wait_from >= 0:
+            now = self._delay.read()
+            if now >= 0:
+                self._in_waits = max(self._in_waits, 0) + now - self._wait_from
+            self._wait_from = -1
 
     def _run_delay(self) -> int:
         """The run-queue delay of the calling thread, the thread that runs the steps (the file reopened

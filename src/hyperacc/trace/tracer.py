@@ -264,6 +264,7 @@ class Tracer:
         self.inband = Exchange(want=options.inband, agree_timeout_s=options.agree_timeout_s)
         self.inband.next_row = self._next_row
         self.inband.device_values = self._device_values
+        self.inband.waits = self.signals
         self.collectives = CollectiveClock(self.clock, self.thread_id)
         self.aggregator: Any = None
 
