@@ -28,8 +28,10 @@ def make_doc(
     slow: Callable[[int, int, str, int], float] | None = None,
     link: Callable[[int, int, int], float] | None = None,
     options: dict[str, Any] | None = None,
+    cpu_share: float = 1.0,
 ) -> dict[str, Any]:
-    """``slow(rank, node, figure, round)`` and ``link(node_a, node_b, round)`` return cost factors."""
+    """``slow(rank, node, figure, round)`` and ``link(node_a, node_b, round)`` return cost factors;
+    ``cpu_share``: the share of wall time every rank ran on a core."""
     rng = np.random.default_rng(seed)
     ranks = []
     for node in range(nodes):
@@ -53,7 +55,7 @@ def make_doc(
                 exchanges[str(other)] = {"small_ns": [200_000.0] * rounds, "large_ns": large}
             ranks.append({
                 "rank": rank, "local_rank": local, "node": node, "host": f"host{node}", "device": "cpu",
-                "figures": figures, "extra": {"cpu_share": [0.45] * rounds}, "skipped": {}, "errors": {},
+                "figures": figures, "extra": {"cpu_share": [cpu_share] * rounds}, "skipped": {}, "errors": {},
                 "allreduce": {"small_ns": [1e6] * rounds, "large_ns": [1.5e7] * rounds,
                               "large_bytes": EXCHANGE_BYTES, "world_size": nodes * per_node},
                 "exchanges": exchanges, "exchange_bytes": EXCHANGE_BYTES if nodes > 1 else None,

@@ -167,3 +167,17 @@ def test_saved_measurements_are_judged_again_by_the_command(tmp_path):
     bad.write_text("{}")
     result = CliRunner().invoke(cli, ["doctor", "--load", str(bad)])
     assert result.exit_code == 2 and "not a file written by --save" in result.output
+
+
+def test_memory_is_not_judged_in_rounds_a_rank_shared_its_core():
+    """Ranks taking turns on shared cores (a 2-core host, 4 ranks and a busy process: 41 % of the wall
+    time on a core) get the memory bandwidth of whoever ran beside them: a clean 2-node job named one
+    rank 1.27x slow on memory in 3 of 5 rounds. Those rounds are not judged; a rank with its core to
+    itself is, and its other figures are judged whatever the share."""
+    def slow(rank, node, fig, r):
+        return 1.6 if (rank, fig) == (1, "memory") else 1.0
+
+    assert findings(judge(make_doc(slow=slow, cpu_share=0.41))) == []
+    assert findings(judge(make_doc(slow=slow, cpu_share=0.9))) == [("rank", 1, 0, "memory")]
+    matmul = judge(make_doc(slow=lambda rank, node, fig, r: 1.6 if (rank, fig) == (1, "matmul") else 1.0, cpu_share=0.41))
+    assert findings(matmul) == [("rank", 1, 0, "compute")]

@@ -146,6 +146,8 @@ def judge(doc: Mapping[str, Any], opts: DoctorOptions | None = None) -> dict[str
     matrices: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for name in RANK_FIGURES:
         cost, work = _p2p_matrix(ranks, rounds) if name == "p2p" else _figure_matrix(ranks, name, rounds)
+        if name == "memory":
+            cost = _unshared(cost, ranks, rounds, det)
         if not np.isnan(cost).all():
             matrices[name] = (cost, work)
 
@@ -306,6 +308,21 @@ def _merge(node_findings: dict[int, Finding], new: Finding, cuda: bool) -> None:
     found.resources = resources_of([n for n in names if n in RANK_FIGURES], cuda)
     if "contention" in names:
         found.resources.append("contention")
+
+
+def _unshared(cost: np.ndarray, ranks: Sequence[Mapping[str, Any]], rounds: int, det: DetectionOptions) -> np.ndarray:
+    """The memory figure of the rounds in which the rank had a core to itself: not more than the
+    materiality bar (``min_slowdown``) of its wall time spent waiting for one (CPU share at least
+    ``1 / (1 + min_slowdown)``). Where ranks take turns on shared cores, the bandwidth a rank gets in
+    CPU time depends on whether the rank beside it copied too or ran something else (a clean 2-node job
+    beside a busy process: one rank 1.27x slower in 3 of 5 rounds, 41 % CPU share): those rounds are
+    not judged (docs/doctor.md, "Why CPU time")."""
+    share = np.full(cost.shape, np.nan)
+    for i, r in enumerate(ranks):
+        got = np.asarray((r.get("extra") or {}).get("cpu_share", []), dtype=np.float64)[:rounds]
+        share[i, : got.size] = got
+    shared = share < 1.0 / (1.0 + det.min_slowdown)  # NaN (not measured) is not shared
+    return np.where(shared, np.nan, cost)
 
 
 def _contention_matrix(ranks: Sequence[Mapping[str, Any]], rounds: int) -> tuple[np.ndarray, np.ndarray] | None:
