@@ -10,7 +10,8 @@ Two halves, so that the analysis can stream ranks:
 * ``detect_episodes(blocks, opts)`` takes every rank's blocks, divides each block by the cluster median
   of the same block, and runs a two-sided CUSUM per rank on the log ratio against the rank's own typical
   ratio, with a noise floor from the robust spread of the ratios (the rank's own, or the ranks' median
-  where that is larger: the host-wide floor). A segment is an episode when its shift is at least
+  where that is larger: the host-wide floor). Where the tracer recorded the run-queue delay within the
+  self-time, the wall-time channel judges the self-time less that delay's rise (``unpreempted``). A segment is an episode when its shift is at least
   ``episode_min_effect`` and it lasts at least ``episode_min_steps``.
 
 The sequential part runs over blocks, vectorised over ranks. The statistics the rules are written in
