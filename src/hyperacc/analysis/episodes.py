@@ -11,8 +11,9 @@ Two halves, so that the analysis can stream ranks:
   of the same block, and runs a two-sided CUSUM per rank on the log ratio against the rank's own typical
   ratio, with a noise floor from the robust spread of the ratios (the rank's own, or the ranks' median
   where that is larger: the host-wide floor). Where the tracer recorded the run-queue delay within the
-  self-time, the wall-time channel judges the self-time less that delay's rise (``unpreempted``). A segment is an episode when its shift is at least
-  ``episode_min_effect`` and it lasts at least ``episode_min_steps``.
+  self-time, the wall-time channel judges the self-time less that delay's rise (``unpreempted``). A
+  segment is an episode when its shift is at least ``episode_min_effect`` and it lasts at least
+  ``episode_min_steps``.
 
 The sequential part runs over blocks, vectorised over ranks. The statistics the rules are written in
 (ratios, noise floors, levels, the CUSUM) are in ``change_points.py``.
@@ -178,8 +179,10 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
     run = run_slice(row * width + offset)
 
-    def medians(name: str, values: np.ndarray | None = None) -> np.ndarray:
-        v = cols.get(name) if values is None else values
+    def medians(name: str) -> np.ndarray:
+        return medians_of(cols.get(name))
+
+    def medians_of(v: np.ndarray | None) -> np.ndarray:
         grid = np.full((uniq.size, width), np.nan)
         if v is not None:
             if run is not None:
@@ -202,7 +205,7 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     if "run_delay_ns" in cols and "comm_run_delay_ns" in cols:
         # the delay within the self-time: the step's, less the part inside its collective waits
         within = np.asarray(cols["run_delay_ns"], dtype=np.float64) - np.asarray(cols["comm_run_delay_ns"], dtype=np.float64)
-        delay = medians("", within) if np.isfinite(within).any() else None
+        delay = medians_of(within) if np.isfinite(within).any() else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
                       sys_time, faults, delay)  # fmt: skip
 

@@ -317,21 +317,23 @@ def _unshared(cost: np.ndarray, ranks: Sequence[Mapping[str, Any]], rounds: int,
     CPU time depends on whether the rank beside it copied too or ran something else (a clean 2-node job
     beside a busy process: one rank 1.27x slower in 3 of 5 rounds, 41 % CPU share): those rounds are
     not judged (docs/doctor.md, "Why CPU time")."""
-    share = np.full(cost.shape, np.nan)
-    for i, r in enumerate(ranks):
-        got = np.asarray((r.get("extra") or {}).get("cpu_share", []), dtype=np.float64)[:rounds]
-        share[i, : got.size] = got
-    shared = share < 1.0 / (1.0 + det.min_slowdown)  # NaN (not measured) is not shared
+    shared = _cpu_shares(ranks, rounds) < 1.0 / (1.0 + det.min_slowdown)  # NaN (not measured) is not shared
     return np.where(shared, np.nan, cost)
+
+
+def _cpu_shares(ranks: Sequence[Mapping[str, Any]], rounds: int) -> np.ndarray:
+    """(rank x round) share of wall time each rank's host benchmarks ran on a core; NaN: not measured."""
+    m = np.full((len(ranks), rounds), np.nan)
+    for i, r in enumerate(ranks):
+        share = np.asarray((r.get("extra") or {}).get("cpu_share", []), dtype=np.float64)[:rounds]
+        m[i, : share.size] = share
+    return m
 
 
 def _contention_matrix(ranks: Sequence[Mapping[str, Any]], rounds: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Wall time per CPU second of the host benchmarks (1 / CPU share): > 1 where the rank waited for a core."""
-    m = np.full((len(ranks), rounds), np.nan)
-    for i, r in enumerate(ranks):
-        share = np.asarray((r.get("extra") or {}).get("cpu_share", []), dtype=np.float64)[:rounds]
-        with np.errstate(all="ignore"):
-            m[i, : share.size] = 1.0 / share
+    with np.errstate(all="ignore"):
+        m = 1.0 / _cpu_shares(ranks, rounds)
     m[~np.isfinite(m)] = np.nan
     return None if np.isnan(m).all() else (m, np.ones_like(m))
 
