@@ -40,6 +40,7 @@ from typing import Any
 from hyperacc import records
 from hyperacc.analysis.window_store import STORE_ERRORS, connect_store
 from hyperacc.schema import live_events_dir, live_windows_dir, rank_name
+from hyperacc.trace.failsafe import one_line
 
 log = logging.getLogger("hyperacc.agent")
 
@@ -235,7 +236,7 @@ class LiveNode(_Periodic):
             fn()
         except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
             self.on = False
-            log.warning("hyperacc run: live window aggregation switched off (%s: %s)", type(exc).__name__, exc)
+            log.warning("hyperacc run: live window aggregation switched off (%s)", one_line(exc))
 
     # ------------------------------------------------------------------ one pass
 
@@ -251,7 +252,9 @@ class LiveNode(_Periodic):
         if not mine:
             return
         ref = mine.get(0) or mine[min(mine)]  # every rank of a job names the same world and store
-        if len(mine) >= ref.world_size:  # every rank of the job is here: no store in between
+        # every rank of the job is here, or will be (a one-node job: a rank that has not written its
+        # metadata yet, or never will, is missing in its windows): no store in between
+        if len(mine) >= ref.world_size or ref.nodes == 1:
             gatherer = self._leader(ref)
             gatherer.offer(rows)
             gatherer.gather(None, final=final, final_grace_s=0.0)
@@ -299,7 +302,7 @@ class LiveNode(_Periodic):
             said = self._episodes.update(blocks) + (self._episodes.close() if final else [])
         except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
             self._episodes = False
-            log.warning("hyperacc run: live episodes switched off (%s: %s)", type(exc).__name__, exc)
+            log.warning("hyperacc run: live episodes switched off (%s)", one_line(exc))
             return
         for step, line in said:
             self._event("live_finding", step, None, line)

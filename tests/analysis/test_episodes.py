@@ -756,6 +756,22 @@ def test_live_a_fail_slow_that_begins_as_another_ends_does_not_cut_the_first_sho
         assert len(ends) == 2 and all("then recovered" in text for text in ends), (seed, said)
 
 
+def test_a_one_node_job_missing_a_ranks_metadata_is_gathered_without_a_store(tmp_path: Path) -> None:
+    """A rank of a one-node job that failed before it wrote its metadata leaves the agent 3 of 4 ranks:
+    the agent still gathers them itself (the missing rank is missing in its windows) and never
+    connects to the job's store, which is gone with the job."""
+    from hyperacc.agent import LiveNode
+    from hyperacc.schema import RankMeta
+
+    node = LiveNode(tmp_path, agent="host:1", window=10, grace_s=1.0)
+    node._metas = {r: RankMeta(r, r, 0, 4, 4, "host", 100 + r, agent="host:1", store="127.0.0.1:9", nodes=1)
+                   for r in range(3)}  # fmt: skip
+    node._read_new = lambda final: []
+    node.pass_once(final=True)
+    assert node.on and node._gatherer is not None and node._gatherer.world_size == 4
+    assert node._job is None and node._served is None and not node._backoff.down
+
+
 def test_an_error_in_the_live_episodes_switches_them_off_alone(tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """The node agent's live episodes fail with one log line and stay off; its window verdicts go on."""
     from hyperacc.agent import LiveNode

@@ -211,6 +211,35 @@ def test_a_store_that_dies_is_retried_with_backoff_and_rejoined(
             p.wait()
 
 
+def test_a_store_that_is_gone_is_said_in_one_line_at_once(
+    caplog: pytest.LogCaptureFixture, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A job's store whose port is closed (the job ended) is refused at once, not after torch's client
+    retried it for its whole timeout, and nothing but hyperacc's one line reaches stderr: torch's client
+    prints a C++ backtrace for every failed try."""
+    import socket
+
+    from hyperacc.analysis.window_store import Backoff, connect_store
+    from hyperacc.trace.failsafe import one_line
+
+    with socket.socket() as s:  # a port that was just free and that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(OSError) as caught:
+        connect_store(f"127.0.0.1:{port}", timeout_s=30)
+    assert time.monotonic() - t0 < 10  # torch's client alone took the whole 30 s
+    with caplog.at_level(logging.WARNING, logger="hyperacc.live"):
+        Backoff("the node agent's window summaries").failed(caught.value)
+    assert "frame #" not in capfd.readouterr().err
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "unreachable" in line, line
+    # torch's C++ errors carry their backtrace in the message: a log line keeps the first line
+    text = one_line(RuntimeError("connect failed\nException raised from x at y.cpp:1\nframe #0: c10::Error"))
+    assert text == "RuntimeError: connect failed"
+    assert len(one_line(ValueError("x" * 1000))) == 300
+
+
 def _window_row(w: int, rank: int) -> dict[str, Any]:
     return {"window": w, "rank": rank, "node": rank // 2, "first_step": 10 * w, "last_step": 10 * w + 9, "steps": 10,
             "self_ns_median": 1e7}  # fmt: skip

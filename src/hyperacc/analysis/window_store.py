@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import struct
 import time
 from typing import Any
@@ -18,6 +19,7 @@ import numpy as np
 
 from hyperacc import process
 from hyperacc.analysis.windows import float_columns
+from hyperacc.trace.failsafe import one_line
 
 log = logging.getLogger("hyperacc.live")
 
@@ -27,7 +29,9 @@ def connect_store(address: str | None = None, timeout_s: float = 10.0) -> Any:
 
     A fresh client of the TCPStore at ``address`` ("host:port"), by default the launcher's
     (MASTER_ADDR:MASTER_PORT, the one torchrun's rendezvous already uses); without those, the default
-    process group's store.
+    process group's store. A store that is gone (the job ended, its port closed) raises OSError at once:
+    a plain TCP connection is tried first, since torch's client retries a refused port until its timeout
+    and prints a C++ backtrace to stderr each time.
     """
     import torch.distributed as dist
 
@@ -39,6 +43,7 @@ def connect_store(address: str | None = None, timeout_s: float = 10.0) -> Any:
         addr, port = here.master_addr, here.master_port
     timeout = datetime.timedelta(seconds=timeout_s)
     if addr and port:
+        socket.create_connection((addr, port), timeout=min(timeout_s, 5.0)).close()
         return dist.TCPStore(addr, port, None, False, timeout=timeout, wait_for_workers=False)
     if dist.is_available() and dist.is_initialized():
         return dist.distributed_c10d._get_default_store()
@@ -68,8 +73,8 @@ class Backoff:
 
     def failed(self, exc: BaseException) -> None:
         if self.failures == 0:
-            log.warning("hyperacc live: %s: the c10d store is unreachable (%s: %s); retrying with backoff",
-                        self.what, type(exc).__name__, exc)  # fmt: skip
+            log.warning("hyperacc live: %s: the c10d store is unreachable (%s); retrying with backoff",
+                        self.what, one_line(exc))  # fmt: skip
         self.failures += 1
         self._until = time.monotonic() + min(self.cap_s, 2.0 ** (self.failures - 1))
 

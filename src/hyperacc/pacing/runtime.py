@@ -41,7 +41,7 @@ import numpy as np
 from hyperacc.options import load, parse_json
 from hyperacc.pacing.controller import PacingConfig, PacingController
 from hyperacc.process import place
-from hyperacc.trace.failsafe import OffOnEveryRank
+from hyperacc.trace.failsafe import OffOnEveryRank, one_line
 
 log = logging.getLogger("hyperacc.pacing")
 
@@ -208,9 +208,7 @@ class PacingHook:
     def _switch_off(self, exc: BaseException) -> None:
         if self.enabled:
             self.enabled = False
-            log.warning(
-                "hyperacc pacing failed (%s: %s); pacing is off, training continues", type(exc).__name__, exc
-            )
+            log.warning("hyperacc pacing failed (%s); pacing is off, training continues", one_line(exc))
             self._everywhere.publish("pacing", exc)
 
 

@@ -34,6 +34,7 @@ from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.spikes import detect_spikes, spike_metric, spike_parts
 from hyperacc.analysis.windows import concat_windows, summarize_windows, window_table
 from hyperacc.schema import EVENT_SCHEMA, STEP_SCHEMA
+from hyperacc.trace.failsafe import one_line
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +152,7 @@ class MetricsSink:
                 fn(table)
         except Exception as exc:  # never let metrics break the tracer's flusher
             self.enabled = False
-            log.warning("hyperacc metrics switched off after an internal error: %r", exc)
+            log.warning("hyperacc metrics switched off after an internal error: %s", one_line(exc))
 
     # ------------------------------------------------------------------ updates
 
@@ -348,7 +349,7 @@ class RunDirFollower:
             try:
                 self.poll()
             except Exception as exc:  # a follower error must not end rank 0
-                log.warning("hyperacc metrics follower stopped after an internal error: %r", exc)
+                log.warning("hyperacc metrics follower stopped after an internal error: %s", one_line(exc))
                 return
 
     def poll(self) -> int:

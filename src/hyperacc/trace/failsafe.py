@@ -18,18 +18,22 @@ _reported: set[str] = set()
 _lock = threading.Lock()  # taken only when something has already failed
 
 
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` as one line of a log: its type and the first line of its message, at most ``limit``
+    characters. torch's C++ errors (``DistNetworkError``, ``DistStoreError``) carry their C++ backtrace
+    in the message, tens of lines of ``frame #N``, which a log line must not."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def switch_off(part: str, exc: BaseException) -> None:
     """Log once that ``part`` failed with ``exc`` and is now off; training continues."""
     with _lock:
         if part in _reported:
             return
         _reported.add(part)
-    log.warning(
-        "hyperacc trace: %s failed (%s: %s); it is switched off, training continues",
-        part,
-        type(exc).__name__,
-        exc,
-    )
+    log.warning("hyperacc trace: %s failed (%s); it is switched off, training continues", part, one_line(exc))
 
 
 def reported() -> frozenset[str]:
@@ -70,7 +74,7 @@ class OffOnEveryRank:
         self._stop = threading.Event()
 
     def publish(self, part: str, exc: BaseException) -> None:
-        text = f"rank {self.rank}: {exc!r}"
+        text = f"rank {self.rank}: {one_line(exc)}"
         threading.Thread(target=self._publish, args=(part, text), daemon=True).start()
 
     def _publish(self, part: str, text: str) -> None:
@@ -80,7 +84,7 @@ class OffOnEveryRank:
                 store.set(self.prefix + part, text)
                 store.set(self.prefix + "any", part)
         except Exception as exc:  # noqa: BLE001 - the other ranks keep the part; this one said why
-            log.warning("hyperacc: could not tell the other ranks that %s is off: %r", part, exc)
+            log.warning("hyperacc: could not tell the other ranks that %s is off: %s", part, one_line(exc))
 
     def watch(self, parts: tuple[str, ...]) -> None:
         threading.Thread(target=self._watch, args=(parts,), name="hyperacc-off-watch", daemon=True).start()
@@ -99,7 +103,7 @@ class OffOnEveryRank:
                     return
         except Exception as exc:  # noqa: BLE001 - without the watcher each rank keeps its own parts
             # (quietly: the store goes away as a job ends, when rank 0, which holds it, exits first)
-            log.debug("hyperacc: watching the other ranks' parts stopped: %r", exc)
+            log.debug("hyperacc: watching the other ranks' parts stopped: %s", one_line(exc))
 
     def take(self) -> list[tuple[str, str]]:
         """The parts found switched off on some rank since the last call (training thread)."""
