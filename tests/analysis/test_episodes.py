@@ -228,6 +228,61 @@ def test_a_dataloader_fetch_that_grew_for_60_steps_is_a_data_episode():
         assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
 
 
+def _loader_ranks(seed: int, where: str, n_ranks: int = 4, steps: int = 300) -> list:
+    """A loop with a DataLoader (``data_gap`` 0): self-time 10 ms (fetch 1 ms, forward and backward 8 ms,
+    1 ms outside every timed phase), CPU time 8 ms; rank 1 does 10 ms more CPU work a step for steps
+    120-179, either outside the timed phases (``where="outside"``: a trainer's step callback, its
+    logging) or in its forward (``"forward"``); or 10 ms more off its CPU outside the timed phases, a
+    sleep (``"sleep"``: no more run-queue delay, no more switches than the loader's tens) or preempted
+    there (``"preempted"``: as much more run-queue delay)."""
+    rng = np.random.default_rng(seed)
+    opts = DetectionOptions()
+    out = []
+    for r in range(n_ranks):
+        step = np.arange(steps, dtype=np.int64)
+        extra = np.where((r == 1) & (step >= 120) & (step < 180), 10.0 * MS, 0.0)
+        noise = lambda: np.exp(rng.normal(0, 0.03, steps))  # noqa: E731
+        other = 1 * MS * noise() + (extra if where in ("outside", "sleep", "preempted") else 0.0)
+        self_ns = 9 * MS * noise() + other + (extra if where == "forward" else 0.0)
+        cpu_ns = 8 * MS * noise() + (extra if where in ("outside", "forward") else 0.0)
+        delay = 2 * MS * noise() + (extra if where == "preempted" else 0.0)
+        cols = {"step": step, "self_ns": self_ns, "cpu_ns": cpu_ns, "data_ns": 1 * MS * noise(),
+                "data_gap": np.zeros(steps), "vol_ctx_switches": np.full(steps, 20.0),
+                "other_ns": other, "run_delay_ns": delay + 1 * MS, "comm_run_delay_ns": np.full(steps, 1 * MS)}  # fmt: skip
+        keep = step >= opts.warmup_steps
+        out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
+    return out
+
+
+def test_cpu_work_outside_the_timed_phases_of_a_dataloader_loop_is_host_work_not_compute():
+    # A Hugging Face Trainer job (written outside the repository, 2026-12-05) whose rank 3 busy-looped in
+    # its `on_step_end` callback for steps 120-179 had its episode named compute, with the advice to look
+    # for uneven work in the model: its forward and backward had not grown, its time outside the timed
+    # phases had (134 ms against 4).
+    opts = DetectionOptions()
+    for seed in range(5):
+        found = detect_episodes(_loader_ranks(seed, "outside"), opts)
+        assert [(e.rank, e.kind, e.kind_basis, e.between_steps) for e in found] == [(1, "host_work", "cpu_time", True)], found
+        assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
+        assert found[0].cpu_share == pytest.approx(1.0, rel=0.2)
+        # the same work in its forward is compute, as before
+        found = detect_episodes(_loader_ranks(seed, "forward"), opts)
+        assert [(e.rank, e.kind, e.between_steps) for e in found] == [(1, "compute", False)], found
+        # a sleep there (a trainer's callback): the time it waited for a CPU did not grow, so it was not
+        # preempted; it waited off its CPU. Before 2026-12-05 such a rank (HF Trainer and Lightning jobs
+        # written outside the repository, 2.5-5x for 60 steps) was taken as preempted and not reported.
+        found = detect_episodes(_loader_ranks(seed, "sleep"), opts)
+        assert [(e.rank, e.kind, e.kind_basis) for e in found] == [(1, "host", "off_cpu")], found
+        assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
+        # preempted there: the host's, not reported
+        assert detect_episodes(_loader_ranks(seed, "preempted"), opts) == [], seed
+        # records without the column (older runs) are judged as before
+        blocks = _loader_ranks(seed, "outside")
+        for b in blocks:
+            b.other = None
+        assert [(e.rank, e.kind) for e in detect_episodes(blocks, opts)] == [(1, "compute")], seed
+
+
 def test_noise_alone_and_a_slowdown_of_every_rank_are_no_episode():
     opts = DetectionOptions()
     for seed in range(20):

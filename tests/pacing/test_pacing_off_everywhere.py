@@ -40,7 +40,7 @@ def test_a_part_published_off_on_one_rank_is_taken_once_on_the_others(address) -
         ranks[1].publish("gc", RuntimeError("boom"))
         assert _until(lambda: all(r.elsewhere for r in ranks))
         for r in ranks:
-            assert r.take() == [("gc", "rank 1: RuntimeError('boom')")]
+            assert r.take() == [("gc", "rank 1: RuntimeError: boom")]
             assert r.take() == []  # once
     finally:
         for r in ranks:

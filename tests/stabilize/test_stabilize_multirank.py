@@ -139,7 +139,7 @@ def test_a_gc_part_that_fails_on_one_rank_is_switched_off_on_every_rank() -> Non
     assert job.ok, job.explain()
     r0, r1 = job.results()
     assert "injected" in r1["summary"]["disabled"]["gc"], r1["summary"]["disabled"]
-    assert r0["summary"]["disabled"]["gc"].startswith("rank 1: RuntimeError('injected')"), r0["summary"]["disabled"]
+    assert r0["summary"]["disabled"]["gc"].startswith("rank 1: RuntimeError: injected"), r0["summary"]["disabled"]
     for res in (r0, r1):
         assert "memory" not in res["summary"]["disabled"]  # only the failing part
         assert res["gc_after"]["enabled"] and res["gc_after"]["threshold"][2] < 1 << 30  # automatic GC back

@@ -489,8 +489,12 @@ def basis_phrase(s: dict[str, Any]) -> str:
         if basis == "off_cpu":
             return "its CPU time did not grow with the gap: it waits for input"
         if share is not None:
-            return f"its CPU time grew by {percent(max(share, 0.0))} of the gap's excess: it works, it does not wait for input"
+            return (f"its CPU time grew by {percent(max(share, 0.0))} of the excess of its time outside the timed "
+                    "phases: it works, it does not wait for input")  # fmt: skip
         return ""
+    if basis == "off_cpu" and s.get("rank_kind", s["kind"]) == "host":
+        return ("its CPU time did not grow, nor the time it waited for a CPU, while its time outside the timed "
+                "phases did: it waited off its CPU there (a read, a lock, a sleep), it was not preempted")
     if basis == "cpu_time" and share is not None:
         blocked = s.get("blocked_per_step")
         if s.get("rank_kind", s["kind"]) == "host" and blocked is not None:
@@ -533,7 +537,7 @@ def _advice_key(f: dict[str, Any]) -> str:
     kind = f["kind"]
     if kind == "compute" and f.get("kind_basis") == "wall_time_only":
         return "compute_or_host"
-    if kind == "host" and f.get("blocked_per_step") is not None:
+    if kind == "host" and (f.get("blocked_per_step") is not None or f.get("kind_basis") == "off_cpu"):
         return "blocked"
     if kind == "data" and f.get("between_steps"):
         return "data_between"

@@ -78,6 +78,10 @@ class RankBlocks:
     # ``comm_run_delay_ns``: the training thread was ready to run and waited for a CPU); None or NaN: not
     # measured
     delay: np.ndarray | None = None
+    # (n,) float32 median time outside every timed phase per step (``other_ns``: the rank's own code
+    # between the phases, such as a trainer's callbacks, its logging, the loss, clipping); None or NaN:
+    # not measured
+    other: np.ndarray | None = None
 
     def mapped(self, fn: Callable[[np.ndarray], np.ndarray], **fields: Any) -> RankBlocks:
         """These blocks with ``fn`` applied to every per-block column (``fields`` set as given)."""
@@ -87,7 +91,7 @@ class RankBlocks:
 
 # RankBlocks' per-block columns (besides ``block`` and ``steps``); the optional ones are None where the
 # records did not measure them
-PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay")
+PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay", "other")
 
 
 class BlockBudget:
@@ -206,8 +210,9 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
         # the delay within the self-time: the step's, less the part inside its collective waits
         within = np.asarray(cols["run_delay_ns"], dtype=np.float64) - np.asarray(cols["comm_run_delay_ns"], dtype=np.float64)
         delay = medians_of(within) if np.isfinite(within).any() else None
+    other = medians("other_ns") if "other_ns" in cols and np.isfinite(cols["other_ns"]).any() else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
-                      sys_time, faults, delay)  # fmt: skip
+                      sys_time, faults, delay, other)  # fmt: skip
 
 
 def _block_means(values: np.ndarray, row: np.ndarray, blocks: int) -> np.ndarray:
@@ -242,6 +247,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     sys_time = np.full(shape, np.nan, dtype=np.float32) if paging else None
     faults = np.full(shape, np.nan, dtype=np.float32) if paging else None
     delay = np.full(shape, np.nan, dtype=np.float32) if any(b.delay is not None for b in ranks) else None
+    outside = {i: (np.searchsorted(cols, b.block), b.other) for i, b in enumerate(ranks) if b.other is not None}
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
@@ -389,8 +395,13 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # Slower in wall time only, neither blocking nor computing more: preempted. The host moves
                 # its load among the ranks for tens of steps at a time (a clean rank here 4-5x for 10 steps
                 # under a busy loop), so a transient of it is the host's wander; a lasting one is the
-                # straggler rules' host straggler.
-                continue
+                # straggler rules' host straggler. Unless the time it waited for a CPU says it was not:
+                # its growth outside the timed phases, off the CPU, with no more run-queue delay, is a
+                # wait of its own code (a sleep or a read in a trainer's callback), whose one switch a
+                # step a DataLoader's queue hides among its tens.
+                if not waited_outside(outside.get(r), delay, wall[r], r, seg, cols.size, opts):
+                    continue
+                basis = "off_cpu"
             between = None
             fetch = False  # the growth is a DataLoader's fetch (input, named as the straggler rule names it)
             gap_wait = False  # the growth is a wait off the CPU between steps of a loop without a DataLoader
@@ -404,6 +415,10 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 if between is None and blocked is None and rise is not None and not gap_wait:
                     continue  # as for a blocked span: a wait in the input fetch is for the data rules
                 fetch = gap is not None and nan_median(gap[r, seg]) <= 0.5
+            if kind == "compute" and between is None and not fetch and not gap_wait:
+                # Its CPU work grew outside the timed phases (a loop with a DataLoader: the rank's own
+                # code between them, a trainer's callbacks, its logging): its own work between steps too
+                between = worked_outside(outside.get(r), wall[r], cpu[r], seg, cols.size, opts)
             if between is not None:
                 kind, basis, share = "host_work", "cpu_time", between
             elif fetch:
@@ -655,6 +670,51 @@ def worked_between(data: np.ndarray, gap: np.ndarray | None, cpu: np.ndarray, r:
     cause = gap_causes(np.array([fetched]), np.array([np.nan]), grown[r : r + 1], np.array([0.0]),
                        np.array([noise]), opts)[0]  # fmt: skip
     return float(grown[r] / fetched) if cause == "host_work" else None
+
+
+def worked_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, cpu: np.ndarray,
+                   seg: np.ndarray, blocks: int, opts: DetectionOptions) -> float | None:  # fmt: skip
+    """A rank's compute episode over blocks ``seg`` lies outside its timed phases: its time outside every
+    timed phase (``other``: the positions of its blocks among the ``blocks`` judged, and its medians of
+    ``other_ns`` there) grew by at least ``explain_share`` of its self-time's growth, and by
+    ``floor_ns`` (each over the rank's own level outside the blocks). The forward, backward and optimizer
+    step did not hold the growth, so its own code between them did (docs/detection.md, "The work
+    between steps"). Returns the CPU time's growth as a share of that time's, or None."""
+    if other is None:
+        return None
+    row = np.full(blocks, np.nan, dtype=np.float32)
+    row[other[0]] = other[1]
+    with np.errstate(all="ignore"):
+        grown = nan_median(row[seg]) - outside_level(row, seg)
+        wall_grown = nan_median(wall[seg]) - outside_level(wall, seg)
+        cpu_grown = nan_median(cpu[seg]) - outside_level(cpu, seg)
+    if not (np.isfinite(grown) and np.isfinite(wall_grown) and wall_grown > 0):
+        return None
+    if grown < opts.floor_ns or grown < opts.explain_share * wall_grown:
+        return None
+    return float(cpu_grown / grown) if np.isfinite(cpu_grown) else None
+
+
+def waited_outside(other: tuple[np.ndarray, np.ndarray] | None, delay: np.ndarray | None, wall: np.ndarray,
+                   r: int, seg: np.ndarray, blocks: int, opts: DetectionOptions) -> bool:  # fmt: skip
+    """A rank's wall-time episode over blocks ``seg`` whose CPU time did not grow was not preemption: its
+    time outside every timed phase grew by at least ``explain_share`` of its self-time's growth (and by
+    ``floor_ns``), and its run-queue delay within the self-time (``delay``, the time it was ready to run
+    and waited for a CPU) by less than ``explain_share`` of it, each over the rank's own level outside
+    the blocks. Preemption is that delay; so the thread waited off its CPU, in its own code between
+    the phases. False where either column was not measured."""
+    if other is None or delay is None:
+        return False
+    row = np.full(blocks, np.nan, dtype=np.float32)
+    row[other[0]] = other[1]
+    with np.errstate(all="ignore"):
+        grown = nan_median(row[seg]) - outside_level(row, seg)
+        wall_grown = nan_median(wall[seg]) - outside_level(wall, seg)
+        delay_grown = nan_median(delay[r, seg]) - outside_level(delay[r], seg)
+    if not (np.isfinite(grown) and np.isfinite(wall_grown) and np.isfinite(delay_grown) and wall_grown > 0):
+        return False
+    return bool(grown >= opts.floor_ns and grown >= opts.explain_share * wall_grown
+                and delay_grown < opts.explain_share * wall_grown)  # fmt: skip
 
 
 def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
