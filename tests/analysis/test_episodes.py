@@ -262,7 +262,7 @@ def test_cpu_work_outside_the_timed_phases_of_a_dataloader_loop_is_host_work_not
     opts = DetectionOptions()
     for seed in range(5):
         found = detect_episodes(_loader_ranks(seed, "outside"), opts)
-        assert [(e.rank, e.kind, e.kind_basis, e.between_steps) for e in found] == [(1, "host_work", "cpu_time", True)], found
+        assert [(e.rank, e.kind, e.kind_basis, e.between_steps) for e in found] == [(1, "host_work", "outside_phases", True)], found
         assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
         assert found[0].cpu_share == pytest.approx(1.0, rel=0.2)
         # the same work in its forward is compute, as before

@@ -259,3 +259,22 @@ def test_extra_cpu_time_paid_in_the_kernel_for_fresh_pages_is_page_faults_not_co
     del cols["sys_cpu_ns_mean"], cols["minor_faults_median"]
     (s,) = detect_stragglers(cols, DetectionOptions())
     assert s.kind == "compute" and s.minor_faults is None
+
+
+def test_cpu_work_outside_the_timed_phases_is_a_host_work_straggler_not_compute():
+    # a loop with a DataLoader whose rank 1 does 2.4 ms more CPU work a step in a trainer's step callback
+    # (outside its forward, backward and optimizer step: other_ns), as an episode of Matrix H did for 60
+    # steps; judged compute before 2026-12-05, with the advice to look for uneven work in the model
+    rng = np.random.default_rng(3)
+    cpu = 12 + 0.2 * rng.standard_normal((4, 8))
+    cpu[1] += 2.4
+    cols = _cpu_windows(cpu, np.full((4, 8), 0.7), np.full((4, 8), 11.0))
+    other = 0.5 + 0.05 * rng.standard_normal((4, 8))
+    cols["other_ns_median"] = (other + np.where(np.arange(4)[:, None] == 1, 2.4, 0.0))[cols["rank"], cols["window"]] * MS
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.kind, s.kind_basis, s.between_steps) == (1, "host_work", "outside_phases", True), s
+    assert 0.8 < s.cpu_share < 1.3, s
+    # the same work in its forward: compute, as before
+    cols["other_ns_median"] = other[cols["rank"], cols["window"]] * MS
+    (s,) = detect_stragglers(cols, DetectionOptions())
+    assert (s.rank, s.kind, s.between_steps) == (1, "compute", False), s

@@ -454,7 +454,7 @@ def _gc_excess(s: dict[str, Any]) -> float:
 
 def _metric_of(s: dict[str, Any]) -> str:
     """The judged metric in words; the data wait of a loop without a DataLoader is the time between steps."""
-    return "time between steps" if s.get("between_steps") else _metric(s["metric"])
+    return "time between steps" if s.get("between_steps") and s["metric"] == "data_ns" else _metric(s["metric"])
 
 
 def _between_phrase(s: dict[str, Any]) -> str:

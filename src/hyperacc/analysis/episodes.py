@@ -415,12 +415,14 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 if between is None and blocked is None and rise is not None and not gap_wait:
                     continue  # as for a blocked span: a wait in the input fetch is for the data rules
                 fetch = gap is not None and nan_median(gap[r, seg]) <= 0.5
+            basis_work = "cpu_time"
             if kind == "compute" and between is None and not fetch and not gap_wait:
                 # Its CPU work grew outside the timed phases (a loop with a DataLoader: the rank's own
                 # code between them, a trainer's callbacks, its logging): its own work between steps too
                 between = worked_outside(outside.get(r), wall[r], cpu[r], seg, cols.size, opts)
+                basis_work = "outside_phases"
             if between is not None:
-                kind, basis, share = "host_work", "cpu_time", between
+                kind, basis, share = "host_work", basis_work, between
             elif fetch:
                 # slower in its DataLoader's fetch (preprocessing on the training thread, a slow read that
                 # did not block more): its input path, the data straggler's kind

@@ -279,8 +279,10 @@ def working_gap_ranks(stragglers: Sequence[Mapping[str, Any]]) -> set[int]:
     """Ranks found working in their input gap: stragglers (or episodes) of the time between steps of
     kind gc or host_work. Their gap spikes that neither CPU nor GC time explains are that work preempted
     on a busy host, not waiting for input, so the diagnosis counts them as ``host_work``, not ``data``
-    (docs/detection.md, "The work between steps")."""
-    return {int(s["rank"]) for s in stragglers if s.get("between_steps") and s["kind"] in ("gc", "host_work")}
+    (docs/detection.md, "The work between steps"). Not a rank whose work lies outside the timed phases of
+    a loop with a DataLoader (``kind_basis`` ``outside_phases``): its data spikes are its loader's fetch."""
+    return {int(s["rank"]) for s in stragglers if s.get("between_steps") and s["kind"] in ("gc", "host_work")
+            and s.get("kind_basis") != "outside_phases"}  # fmt: skip
 
 
 def grouped(counts: Mapping[str, Sequence[float]], groups: Mapping[str, tuple[str, ...]]) -> dict[str, np.ndarray]:

@@ -238,10 +238,15 @@ def _straggler(
         basis = "cpu_time"
     elif kind == "compute":
         kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts, blocked)
+    outside = None
     if kind == "compute" and basis == "cpu_time" and _kernel_paging(grid, r, fw, opts):
         kind, basis = "page_faults", "sys_cpu_time"
     elif metric == "data_ns" and _in_gap(grid, r, fw):
         kind, basis, cpu_share = _between_steps(grid, r, fw, opts)
+    elif kind == "compute" and basis == "cpu_time" and metric == "self_ns":
+        outside = _worked_outside(grid, r, fw, opts)
+        if outside is not None:
+            kind, basis, cpu_share = "host_work", "outside_phases", outside
     judged_since = np.flatnonzero(judged)
     judged_since = judged_since[judged_since >= since_w]
     s = Straggler(
@@ -273,7 +278,7 @@ def _straggler(
     if fw.size and not np.isnan(gc[r, fw]).all():
         s.gc_ns = _finite_or_none(nan_median(gc[r, fw]))
         s.cluster_gc_ns = _finite_or_none(nan_median(nan_median(gc[:, fw], axis=0)))
-    s.between_steps = metric == "data_ns" and _in_gap(grid, r, fw)
+    s.between_steps = (metric == "data_ns" and _in_gap(grid, r, fw)) or outside is not None
     if kind == "host":
         s.blocked_per_step = blocked
     if kind == "page_faults":
@@ -423,6 +428,26 @@ def _in_gap(grid: WindowGrid, r: int, fw: np.ndarray) -> bool:
         return False
     share = grid.data_gap[r, fw]
     return bool(np.isfinite(share).any() and nan_median(share) > 0.5)
+
+
+def _worked_outside(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions) -> float | None:
+    """A compute straggler whose excess lies outside its timed phases (a loop with a DataLoader: the
+    rank's own code between them, such as a trainer's callbacks): over its flagged windows, its time
+    outside every timed phase (``other_ns``) exceeds the cluster median's by at least ``explain_share``
+    of its self-time's excess, and by ``floor_ns``. Returns its CPU time's excess as a share of that
+    time's, or None (docs/detection.md, "The work between steps"; the episodes' ``worked_outside``)."""
+    other = grid.host.get("other_ns")
+    if other is None or fw.size == 0 or not np.isfinite(other[r, fw]).any():
+        return None
+    with np.errstate(all="ignore"):
+        ex_other = nan_median(other[r, fw] - _cluster_median(other[:, fw]))
+        ex_self = nan_median(grid.self_host[r, fw] - _cluster_median(grid.self_host[:, fw]))
+        ex_cpu = nan_median(grid.cpu[r, fw] - _cluster_median(grid.cpu[:, fw]))
+    if not (np.isfinite(ex_other) and np.isfinite(ex_self) and ex_self > 0):
+        return None
+    if ex_other < opts.floor_ns or ex_other < opts.explain_share * ex_self:
+        return None
+    return float(ex_cpu / ex_other) if np.isfinite(ex_cpu) else None
 
 
 def _between_steps(

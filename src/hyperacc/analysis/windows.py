@@ -44,6 +44,8 @@ _EXTRA_MEDIANS: dict[str, str] = {
     "dev_forward_ns_median": "dev_forward_ns",
     "dev_backward_ns_median": "dev_backward_ns",
     "dev_step_ns_median": "dev_step_ns",
+    # the time outside every timed phase: a rank's own code between them (a trainer's callbacks)
+    "other_ns_median": "other_ns",
 }
 # Counts this summary adds: the window's judged steps (spikes included), its spikes and the time they
 # lost per cause. Offline only, the per-step culprit record (``culprit_steps``: steps in which the rank
