@@ -674,14 +674,13 @@ def worked_between(data: np.ndarray, gap: np.ndarray | None, cpu: np.ndarray, r:
     return float(grown[r] / fetched) if cause == "host_work" else None
 
 
-def worked_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, cpu: np.ndarray,
-                   seg: np.ndarray, blocks: int, opts: DetectionOptions) -> float | None:  # fmt: skip
-    """A rank's compute episode over blocks ``seg`` lies outside its timed phases: its time outside every
-    timed phase (``other``: the positions of its blocks among the ``blocks`` judged, and its medians of
-    ``other_ns`` there) grew by at least ``explain_share`` of its self-time's growth, and by
-    ``floor_ns`` (each over the rank's own level outside the blocks). The forward, backward and optimizer
-    step did not hold the growth, so its own code between them did (docs/detection.md, "The work
-    between steps"). Returns the CPU time's growth as a share of that time's, or None."""
+def grew_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, seg: np.ndarray, blocks: int,
+                 opts: DetectionOptions) -> tuple[float, float] | None:  # fmt: skip
+    """A rank's time outside every timed phase (``other``: the positions of its blocks among the
+    ``blocks`` judged, and its medians of ``other_ns`` there) grew over blocks ``seg`` by at least
+    ``explain_share`` of its self-time's growth (``wall``), and by ``floor_ns``, each over the rank's own
+    level outside the blocks: the forward, backward and optimizer step did not hold the growth, its own
+    code between them did. Returns (that time's growth, the self-time's), or None."""
     if other is None:
         return None
     row = np.full(blocks, np.nan, dtype=np.float32)
@@ -689,34 +688,40 @@ def worked_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray
     with np.errstate(all="ignore"):
         grown = nan_median(row[seg]) - outside_level(row, seg)
         wall_grown = nan_median(wall[seg]) - outside_level(wall, seg)
-        cpu_grown = nan_median(cpu[seg]) - outside_level(cpu, seg)
     if not (np.isfinite(grown) and np.isfinite(wall_grown) and wall_grown > 0):
         return None
     if grown < opts.floor_ns or grown < opts.explain_share * wall_grown:
         return None
-    return float(cpu_grown / grown) if np.isfinite(cpu_grown) else None
+    return float(grown), float(wall_grown)
+
+
+def worked_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, cpu: np.ndarray,
+                   seg: np.ndarray, blocks: int, opts: DetectionOptions) -> float | None:  # fmt: skip
+    """A rank's compute episode over blocks ``seg`` lies outside its timed phases (``grew_outside``): its
+    own work between steps (docs/detection.md, "The work between steps"). Returns the CPU time's growth
+    as a share of the time outside the phases', or None."""
+    grew = grew_outside(other, wall, seg, blocks, opts)
+    if grew is None:
+        return None
+    with np.errstate(all="ignore"):
+        cpu_grown = nan_median(cpu[seg]) - outside_level(cpu, seg)
+    return float(cpu_grown / grew[0]) if np.isfinite(cpu_grown) else None
 
 
 def waited_outside(other: tuple[np.ndarray, np.ndarray] | None, delay: np.ndarray | None, wall: np.ndarray,
                    r: int, seg: np.ndarray, blocks: int, opts: DetectionOptions) -> bool:  # fmt: skip
-    """A rank's wall-time episode over blocks ``seg`` whose CPU time did not grow was not preemption: its
-    time outside every timed phase grew by at least ``explain_share`` of its self-time's growth (and by
-    ``floor_ns``), and its run-queue delay within the self-time (``delay``, the time it was ready to run
-    and waited for a CPU) by less than ``explain_share`` of it, each over the rank's own level outside
-    the blocks. Preemption is that delay; so the thread waited off its CPU, in its own code between
-    the phases. False where either column was not measured."""
-    if other is None or delay is None:
+    """A rank's wall-time episode over blocks ``seg`` whose CPU time did not grow was not preemption: it
+    grew outside its timed phases (``grew_outside``) while its run-queue delay within the self-time
+    (``delay``, the time it was ready to run and waited for a CPU) grew by less than ``explain_share``
+    of the self-time's growth (over its own level outside the blocks). Preemption is that delay; so the
+    thread waited off its CPU, in its own code between the phases. False where either column was not
+    measured."""
+    grew = grew_outside(other, wall, seg, blocks, opts) if delay is not None else None
+    if grew is None or delay is None:
         return False
-    row = np.full(blocks, np.nan, dtype=np.float32)
-    row[other[0]] = other[1]
     with np.errstate(all="ignore"):
-        grown = nan_median(row[seg]) - outside_level(row, seg)
-        wall_grown = nan_median(wall[seg]) - outside_level(wall, seg)
         delay_grown = nan_median(delay[r, seg]) - outside_level(delay[r], seg)
-    if not (np.isfinite(grown) and np.isfinite(wall_grown) and np.isfinite(delay_grown) and wall_grown > 0):
-        return False
-    return bool(grown >= opts.floor_ns and grown >= opts.explain_share * wall_grown
-                and delay_grown < opts.explain_share * wall_grown)  # fmt: skip
+    return bool(np.isfinite(delay_grown) and delay_grown < opts.explain_share * grew[1])
 
 
 def baseline_steps(x: np.ndarray, count: np.ndarray) -> int:
