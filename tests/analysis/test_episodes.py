@@ -228,7 +228,7 @@ def test_a_dataloader_fetch_that_grew_for_60_steps_is_a_data_episode():
         assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
 
 
-def _loader_ranks(seed: int, where: str, n_ranks: int = 4, steps: int = 300) -> list:
+def _loader_ranks(seed: int, where: str, n_ranks: int = 4, steps: int = 300, device: bool = False) -> list:
     """A loop with a DataLoader (``data_gap`` 0): self-time 10 ms (fetch 1 ms, forward and backward 8 ms,
     1 ms outside every timed phase), CPU time 8 ms; rank 1 does 10 ms more CPU work a step for steps
     120-179, either outside the timed phases (``where="outside"``: a trainer's step callback, its
@@ -249,6 +249,8 @@ def _loader_ranks(seed: int, where: str, n_ranks: int = 4, steps: int = 300) -> 
         cols = {"step": step, "self_ns": self_ns, "cpu_ns": cpu_ns, "data_ns": 1 * MS * noise(),
                 "data_gap": np.zeros(steps), "vol_ctx_switches": np.full(steps, 20.0),
                 "other_ns": other, "run_delay_ns": delay + 1 * MS, "comm_run_delay_ns": np.full(steps, 1 * MS)}  # fmt: skip
+        if device:  # a device clock recorded beside the host's
+            cols["dev_self_ns"] = self_ns
         keep = step >= opts.warmup_steps
         out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
     return out
@@ -276,6 +278,10 @@ def test_cpu_work_outside_the_timed_phases_of_a_dataloader_loop_is_host_work_not
         assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
         # preempted there: the host's, not reported
         assert detect_episodes(_loader_ranks(seed, "preempted"), opts) == [], seed
+        # on a device clock the time outside the phases holds the host's waits for the device (a slower
+        # device lengthens them): judged as before, never called a wait or work of its own there
+        assert [(e.rank, e.kind) for e in detect_episodes(_loader_ranks(seed, "outside", device=True), opts)] == [(1, "compute")]
+        assert detect_episodes(_loader_ranks(seed, "sleep", device=True), opts) == [], seed
         # records without the column (older runs) are judged as before
         blocks = _loader_ranks(seed, "outside")
         for b in blocks:

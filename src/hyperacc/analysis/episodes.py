@@ -210,7 +210,11 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
         # the delay within the self-time: the step's, less the part inside its collective waits
         within = np.asarray(cols["run_delay_ns"], dtype=np.float64) - np.asarray(cols["comm_run_delay_ns"], dtype=np.float64)
         delay = medians_of(within) if np.isfinite(within).any() else None
-    other = medians("other_ns") if "other_ns" in cols and np.isfinite(cols["other_ns"]).any() else None
+    # the time outside every timed phase, on the host clock only: where a device clock was recorded, a
+    # rank's host waits there include its waits for the device (a `.item()`, a synchronize), which a
+    # slower device lengthens
+    on_device = "dev_self_ns" in cols and bool(np.isfinite(np.asarray(cols["dev_self_ns"], dtype=float)).any())
+    other = medians("other_ns") if "other_ns" in cols and not on_device and np.isfinite(cols["other_ns"]).any() else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
                       sys_time, faults, delay, other)  # fmt: skip
 

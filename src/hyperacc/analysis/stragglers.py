@@ -437,8 +437,8 @@ def _worked_outside(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOpt
     of its self-time's excess, and by ``floor_ns``. Returns its CPU time's excess as a share of that
     time's, or None (docs/detection.md, "The work between steps"; the episodes' ``worked_outside``)."""
     other = grid.host.get("other_ns")
-    if other is None or fw.size == 0 or not np.isfinite(other[r, fw]).any():
-        return None
+    if other is None or fw.size == 0 or grid.device[fw].any() or not np.isfinite(other[r, fw]).any():
+        return None  # on the device clock the time outside the phases holds the waits for the device
     with np.errstate(all="ignore"):
         ex_other = nan_median(other[r, fw] - _cluster_median(other[:, fw]))
         ex_self = nan_median(grid.self_host[r, fw] - _cluster_median(grid.self_host[:, fw]))
