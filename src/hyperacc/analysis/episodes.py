@@ -251,7 +251,13 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     sys_time = np.full(shape, np.nan, dtype=np.float32) if paging else None
     faults = np.full(shape, np.nan, dtype=np.float32) if paging else None
     delay = np.full(shape, np.nan, dtype=np.float32) if any(b.delay is not None for b in ranks) else None
-    outside = {i: (np.searchsorted(cols, b.block), b.other) for i, b in enumerate(ranks) if b.other is not None}
+
+    def outside(r: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Row ``r``'s time outside the timed phases: its blocks' positions among ``cols`` and their
+        medians (made for a candidate segment only: no rank x block matrix of it is kept)."""
+        b = ranks[r]
+        return None if b.other is None else (np.searchsorted(cols, b.block), b.other)
+
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
         wall[i, pos], cpu[i, pos], count[i, pos] = b.self_ns, b.cpu_ns, b.steps
@@ -403,7 +409,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 # its growth outside the timed phases, off the CPU, with no more run-queue delay, is a
                 # wait of its own code (a sleep or a read in a trainer's callback), whose one switch a
                 # step a DataLoader's queue hides among its tens.
-                if not waited_outside(outside.get(r), delay, wall[r], r, seg, cols.size, opts):
+                if not waited_outside(outside(r), delay, wall[r], r, seg, cols.size, opts):
                     continue
                 basis = "off_cpu"
             between = None
@@ -423,7 +429,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             if kind == "compute" and between is None and not fetch and not gap_wait:
                 # Its CPU work grew outside the timed phases (a loop with a DataLoader: the rank's own
                 # code between them, a trainer's callbacks, its logging): its own work between steps too
-                between = worked_outside(outside.get(r), wall[r], cpu[r], seg, cols.size, opts)
+                between = worked_outside(outside(r), wall[r], cpu[r], seg, cols.size, opts)
                 basis_work = "outside_phases"
             if between is not None:
                 kind, basis, share = "host_work", basis_work, between
