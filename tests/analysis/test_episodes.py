@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -172,6 +173,21 @@ def _gap_ranks(seed: int, work: str, n_ranks: int = 4, steps: int = 300) -> list
     6 ms, one voluntary context switch a step; rank 1's gap grows by 10 ms for steps 120-179, either as
     CPU work (``work="cpu"``: its own code between ``optimizer.step()`` and the next forward) or off the
     CPU (``"wait"``: a blocking read, one more switch a step)."""
+
+    def columns(step: np.ndarray, extra: np.ndarray, noise: Callable[[], np.ndarray]) -> dict[str, np.ndarray]:
+        gap = 1 * MS * noise() + extra
+        self_ns = 9 * MS * noise() + gap
+        cpu_ns = 6 * MS * noise() + (extra if work == "cpu" else 0.0)
+        vol = 1.0 + (extra > 0) * (work == "wait")
+        return {"step": step, "self_ns": self_ns, "cpu_ns": cpu_ns, "data_ns": gap, "data_gap": np.ones(steps),
+                "vol_ctx_switches": vol * np.ones(steps)}  # fmt: skip
+
+    return _rank1_shifted(seed, columns, n_ranks, steps)
+
+
+def _rank1_shifted(seed: int, columns: Callable, n_ranks: int, steps: int) -> list:
+    """Every rank's blocks from ``columns(step, extra, noise)``: ``extra`` is 10 ms on rank 1 for steps
+    120-179 (0 elsewhere), ``noise()`` a fresh 3 % log-normal factor per step; the warm-up is left out."""
     rng = np.random.default_rng(seed)
     opts = DetectionOptions()
     out = []
@@ -179,13 +195,8 @@ def _gap_ranks(seed: int, work: str, n_ranks: int = 4, steps: int = 300) -> list
         step = np.arange(steps, dtype=np.int64)
         extra = np.where((r == 1) & (step >= 120) & (step < 180), 10.0 * MS, 0.0)
         noise = lambda: np.exp(rng.normal(0, 0.03, steps))  # noqa: E731
-        gap = 1 * MS * noise() + extra
-        self_ns = 9 * MS * noise() + gap
-        cpu_ns = 6 * MS * noise() + (extra if work == "cpu" else 0.0)
-        vol = 1.0 + (extra > 0) * (work == "wait")
+        cols = columns(step, extra, noise)
         keep = step >= opts.warmup_steps
-        cols = {"step": step, "self_ns": self_ns, "cpu_ns": cpu_ns, "data_ns": gap, "data_gap": np.ones(steps),
-                "vol_ctx_switches": vol * np.ones(steps)}  # fmt: skip
         out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
     return out
 
@@ -235,13 +246,8 @@ def _loader_ranks(seed: int, where: str, n_ranks: int = 4, steps: int = 300, dev
     logging) or in its forward (``"forward"``); or 10 ms more off its CPU outside the timed phases, a
     sleep (``"sleep"``: no more run-queue delay, no more switches than the loader's tens) or preempted
     there (``"preempted"``: as much more run-queue delay)."""
-    rng = np.random.default_rng(seed)
-    opts = DetectionOptions()
-    out = []
-    for r in range(n_ranks):
-        step = np.arange(steps, dtype=np.int64)
-        extra = np.where((r == 1) & (step >= 120) & (step < 180), 10.0 * MS, 0.0)
-        noise = lambda: np.exp(rng.normal(0, 0.03, steps))  # noqa: E731
+
+    def columns(step: np.ndarray, extra: np.ndarray, noise: Callable[[], np.ndarray]) -> dict[str, np.ndarray]:
         other = 1 * MS * noise() + (extra if where in ("outside", "sleep", "preempted") else 0.0)
         self_ns = 9 * MS * noise() + other + (extra if where == "forward" else 0.0)
         cpu_ns = 8 * MS * noise() + (extra if where in ("outside", "forward") else 0.0)
@@ -251,9 +257,9 @@ def _loader_ranks(seed: int, where: str, n_ranks: int = 4, steps: int = 300, dev
                 "other_ns": other, "run_delay_ns": delay + 1 * MS, "comm_run_delay_ns": np.full(steps, 1 * MS)}  # fmt: skip
         if device:  # a device clock recorded beside the host's
             cols["dev_self_ns"] = self_ns
-        keep = step >= opts.warmup_steps
-        out.append(rank_blocks(r, 0, {k: v[keep] for k, v in cols.items()}, opts))
-    return out
+        return cols
+
+    return _rank1_shifted(seed, columns, n_ranks, steps)
 
 
 def test_cpu_work_outside_the_timed_phases_of_a_dataloader_loop_is_host_work_not_compute():

@@ -46,7 +46,7 @@ from hyperacc.analysis.change_points import (
 )
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import MAD_TO_SIGMA, group_starts, loo_median, nan_median, run_slice
-from hyperacc.analysis.stragglers import blocked_rise, compute_or_host, kernel_paging
+from hyperacc.analysis.stragglers import blocked_rise, compute_or_host, held_outside, kernel_paging
 from hyperacc.stats import last_axis_nan_median
 
 
@@ -698,11 +698,7 @@ def grew_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, 
     with np.errstate(all="ignore"):
         grown = nan_median(row[seg]) - outside_level(row, seg)
         wall_grown = nan_median(wall[seg]) - outside_level(wall, seg)
-    if not (np.isfinite(grown) and np.isfinite(wall_grown) and wall_grown > 0):
-        return None
-    if grown < opts.floor_ns or grown < opts.explain_share * wall_grown:
-        return None
-    return float(grown), float(wall_grown)
+    return (float(grown), float(wall_grown)) if held_outside(grown, wall_grown, opts) else None
 
 
 def worked_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, cpu: np.ndarray,

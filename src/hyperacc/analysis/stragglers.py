@@ -238,7 +238,6 @@ def _straggler(
         basis = "cpu_time"
     elif kind == "compute":
         kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts, blocked)
-    outside = None
     if kind == "compute" and basis == "cpu_time" and _kernel_paging(grid, r, fw, opts):
         kind, basis = "page_faults", "sys_cpu_time"
     elif metric == "data_ns" and _in_gap(grid, r, fw):
@@ -278,7 +277,7 @@ def _straggler(
     if fw.size and not np.isnan(gc[r, fw]).all():
         s.gc_ns = _finite_or_none(nan_median(gc[r, fw]))
         s.cluster_gc_ns = _finite_or_none(nan_median(nan_median(gc[:, fw], axis=0)))
-    s.between_steps = (metric == "data_ns" and _in_gap(grid, r, fw)) or outside is not None
+    s.between_steps = (metric == "data_ns" and _in_gap(grid, r, fw)) or basis == "outside_phases"
     if kind == "host":
         s.blocked_per_step = blocked
     if kind == "page_faults":
@@ -443,11 +442,17 @@ def _worked_outside(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOpt
         ex_other = nan_median(other[r, fw] - _cluster_median(other[:, fw]))
         ex_self = nan_median(grid.self_host[r, fw] - _cluster_median(grid.self_host[:, fw]))
         ex_cpu = nan_median(grid.cpu[r, fw] - _cluster_median(grid.cpu[:, fw]))
-    if not (np.isfinite(ex_other) and np.isfinite(ex_self) and ex_self > 0):
-        return None
-    if ex_other < opts.floor_ns or ex_other < opts.explain_share * ex_self:
+    if not held_outside(ex_other, ex_self, opts):
         return None
     return float(ex_cpu / ex_other) if np.isfinite(ex_cpu) else None
+
+
+def held_outside(other: float, self_time: float, opts: DetectionOptions) -> bool:
+    """An excess (or growth) of a rank's self-time that its time outside every timed phase holds: that
+    time's is at least ``explain_share`` of the self-time's and at least ``floor_ns`` (the one test of
+    the straggler and episode rules on ``other_ns``; docs/detection.md, "The work between steps")."""
+    return bool(np.isfinite(other) and np.isfinite(self_time) and self_time > 0
+                and other >= opts.floor_ns and other >= opts.explain_share * self_time)  # fmt: skip
 
 
 def _between_steps(
