@@ -155,11 +155,88 @@ def main() -> None:
                 print(f"| {ranks} | {mode} | {r['publishers']} | {'one' if silent else 'none'} | {r['cpu_ms']:.1f} ms "
                       f"| {r['behind_median_s']:.2f} / {r['behind_max_s']:.2f} s | {r['waited_grace']} of {r['judged']} "
                       f"| {r['keys_max']} |", flush=True)  # fmt: skip
+    print(f"\n# live episodes, judged by the agent that holds rank 0 over every rank's last blocks "
+          f"({args.per_node} ranks per node send theirs each pass)")  # fmt: skip
+    print("| ranks | CPU per judgement | judged again after (agent.EPISODE_DUTY) | one node's new block on the wire "
+          "| reading every other node's, wall / CPU | a 2x slow rank said |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for ranks in sorted({64, *sizes}):
+        e = episodes_cost(ranks, args.per_node)
+        print(f"| {ranks} | {e['cpu_s'] * 1e3:.0f} ms | {e['interval_s']:.2f} s | {e['wire_bytes']:,} B "
+              f"| {e['keys']} keys: {e['read_s'] * 1e3:.0f} / {e['read_cpu_s'] * 1e3:.0f} ms "
+              f"| {'yes' if e['found'] else 'no'} |", flush=True)  # fmt: skip
     for ranks in sizes:
         for silent in (False, True):
             a, b = results[(ranks, silent, "agents")], results[(ranks, silent, "ranks")]
             print(f"# {ranks} ranks, {'one silent rank' if silent else 'all report'}: judging CPU per window, "
                   f"node agents / every rank publishing = {a['cpu_ms'] / max(b['cpu_ms'], 1e-9):.2f}")  # fmt: skip
+
+
+def episodes_cost(ranks: int, per_node: int, judgements: int = 3) -> dict[str, Any]:
+    """The leader's live episodes (``analysis.live_episodes``) at ``ranks``: every rank's history of
+    ``KEEP_BLOCKS`` blocks, one rank 2x slower over its last 30, then one new block of every rank per
+    judgement. Returns the CPU of one judgement (this thread's), the interval the agent then waits
+    (``agent.EPISODE_DUTY``), one node's blocks on the wire per block, and whether the slow rank was said."""
+    from hyperacc.agent import EPISODE_DUTY
+    from hyperacc.analysis.episodes import RankBlocks
+    from hyperacc.analysis.live_episodes import KEEP_BLOCKS, LiveEpisodes, encode_blocks
+
+    rng = np.random.default_rng(1)
+    opts = DetectionOptions(window_steps=WINDOW)
+    slow = ranks // 2
+
+    def blocks(first: int, n: int) -> list[RankBlocks]:
+        out = []
+        for r in range(ranks):
+            b = np.arange(first, first + n, dtype=np.int64)
+            s = (
+                50e6
+                * np.exp(rng.normal(0, 0.03, n))
+                * np.where((r == slow) & (b >= KEEP_BLOCKS - 30), 2.0, 1.0)
+            )
+            f = np.full(n, 1e5, np.float32)
+            out.append(RankBlocks(r, r // per_node, b, s.astype(np.float32), (0.8 * s).astype(np.float32),
+                                  np.full(n, opts.episode_block_steps, np.uint16), vol=f, data=f, gap=0 * f, sys=f,
+                                  faults=0 * f, delay=f, other=f))  # fmt: skip
+        return out
+
+    live = LiveEpisodes(opts)
+    live.add(blocks(0, KEEP_BLOCKS))
+    said = live.judge()
+    costs = []
+    for j in range(judgements):
+        live.add(blocks(KEEP_BLOCKS + j, 1))
+        began = time.thread_time()
+        said += live.judge()
+        costs.append(time.thread_time() - began)
+    cost = statistics.median(costs)
+    # one pass of every other node's agent sending its ranks' new block, and the leader reading them all
+    # from its real TCPStore (LiveNode._gather_blocks: a check, a get and a delete per key)
+    from hyperacc.agent import LiveNode
+
+    served = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    payloads = [encode_blocks(b) for b in _per_node(blocks(KEEP_BLOCKS + judgements, 1), per_node)[1:]]
+    client = dist.TCPStore("127.0.0.1", served.port, None, False, wait_for_workers=False)
+    for payload in payloads:
+        client.set(f"blocks/{int(client.add('blocks/n', 1))}", payload)
+    leader = LiveNode(".", agent="bench", window=WINDOW, grace_s=4.0)
+    t0, c0 = time.monotonic(), time.thread_time()
+    got = leader._gather_blocks(served, final=False)
+    read_s, read_cpu = time.monotonic() - t0, time.thread_time() - c0
+    assert len(got) == ranks - per_node
+    return {
+        "cpu_s": cost,
+        "interval_s": (1 + EPISODE_DUTY) * cost,
+        "wire_bytes": len(payloads[0]),
+        "read_s": read_s,
+        "read_cpu_s": read_cpu,
+        "keys": len(payloads),
+        "found": any(text.startswith(f"rank {slow} ") for _, text in said),
+    }
+
+
+def _per_node(blocks: list[Any], per_node: int) -> list[list[Any]]:
+    return [blocks[i : i + per_node] for i in range(0, len(blocks), per_node)]
 
 
 if __name__ == "__main__":

@@ -52,6 +52,16 @@ OUTBOX_ROWS = 4096
 # How long the leader waits after the job for the other nodes' last windows (at most the window grace).
 FINAL_WAIT_S = 10.0
 
+# The other nodes' agents send their ranks' blocks to the leader at most this many times a second in all
+# (each at most every nodes / BLOCK_KEYS_PER_S s): a check, a get and a delete per key cost the leader
+# about 0.24 ms a key (bench/live_aggregation.py), so its reading stays near 25 ms a second at any size
+BLOCK_KEYS_PER_S = 100.0
+
+# The leader judges live episodes again only after this many times the CPU its last judgement took
+# (at most 1/(1 + EPISODE_DUTY) of a core; a judgement took 0.15 s at 1,024 ranks and 0.59 s at 4,096 here,
+# bench/live_aggregation.py)
+EPISODE_DUTY = 9.0
+
 
 class _Periodic:
     """A pass over the run directory every ``poll_s`` on a thread of the agent, and a final one after
@@ -179,7 +189,8 @@ class LiveNode(_Periodic):
 
     thread_name = "hyperacc-agent-live"
     # Live episodes (analysis.live_episodes): the change-point rule over the ranks' blocks as they are
-    # flushed; only episodes with CPU-time or blocking evidence are said live (docs/detection.md,
+    # flushed, judged by the agent that holds rank 0 (the other nodes' agents send it their ranks'
+    # blocks); only episodes with CPU-time or blocking evidence are said live (docs/detection.md,
     # "Episodes", Live).
     # A class attribute so that a deployment can switch them off.
     live_episodes = True
@@ -208,9 +219,13 @@ class LiveNode(_Periodic):
         self._backoff = Backoff("node agent's window summaries")
         self._events: Any = None
         self._remediation: Any = None
-        self._blocks: dict[int, Any] = {}  # rank -> its BlockStream (live episodes, one-node jobs)
-        self._new_blocks: list[Any] = []
-        self._episodes: Any = None
+        self._blocks: dict[int, Any] = {}  # rank -> its BlockStream (live episodes)
+        self._new_blocks: list[Any] = []  # blocks read and not yet judged (the leader) or published
+        self._episodes: Any = None  # the leader's LiveEpisodes; False: switched off
+        self._judge_after = 0.0  # monotonic time before which the episodes are not judged again
+        self._blocks_read = 0  # the leader: the other agents' block keys read so far
+        self._blocks_due = 0.0  # a follower: monotonic time from which it sends its blocks again
+        self._blocks_absent: dict[str, float] = {}  # a counted block key not there yet -> since when
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -261,14 +276,13 @@ class LiveNode(_Periodic):
             if self.live_episodes:
                 self._judge_episodes(final)
             return
-        self._new_blocks.clear()  # live episodes are judged where every rank's blocks are (one node)
         if not ref.store or not (final or self._backoff.ready()):
-            self._held = rows[-OUTBOX_ROWS:]
+            self._hold(rows)
             return
         try:
             store = self._agents_store(ref, leader=0 in mine, final=final)
             if store is None:  # the leader has not said where yet
-                self._held = rows[-OUTBOX_ROWS:]
+                self._hold(rows)
                 return
             windows = publish_rows(store, rows) if rows else []
             if 0 in mine:
@@ -278,17 +292,77 @@ class LiveNode(_Periodic):
                 gatherer.gather(store, final=False)
                 if final:
                     self._final_gather(store, gatherer, ref)
-            elif final:
-                store.add("final", 1)
+                if self.live_episodes:
+                    self._judge_episodes(final, store)
+            else:
+                if (
+                    self.live_episodes
+                    and self._episodes is not False
+                    and (final or time.monotonic() >= self._blocks_due)
+                ):
+                    self._publish_blocks(store)
+                    self._blocks_due = time.monotonic() + (ref.nodes or 1) / BLOCK_KEYS_PER_S
+                if final:
+                    store.add("final", 1)
             self._backoff.succeeded()
         except STORE_ERRORS as exc:  # rows kept for the next try (the newest OUTBOX_ROWS)
             self._store = self._job = None
-            self._held = rows[-OUTBOX_ROWS:]
+            self._hold(rows)
             self._backoff.failed(exc)
 
-    def _judge_episodes(self, final: bool) -> None:
-        """Live episodes (``analysis.live_episodes``) over the blocks read this pass, as live findings.
-        An error here switches the live episodes off, with one log line; the windows' verdicts go on."""
+    def _hold(self, rows: list[dict[str, Any]]) -> None:
+        """Window rows and blocks kept for the next pass while the store cannot take them: the newest
+        OUTBOX_ROWS rows, each rank's newest blocks (``live_episodes.KEEP_BLOCKS``)."""
+        self._held = rows[-OUTBOX_ROWS:]
+        if self._new_blocks:
+            from hyperacc.analysis.live_episodes import merged_blocks
+
+            self._new_blocks = merged_blocks(self._new_blocks)
+
+    def _publish_blocks(self, store: Any) -> None:
+        """A follower's new blocks of its ranks, for the live episodes that the leader judges: one numbered
+        key per pass (``blocks/<i>``, ``i`` from the count ``blocks/n``), deleted by the leader once read."""
+        from hyperacc.analysis.live_episodes import encode_blocks, merged_blocks
+
+        try:
+            blocks = merged_blocks(self._new_blocks)
+            payload = encode_blocks(blocks) if blocks else b""
+        except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
+            self._episodes, self._new_blocks = False, []
+            log.warning("hyperacc run: live episodes switched off (%s)", one_line(exc))
+            return
+        if payload:
+            key = f"blocks/{int(store.add('blocks/n', 1))}"
+            store.set(key, payload)
+        self._new_blocks = []
+
+    def _gather_blocks(self, store: Any, final: bool) -> list[Any]:
+        """The leader: the blocks the other nodes' agents published since the last pass, each key deleted
+        once read. A key counted but not there is waited for ``grace_s`` (its agent may be between the count
+        and the write), then skipped (its agent failed in between), so that one never stops the rest."""
+        from hyperacc.analysis.live_episodes import decode_blocks
+
+        out: list[Any] = []
+        count = int(store.add("blocks/n", 0))
+        while self._blocks_read < count:
+            key = f"blocks/{self._blocks_read + 1}"
+            if store.check([key]):
+                out += decode_blocks(store.get(key), f"the blocks under {key} in the node agents' store")
+                store.delete_key(key)
+            elif not final:
+                since = self._blocks_absent.setdefault(key, time.monotonic())
+                if time.monotonic() - since < self.grace_s:
+                    break
+            self._blocks_absent.pop(key, None)
+            self._blocks_read += 1
+        return out
+
+    def _judge_episodes(self, final: bool, store: Any = None) -> None:
+        """Live episodes (``analysis.live_episodes``) over the blocks read this pass, and those the other
+        nodes' agents published to ``store`` (a multi-node job), as live findings. Judged at most once
+        every ``EPISODE_DUTY`` times what the last judgement cost this thread, so that the agent's CPU stays
+        bounded at thousands of ranks (docs/detection.md, "Episodes", Live). An error here switches the
+        live episodes off, with one log line; the windows' verdicts go on."""
         blocks, self._new_blocks = self._new_blocks, []
         if self._episodes is False:
             return
@@ -299,7 +373,16 @@ class LiveNode(_Periodic):
 
                 confirmed = lambda rank: rank in getattr(self._gatherer._detector, "confirmed", {})  # noqa: E731
                 self._episodes = LiveEpisodes(DetectionOptions(window_steps=self.window), straggler=confirmed)
-            said = self._episodes.update(blocks) + (self._episodes.close() if final else [])
+            if store is not None:
+                blocks += self._gather_blocks(store, final)
+            self._episodes.add(blocks)
+            if not final and time.monotonic() < self._judge_after:
+                return
+            began = time.thread_time()
+            said = self._episodes.judge() + (self._episodes.close() if final else [])
+            self._judge_after = time.monotonic() + EPISODE_DUTY * (time.thread_time() - began)
+        except STORE_ERRORS:
+            return  # what the other agents published stays in the store for the next pass
         except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
             self._episodes = False
             log.warning("hyperacc run: live episodes switched off (%s)", one_line(exc))

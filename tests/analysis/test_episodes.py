@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -844,7 +845,7 @@ def test_an_error_in_the_live_episodes_switches_them_off_alone(tmp_path: Path, c
     from hyperacc.agent import LiveNode
 
     class Broken:
-        def update(self, blocks: list) -> list:
+        def add(self, blocks: list) -> bool:
             raise ValueError("boom")
 
     node = LiveNode(tmp_path, agent="host:1", window=10, grace_s=1.0)
@@ -855,3 +856,66 @@ def test_an_error_in_the_live_episodes_switches_them_off_alone(tmp_path: Path, c
         node._judge_episodes(final=True)
     assert node._episodes is False and node.on and node._new_blocks == []
     assert caplog.text.count("live episodes switched off (ValueError: boom)") == 1
+
+
+def test_a_multi_node_jobs_episode_is_said_live_by_the_agent_that_holds_rank_0(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Two node agents of a 2-node job (4 ranks, a shared run directory) meeting in the leader's real
+    TCPStore: the follower sends its ranks' blocks, the leader judges every rank's and says the fail-slow of
+    rank 3, on the follower's node, when confirmed and when it ended, as a one-node job's agent would. A
+    block key counted and never written (an agent that failed in between) is skipped after the grace,
+    and every key read is deleted."""
+    import torch.distributed as dist
+
+    from hyperacc import agent, records
+    from hyperacc.schema import RankMeta, steps_dir
+
+    monkeypatch.setattr(agent, "EPISODE_DUTY", 0.0)  # judged at every pass: the protocol, not the pacing
+    job = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)  # torchrun's, for the advert
+    names = ("a:1", "b:2")
+    for rank in range(4):
+        records.write_meta(tmp_path, RankMeta(rank, rank % 2, rank // 2, 4, 2, "host", 100 + rank,
+                                              agent=names[rank // 2], store=f"127.0.0.1:{job.port}", nodes=2))  # fmt: skip
+    columns = records.columns_of("STEP_SCHEMA")
+    cols = _step_columns(4, 300, {3: (120, 180, 2.0)})
+    writers = [records.RecordWriter(steps_dir(tmp_path, r), "STEP_SCHEMA") for r in range(4)]
+
+    def flush(rank: int, at: int, n: int) -> None:
+        rows = np.full((n, len(columns)), -1, dtype=np.int64)
+        c = cols[rank]
+        for name, values in (("rank", rank), ("node", rank // 2), ("step", c["step"][at : at + n]),
+                             ("t_start_ns", 10**18 + c["step"][at : at + n] * 20 * MS),
+                             ("self_ns", c["self_ns"][at : at + n]), ("step_ns", c["self_ns"][at : at + n] + MS),
+                             ("cpu_ns", c["cpu_ns"][at : at + n]), ("data_ns", MS), ("data_gap", 1)):  # fmt: skip
+            rows[:, columns.index(name)] = values
+        writers[rank].write_int64(rows)
+
+    leader, follower = (agent.LiveNode(tmp_path, agent=name, window=50, grace_s=0.5) for name in names)
+    for at in range(0, 300, 20):
+        for rank in range(4):
+            flush(rank, at, 20)
+        follower.pass_once(final=False)
+        leader.pass_once(final=False)
+        if at == 100:  # an agent counted a key and failed before writing it
+            leader._served.add("blocks/n", 1)
+            time.sleep(0.6)
+    follower.pass_once(final=True)
+    leader.pass_once(final=True)
+    leader._finish()
+    assert leader.on and follower.on and leader._episodes not in (None, False)
+    said = [
+        (e["step"], e["detail"])
+        for e in store.read_live_events(tmp_path).to_pylist()
+        if e["kind"] == "live_finding"
+    ]
+    started = [(step, text) for step, text in said if "is slow since step" in text]
+    assert len(started) == 1 and started[0][1].startswith("rank 3 (node 1) is slow since step"), said
+    since = int(re.search(r"since step (\d+)", started[0][1])[1])
+    assert abs(since - 120) <= 10 and since <= started[0][0] <= 150, said
+    assert any(
+        text.startswith("rank 3 (node 1) was slow from step") and "then recovered" in text for _, text in said
+    ), said
+    count = int(leader._served.add("blocks/n", 0))
+    assert count >= 3 and leader._blocks_read == count  # the skipped key, and the follower's sends, all read
+    assert not any(leader._served.check([f"blocks/{i}"]) for i in range(1, count + 1))

@@ -158,15 +158,42 @@ class LengthBars:
 def noise_floor(x: np.ndarray, opts: DetectionOptions) -> np.ndarray:
     """Per rank, the sigma of one block's log ratio: the robust spread of its successive differences
     (``1.4826 MAD / sqrt 2``, blind to the level shifts it is looking for), at least the ranks' median of
-    the same (the noise the host gives every rank) and at least ``min_mad_rel``."""
+    the same (the noise the host gives every rank) and at least ``min_mad_rel``.
+
+    Vectorised over ranks, a few thousand cells at a time (the node agent judges thousands of ranks'
+    blocks live; a loop of ``np.median`` per rank cost it 0.24 s a pass at 1,024 ranks): each row's
+    measured values are moved to its front in order, so the successive differences are those of the
+    measured values alone, as a loop over rows would take them. Long rows (the offline analysis of a whole
+    run: thousands of blocks) keep the loop, where ``np.median``'s partial sort beats sorting every row."""
     sig = np.full(x.shape[0], np.nan)
-    for r in range(x.shape[0]):
-        v = x[r][np.isfinite(x[r])]
-        if v.size >= 3:
-            d = np.diff(v)
-            sig[r] = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+    if x.shape[1] > _SHORT_ROW:
+        for r in range(x.shape[0]):
+            v = x[r][np.isfinite(x[r])]
+            if v.size >= 3:
+                d = np.diff(v)
+                sig[r] = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
+    rows = max(1, _CHUNK_CELLS // max(x.shape[1], 1))
+    for at in range(0, x.shape[0] if x.shape[1] <= _SHORT_ROW else 0, rows):
+        part = x[at : at + rows]
+        seen = np.isfinite(part)
+        count = seen.sum(axis=1)
+        front = np.take_along_axis(part, np.argsort(~seen, axis=1, kind="stable"), axis=1)
+        d = np.diff(front, axis=1)
+        d[np.arange(d.shape[1])[None, :] >= (count - 1)[:, None]] = (
+            np.nan
+        )  # a difference with an unmeasured block
+        mid = last_axis_nan_median(d)[0]
+        mad = last_axis_nan_median(np.abs(d - mid[:, None]))[0]
+        sig[at : at + rows] = np.where(count >= 3, MAD_TO_SIGMA * mad / math.sqrt(2.0), np.nan)
     floor = nan_median(sig) if np.isfinite(sig).any() else 0.0
     return np.fmax(np.fmax(sig, floor), opts.min_mad_rel)
+
+
+# Cells of a rank x block array that the vectorised passes take at a time (bounded scratch memory on
+# the offline analysis of 1,000 ranks x 20,000 blocks)
+_CHUNK_CELLS = 1 << 21
+# Rows up to this many blocks are judged by the vectorised noise floor (the live history is 200 blocks)
+_SHORT_ROW = 1024
 
 
 def change_points(x: np.ndarray, opts: DetectionOptions) -> list[tuple[int, int, int, int, bool, float]]:
@@ -186,7 +213,7 @@ def change_points(x: np.ndarray, opts: DetectionOptions) -> list[tuple[int, int,
     sigma = noise_floor(x, opts)
     k = math.log(opts.episode_min_effect) / 2.0
     out: list[tuple[int, int, int, int, bool, float]] = []
-    for r in range(x.shape[0]):
+    for r in map(int, _opening_rows(x, level, sigma, k, opts)):
         y = x[r] - level[r]
         seen = np.isfinite(y)
         judged = np.flatnonzero(seen)
@@ -220,6 +247,21 @@ def change_points(x: np.ndarray, opts: DetectionOptions) -> list[tuple[int, int,
 
 
 def _lindley(z: np.ndarray) -> np.ndarray:
-    """``S_t = max(0, S_t-1 + z_t)`` from ``S = 0``, as cumulative sums."""
-    c = np.cumsum(z)
-    return c - np.minimum.accumulate(np.minimum(c, 0.0))
+    """``S_t = max(0, S_t-1 + z_t)`` from ``S = 0``, as cumulative sums (along the last axis)."""
+    c = np.cumsum(z, axis=-1)
+    return c - np.minimum.accumulate(np.minimum(c, 0.0), axis=-1)
+
+
+def _opening_rows(
+    x: np.ndarray, level: np.ndarray, sigma: np.ndarray, k: float, opts: DetectionOptions
+) -> np.ndarray:
+    """The rows whose upward CUSUM from their first block ever passes ``h``: the only ones that can hold
+    a segment, found for all rows at once (the same sums as the per-row recursion: unjudged blocks add 0)."""
+    rows = max(1, _CHUNK_CELLS // max(x.shape[1], 1))
+    out = []
+    for at in range(0, x.shape[0], rows):
+        y = x[at : at + rows] - level[at : at + rows, None]
+        up = np.where(np.isfinite(y), y - k, 0.0)
+        h = opts.episode_h * sigma[at : at + rows]
+        out.append(at + np.flatnonzero((_lindley(up) > h[:, None]).any(axis=1)))
+    return np.concatenate(out) if out else np.zeros(0, dtype=np.intp)

@@ -83,18 +83,31 @@ class LiveEpisodes:
         self._said: dict[int, int] = {}  # rank -> last step of the episodes already said
         self._missing: dict[int, int] = {}  # rank -> the newest block when its open episode was first not found
         self._first: dict[int, int] = {}  # rank -> the first block it was seen with
+        self._fresh = False  # blocks added since the last judgement
 
-    def update(self, blocks: Sequence[RankBlocks]) -> list[tuple[int, str]]:
+    def update(self, blocks: Sequence[RankBlocks | None]) -> list[tuple[int, str]]:
         """New blocks in; (step, line) for what is newly confirmed or ended."""
+        return self.judge() if self.add(blocks) else []
+
+    def add(self, blocks: Sequence[RankBlocks | None]) -> bool:
+        """New blocks into the bounded history, not judged yet (``judge``); whether there were any."""
         fresh = [b for b in blocks if b is not None and b.block.size]
         if not fresh:
-            return []
+            return False
+        self._fresh = True
         for b in fresh:
             self._history[b.rank] = _joined(self._history.get(b.rank), b)
             self._first.setdefault(b.rank, int(b.block[0]))
         newest = max(int(h.block[-1]) for h in self._history.values() if h.block.size)
         for rank, h in self._history.items():
             self._history[rank] = _since(h, newest - self.keep_blocks + 1)
+        return True
+
+    def judge(self) -> list[tuple[int, str]]:
+        """(step, line) for what the blocks added since the last call newly confirm or end."""
+        if not self._fresh:
+            return []
+        self._fresh = False
         # Live judges with less of the run than offline: the host's floor is what it did so far. So it
         # waits until every rank's history holds spike_window steps (what the spike rule learns the
         # host over) and asks the whole minimum effect above that floor, not half (docs/detection.md,
@@ -238,3 +251,54 @@ def _since(h: RankBlocks, first_block: int) -> RankBlocks:
     if keep.all():
         return h
     return h.mapped(lambda a: a[keep], block=h.block[keep], steps=h.steps[keep])
+
+
+# Blocks on the wire, from a node agent to the agent that judges every rank (a multi-node job): one
+# frame (``window_store.encode_frame``) per rank, its columns the block numbers, the steps and the
+# per-block columns it measured, so that a column a rank did not measure stays None where it is read.
+_WIRE_FIXED = ("rank", "node", "width", "block", "steps")
+
+
+def encode_blocks(blocks: Sequence[RankBlocks]) -> bytes:
+    """Ranks' blocks -> bytes (``decode_blocks`` reads them back, each column as ``rank_blocks`` made it)."""
+    from hyperacc.analysis.window_store import encode_frame
+
+    out = []
+    for b in blocks:
+        present = [name for name in PER_BLOCK if getattr(b, name) is not None]
+        n = b.block.size
+        values = np.vstack([np.full(n, b.rank), np.full(n, b.node), np.full(n, b.width), b.block, b.steps,
+                            *(getattr(b, name) for name in present)]).astype(np.float64)  # fmt: skip
+        out.append(encode_frame([*_WIRE_FIXED, *present], values.reshape(len(_WIRE_FIXED) + len(present), n)))
+    return b"".join(out)
+
+
+def decode_blocks(data: bytes, where: str = "live episode blocks") -> list[RankBlocks]:
+    """Bytes of ``encode_blocks`` -> the ranks' blocks. Raises ValueError naming ``where`` for bytes that
+    are not whole frames or frames that are not blocks."""
+    from hyperacc.analysis.window_store import iter_frames
+
+    out = []
+    for _, columns, values in iter_frames(data, where):
+        if tuple(columns[: len(_WIRE_FIXED)]) != _WIRE_FIXED or not set(columns[len(_WIRE_FIXED) :]) <= set(
+            PER_BLOCK
+        ):
+            raise ValueError(f"{where}: a frame of columns {columns} is not a rank's blocks")
+        if not values.shape[1]:
+            continue
+        col = dict(zip(columns, values, strict=True))
+        per_block = {name: col[name].astype(np.float32) if name in col else None for name in PER_BLOCK}
+        out.append(RankBlocks(int(col["rank"][0]), int(col["node"][0]), block=col["block"].astype(np.int64),
+                              steps=col["steps"].astype(np.uint16), width=int(col["width"][0]), **per_block))  # fmt: skip
+    return out
+
+
+def merged_blocks(blocks: Sequence[RankBlocks | None], keep_blocks: int = KEEP_BLOCKS) -> list[RankBlocks]:
+    """Blocks of several reads, in the order read -> one ``RankBlocks`` per rank, its newest ``keep_blocks``
+    (what a node agent holds for the judging agent while the store does not answer: bounded)."""
+    per_rank: dict[int, RankBlocks] = {}
+    for b in blocks:
+        if b is not None and b.block.size:
+            per_rank[b.rank] = joined = _joined(per_rank.get(b.rank), b)
+            per_rank[b.rank] = _since(joined, int(joined.block[-1]) - keep_blocks + 1)
+    return list(per_rank.values())

@@ -13,6 +13,7 @@ import logging
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -111,17 +112,21 @@ def encode_rows(rows: list[dict[str, Any]]) -> bytes:
     """Window rows -> one frame (``decode_frames`` reads any number of them back as columns)."""
     columns = list(dict.fromkeys(k for r in rows for k in r))
     values = np.array([[r.get(c) for c in columns] for r in rows], dtype=np.float64).reshape(len(rows), len(columns))
+    return encode_frame(columns, values.T)
+
+
+def encode_frame(columns: list[str], values: np.ndarray) -> bytes:
+    """One frame: ``values`` (column x row) under ``columns``."""
     head = json.dumps(columns, separators=(",", ":")).encode()
-    return (_FRAME_HEAD.pack(_FRAME_MAGIC, len(rows), len(head)) + head
-            + np.ascontiguousarray(values.T, dtype="<f8").tobytes())  # fmt: skip
+    return (_FRAME_HEAD.pack(_FRAME_MAGIC, values.shape[1] if values.ndim == 2 else 0, len(head)) + head
+            + np.ascontiguousarray(values, dtype="<f8").tobytes())  # fmt: skip
 
 
-def decode_frames(data: bytes, where: str = "window rows") -> dict[str, np.ndarray]:
-    """Frames appended one after another -> the columns of ``windows.rows_columns`` ((window, rank)
-    order, NaN or -1 where a sender had no such column). Raises ValueError naming ``where`` for bytes
-    that are not whole frames."""
+def iter_frames(data: bytes, where: str) -> Iterator[tuple[bytes, list[str], np.ndarray]]:
+    """Frames appended one after another -> (header bytes, columns, values as column x row), in order.
+    Raises ValueError naming ``where`` for bytes that are not whole frames."""
     view = memoryview(data)
-    groups: dict[bytes, tuple[list[str], list[np.ndarray]]] = {}  # header -> (columns, value blocks)
+    parsed: dict[bytes, list[str]] = {}  # each header parsed once
     pos, size = 0, len(view)
     while pos < size:
         if size - pos < _FRAME_HEAD.size:
@@ -129,22 +134,31 @@ def decode_frames(data: bytes, where: str = "window rows") -> dict[str, np.ndarr
         magic, n, head_size = _FRAME_HEAD.unpack_from(view, pos)
         start = pos + _FRAME_HEAD.size
         head = bytes(view[start : start + head_size])
-        group = groups.get(head)
-        if group is None:
+        columns = parsed.get(head)
+        if columns is None:
             try:
                 columns = json.loads(head) if magic == _FRAME_MAGIC else None
             except ValueError:
                 columns = None
             if not isinstance(columns, list) or not all(isinstance(c, str) for c in columns):
                 raise ValueError(f"{where}: bytes at offset {pos} are not a window-rows frame")
-            group = groups[head] = (columns, [])
+            parsed[head] = columns
         start += head_size
-        end = start + 8 * n * len(group[0])
+        end = start + 8 * n * len(columns)
         if end > size:
             raise ValueError(f"{where}: the frame at offset {pos} is truncated ({size - start} of "
                              f"{end - start} bytes of values)")  # fmt: skip
-        group[1].append(np.frombuffer(view[start:end], dtype="<f8").reshape(len(group[0]), n))
+        yield head, columns, np.frombuffer(view[start:end], dtype="<f8").reshape(len(columns), n)
         pos = end
+
+
+def decode_frames(data: bytes, where: str = "window rows") -> dict[str, np.ndarray]:
+    """Frames appended one after another -> the columns of ``windows.rows_columns`` ((window, rank)
+    order, NaN or -1 where a sender had no such column). Raises ValueError naming ``where`` for bytes
+    that are not whole frames."""
+    groups: dict[bytes, tuple[list[str], list[np.ndarray]]] = {}  # header -> (columns, value blocks)
+    for head, columns, values in iter_frames(data, where):
+        groups.setdefault(head, (columns, []))[1].append(values)
     parts = [(columns, np.concatenate(blocks, axis=1)) for columns, blocks in groups.values()]
     names = list(dict.fromkeys(c for columns, _ in parts for c in columns))
     merged = {}
