@@ -156,7 +156,8 @@ def main() -> None:
                       f"| {r['behind_median_s']:.2f} / {r['behind_max_s']:.2f} s | {r['waited_grace']} of {r['judged']} "
                       f"| {r['keys_max']} |", flush=True)  # fmt: skip
     print(f"\n# live episodes, judged by the agent that holds rank 0 over every rank's last blocks "
-          f"({args.per_node} ranks per node send theirs each pass)")  # fmt: skip
+          f"({args.per_node} ranks per node; each other node's agent sends its ranks' blocks at most every "
+          f"nodes / agent.BLOCK_KEYS_PER_S s)")  # fmt: skip
     print("| ranks | CPU per judgement | judged again after (agent.EPISODE_DUTY) | one node's new block on the wire "
           "| reading every other node's, wall / CPU | a 2x slow rank said |")  # fmt: skip
     print("|---|---|---|---|---|---|")
