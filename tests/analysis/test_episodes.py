@@ -824,6 +824,22 @@ def test_live_a_fail_slow_that_begins_as_another_ends_does_not_cut_the_first_sho
         assert len(ends) == 2 and all("then recovered" in text for text in ends), (seed, said)
 
 
+def test_a_rank_that_went_silent_does_not_stop_the_live_episodes_of_the_others():
+    """Rank 0's blocks stop arriving at step 100 (its node's agent stopped sending): once its history is
+    older than the kept blocks it leaves them, and rank 2's later fail-slow is still said live (before, its
+    empty history made every rank's common span nothing, and nothing was judged again)."""
+    opts = DetectionOptions()
+    cols = _step_columns(6, 400, {2: (250, 310, 2.0)})
+    streams = [BlockStream(r, r // 2, opts) for r in range(6)]
+    live, said = LiveEpisodes(opts, keep_blocks=30), []
+    for start in range(0, 400, 10):
+        said += live.update([s.add({k: v[start : start + 10] for k, v in c.items()})
+                             for s, c in zip(streams, cols, strict=True) if s.rank or start < 100])  # fmt: skip
+    assert 0 not in live._history
+    started = [text for _, text in said if "is slow since step" in text]
+    assert len(started) == 1 and started[0].startswith("rank 2 (node 1) is slow since step 2"), said
+
+
 def test_a_one_node_job_missing_a_ranks_metadata_is_gathered_without_a_store(tmp_path: Path) -> None:
     """A rank of a one-node job that failed before it wrote its metadata leaves the agent 3 of 4 ranks:
     the agent still gathers them itself (the missing rank is missing in its windows) and never

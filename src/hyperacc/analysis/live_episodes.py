@@ -99,8 +99,10 @@ class LiveEpisodes:
             self._history[b.rank] = _joined(self._history.get(b.rank), b)
             self._first.setdefault(b.rank, int(b.block[0]))
         newest = max(int(h.block[-1]) for h in self._history.values() if h.block.size)
-        for rank, h in self._history.items():
-            self._history[rank] = _since(h, newest - self.keep_blocks + 1)
+        # a rank silent for longer than the history (its node's agent stopped sending) leaves it: its empty
+        # history would make every rank's common span nothing, and nothing would be judged again
+        self._history = {rank: kept for rank, h in self._history.items()
+                         if (kept := _since(h, newest - self.keep_blocks + 1)).block.size}  # fmt: skip
         return True
 
     def judge(self) -> list[tuple[int, str]]:
