@@ -343,18 +343,22 @@ class LiveNode(_Periodic):
         from hyperacc.analysis.live_episodes import decode_blocks
 
         out: list[Any] = []
-        count = int(store.add("blocks/n", 0))
-        while self._blocks_read < count:
-            key = f"blocks/{self._blocks_read + 1}"
-            if store.check([key]):
-                out += decode_blocks(store.get(key), f"the blocks under {key} in the node agents' store")
-                store.delete_key(key)
-            elif not final:
-                since = self._blocks_absent.setdefault(key, time.monotonic())
-                if time.monotonic() - since < self.grace_s:
-                    break
-            self._blocks_absent.pop(key, None)
-            self._blocks_read += 1
+        try:
+            count = int(store.add("blocks/n", 0))
+            while self._blocks_read < count:
+                key = f"blocks/{self._blocks_read + 1}"
+                if store.check([key]):
+                    data = store.get(key)
+                    store.delete_key(key)
+                    out += decode_blocks(data, f"the blocks under {key} in the node agents' store")
+                elif not final:
+                    since = self._blocks_absent.setdefault(key, time.monotonic())
+                    if time.monotonic() - since < self.grace_s:
+                        break
+                self._blocks_absent.pop(key, None)
+                self._blocks_read += 1
+        except STORE_ERRORS:
+            pass  # what was read is judged; the rest stays in the store for the next pass
         return out
 
     def _judge_episodes(self, final: bool, store: Any = None) -> None:
@@ -381,8 +385,6 @@ class LiveNode(_Periodic):
             began = time.thread_time()
             said = self._episodes.judge() + (self._episodes.close() if final else [])
             self._judge_after = time.monotonic() + EPISODE_DUTY * (time.thread_time() - began)
-        except STORE_ERRORS:
-            return  # what the other agents published stays in the store for the next pass
         except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
             self._episodes = False
             log.warning("hyperacc run: live episodes switched off (%s)", one_line(exc))
