@@ -281,6 +281,25 @@ class SegmentCursor:
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
         self.done = 0
+        self._head: tuple[int, int] | None = None  # (segment number, rows to skip at its head): start_at_tail
+
+    def start_at_tail(self, rows: int) -> None:
+        """Before the first read: skip the segments older than the newest ones that hold at least
+        ``rows`` rows, so that a follower that needs only the latest rows (``hyperacc watch`` of a job
+        that has run for days) does not read the whole run first. The row counts come from the files'
+        footers or headers, newest first; where fewer rows are found (or a file cannot be opened before
+        enough are), everything is read as before."""
+        need, start = rows, 0
+        for path in reversed(live_segments(self.directory)):
+            try:
+                need -= int(_open_file(path).metadata.num_rows)
+            except (OSError, pa.ArrowException, ValueError):
+                break
+            if need <= 0:
+                start = segment_range(path)[0] - 1  # type: ignore[index]
+                self._head = (start + 1, -need)  # that file's first rows are not needed either
+                break
+        self.done = start
 
     def read_new(self, columns: Sequence[str] | None = None, schema: pa.Schema | None = None) -> list[pa.Table]:
         """The new rows: ``columns`` that each file has, as written; or, given ``schema``, checked and
@@ -301,16 +320,19 @@ class SegmentCursor:
                 if lo <= self.done:
                     parts = dict(_parse_parts((pf.schema_arrow.metadata or {}).get(_PARTS, b"")))
                     skip = parts.get(self.done, pf.metadata.num_rows)
+                elif self._head is not None and self._head[0] == lo:
+                    skip = self._head[1]
                 names = pf.schema_arrow.names
                 wanted = None if columns is None or schema is not None else [c for c in columns if c in names]
-                table = pf.read(columns=wanted)  # checked reads take every column: conform needs the identity
+                # checked reads take every column: conform needs the identity
+                table, skip = _read_from(pf, skip, wanted)
             except (FileNotFoundError, SegmentGone):
                 break  # compacted while listed: the next call lists again
             except (OSError, pa.ArrowException, ValueError) as exc:
                 warn_once(path, f"skipping unreadable segment {path} ({exc})")
                 self.done = hi
                 continue
-            self.done = hi
+            self.done, self._head = hi, None
             if skip:
                 table = table.slice(skip)
             if schema is not None:
@@ -320,6 +342,19 @@ class SegmentCursor:
             if table.num_rows:
                 out.append(table)
         return out
+
+
+def _read_from(pf: Any, skip: int, columns: list[str] | None) -> tuple[pa.Table, int]:
+    """The rows of an opened segment from row ``skip`` on, reading only the Parquet row groups that hold
+    them: (the table read, the rows still to skip at its head)."""
+    groups = getattr(pf, "num_row_groups", 0)
+    if skip <= 0 or groups <= 1:
+        return pf.read(columns=columns), skip
+    first, seen = 0, 0
+    while first < groups - 1 and seen + pf.metadata.row_group(first).num_rows <= skip:
+        seen += pf.metadata.row_group(first).num_rows
+        first += 1
+    return pf.read_row_groups(range(first, groups), columns=columns), skip - seen
 
 
 _META_INTS = ("rank", "local_rank", "node", "world_size", "local_world_size", "pid")

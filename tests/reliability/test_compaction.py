@@ -102,6 +102,26 @@ def test_a_follower_reads_each_row_once_across_compactions(tmp_path: Path) -> No
     assert pa.chunked_array(seen).to_pylist() == list(range(7 * ROWS))
 
 
+def test_a_follower_that_starts_at_the_tail_reads_only_the_rows_it_keeps(tmp_path: Path) -> None:
+    """``hyperacc watch`` of a long job reads the newest rows first, not the whole run: a cursor started
+    at the tail reads exactly the last rows asked for (from a compacted file's row groups, then the small
+    segments after it) and every new row after that; asked for more than there are, it reads them all."""
+    import pyarrow.parquet as pq
+
+    rank_dir, writer = _rank_dir(tmp_path, 9, compacted_first=6)
+    compacted = next(p for p in rank_dir.iterdir() if p.stem.count("-") == 2)  # seg-lo-hi
+    table = store.read_steps(tmp_path)
+    pq.write_table(table.slice(0, 6 * ROWS), compacted, row_group_size=ROWS)  # row groups of 10 rows
+    for tail in (25, 30, 45, 9 * ROWS, 10 * ROWS):
+        cursor = store.SegmentCursor(rank_dir)
+        cursor.start_at_tail(tail)
+        seen = [t.column("step") for t in cursor.read_new(["step"], schema=STEP_SCHEMA)]
+        assert pa.chunked_array(seen).to_pylist() == list(range(max(0, 9 * ROWS - tail), 9 * ROWS)), tail
+    _segment(writer, 9 * ROWS)
+    new = [t.column("step") for t in cursor.read_new(["step"])]
+    assert pa.chunked_array(new).to_pylist() == list(range(9 * ROWS, 10 * ROWS))
+
+
 @pytest.mark.parametrize("open_period", [False, True], ids=["first file", "growing the period's file"])
 @pytest.mark.parametrize("where", ["write", "unlink-0", "unlink-1", "unlink-4"])
 def test_a_compaction_killed_at_any_point_loses_and_duplicates_nothing(tmp_path: Path, where: str,

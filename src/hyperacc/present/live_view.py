@@ -32,6 +32,8 @@ from hyperacc.stats import nan_median
 
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 
+RSS_KEPT = 3600  # resource samples kept per rank for memory creep (the newest)
+
 _COLUMNS = (
     "step", "t_start_ns", "step_ns", "self_ns", "comm_wait_ns", "dev_comm_wait_ns", "cpu_ns", "data_ns",
     "h2d_ns", "forward_ns", "backward_ns", "optimizer_ns", "other_ns", "gc_ns", "major_faults",
@@ -124,6 +126,10 @@ class RunFollower:
             cursor = self._cursors.get(rank_dir)
             if cursor is None:
                 cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
+                # only the rows kept are read at first, not a long job's whole history (events: all)
+                tail = {"steps": self.keep, "resources": RSS_KEPT}.get(kind)
+                if tail is not None:
+                    cursor.start_at_tail(tail)
             out += [(rank, t) for t in cursor.read_new(columns, schema)]
         return out
 
@@ -266,7 +272,7 @@ class RunFollower:
 
     # ---- the second document's view (docs/presentation.md, "Live view"; rules in docs/detection.md)
 
-    def _keep_rss(self, table: pa.Table, keep: int = 3600) -> None:
+    def _keep_rss(self, table: pa.Table, keep: int = RSS_KEPT) -> None:
         if "t_ns" not in table.column_names or "rss_bytes" not in table.column_names:
             return
         rank = table.column("rank").to_numpy(zero_copy_only=False)
