@@ -62,7 +62,7 @@ def job_commands(job: str, iters: int, data: Path) -> list[str]:
 
 
 def run_arm(arm: str, trace: dict | None, job: str, iters: int, nproc: int, data: Path, work: Path,
-            src: Path = ROOT / "src") -> dict:  # fmt: skip
+            src: Path = ROOT / "src", metrics: bool = False) -> dict:  # fmt: skip
     out = Path(tempfile.mkdtemp(dir=work))
     env = dict(os.environ, RANK_COST_OUT=str(out), PYTHONPATH=os.pathsep.join([str(SHIM), str(src)]))
     env.pop("HYPERACC_TRACE", None)
@@ -74,6 +74,10 @@ def run_arm(arm: str, trace: dict | None, job: str, iters: int, nproc: int, data
                "--nproc-per-node", str(nproc)]  # fmt: skip
         if trace is not None:
             cmd += ["--trace", json.dumps(trace)]
+        if metrics:  # every rank's Prometheus metrics served while the job runs
+            from hyperacc.harness import free_port
+
+            cmd += ["--metrics-port", str(free_port())]
         cmd += ["--", *script]
     proc = subprocess.run([sys.executable, str(HERE / "workers" / "tree_usage.py"), *cmd], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -106,14 +110,15 @@ def interval(ratios: list[float]) -> tuple[float, float]:
 
 
 def compare(job: str, arms: dict[str, dict | None], pairs: int, iters: int, nproc: int, data: Path,
-            work: Path, sources: dict[str, Path] | None = None) -> None:  # fmt: skip
+            work: Path, sources: dict[str, Path] | None = None, metrics: bool = False) -> None:  # fmt: skip
     """``sources``: arms that run hyperacc from another source tree (a "before" worktree)."""
     sources = sources or {}
     results: dict[str, list[dict]] = {name: [] for name in ("plain", *arms)}
     for _ in range(pairs):
         results["plain"].append(run_arm("plain", None, job, iters, nproc, data, work))
         for name, trace in arms.items():
-            results[name].append(run_arm(name, trace, job, iters, nproc, data, work, sources.get(name, ROOT / "src")))
+            results[name].append(run_arm(name, trace, job, iters, nproc, data, work, sources.get(name, ROOT / "src"),
+                                         metrics))  # fmt: skip
     plain = results["plain"]
     print(f"\n{job}, {nproc} ranks, {iters} iterations, {pairs} alternated pairs")
     print(f"{'arm':<18} {'iter CPU ms':>11} {'ratio (95% interval)':>26} {'start-up CPU s':>15} "
@@ -153,6 +158,8 @@ def main() -> None:
     p.add_argument("--before", type=Path, default=None,
                    help="a source tree (e.g. a git worktree of an earlier commit): one more arm runs hyperacc "
                         "from its src/, alternated with the others, for a before/after in one run")
+    p.add_argument("--metrics", action="store_true",
+                   help="the traced arms serve every rank's Prometheus metrics (hyperacc run --metrics-port)")
     args = p.parse_args()
     pairs, iters = (3, 200) if args.quick else (args.pairs, args.iters)
     print(f"machine: {machine()}")
@@ -170,7 +177,7 @@ def main() -> None:
             arms |= {name: BARE | extra for name, extra in COMPONENTS.items()}
         jobs = ("nanogpt",) if args.quick and args.job == "both" else ("nanogpt", "train_ddp") if args.job == "both" else (args.job,)
         for job in jobs:
-            compare(job, arms, pairs, iters, args.nproc, data, work, sources)
+            compare(job, arms, pairs, iters, args.nproc, data, work, sources, args.metrics)
     print(f"\nbench/rank_cost.py took {time.monotonic() - t0:.0f} s; load average now "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}")
 

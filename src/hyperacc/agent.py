@@ -606,6 +606,50 @@ class _EventLog:
         self.at = time.monotonic()
 
 
+class MetricsEndpoint(_Periodic):
+    """``hyperacc run --metrics-port``: every rank's Prometheus metrics, served by the agent that holds
+    rank 0 (``present.metrics.RunDirEndpoint``: the run directory's records read every 2 s into one sink),
+    so that no training rank serves them (docs/presentation.md, "Live metrics"). The endpoint starts once
+    rank 0's metadata names this agent; an agent whose run directory shows rank 0 under another agent,
+    or never shows it (another node's local disk), serves nothing. Checking costs one small file read a
+    pass until then."""
+
+    thread_name = "hyperacc-agent-metrics"
+
+    def __init__(self, run_dir: str | Path, *, agent: str, address: str, poll_s: float = 1.0) -> None:
+        self.run_dir = Path(run_dir)
+        self.agent, self.address, self.poll_s = agent, address, poll_s
+        self.on = True
+        self.endpoint: Any = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def pass_once(self, *, final: bool) -> None:
+        if self.endpoint is not None or not self.on or final:
+            return
+        from hyperacc.schema import RankMeta, meta_path
+
+        try:
+            meta0 = RankMeta.from_json(meta_path(self.run_dir, 0).read_text())
+        except (OSError, ValueError, TypeError):
+            return  # not written yet (or being written): next pass
+        if meta0.agent != self.agent:
+            self.on = False  # rank 0 is another agent's: that one serves the metrics
+            return
+        try:
+            from hyperacc.present.metrics import RunDirEndpoint
+
+            self.endpoint = RunDirEndpoint(self.run_dir, self.address, world_size=meta0.world_size)
+        except Exception as exc:  # noqa: BLE001 - the endpoint is a convenience; training goes on
+            self.on = False
+            log.warning("hyperacc run: metrics endpoint %s not served (%s)", self.address, one_line(exc))
+
+    def _finish(self) -> None:
+        if self.endpoint is not None:
+            endpoint, self.endpoint = self.endpoint, None
+            endpoint.close()
+
+
 class NodeAgent:
     """What ``hyperacc run`` does beside torchrun for its node's ranks: compaction and live aggregation."""
 

@@ -14,8 +14,6 @@ installs, in this order:
    rank 0 decides after each live window, every rank applies live switches at the agreed step
    (docs/remediation.md);
 
-5. on rank 0, the Prometheus endpoint of ``hyperacc run --metrics-port`` (``HYPERACC_METRICS``);
-
 then runs the script as ``__main__`` with ``sys.argv`` set as if it had been started directly
 (``-m module`` runs a module instead), and finally closes the stabilizers and flushes the tracer and
 chaos ground truth. Parts that are not installed or not configured are skipped.
@@ -121,29 +119,7 @@ def install() -> list[Any]:
             log.warning("hyperacc: remediation needs the tracer (set %s); remediation is off", ENV_RUN_DIR)
         if live is not None:
             closers.insert(0, live)  # closed first: its stabilizers end before the tracer flushes
-    metrics = _metrics_endpoint()
-    if metrics is not None:
-        closers.append(metrics)
     return closers
-
-
-def _metrics_endpoint() -> Any:
-    """Rank 0 serves every rank's Prometheus metrics when ``hyperacc run --metrics-port`` asked for it."""
-    from hyperacc import process
-    from hyperacc.options import env_text
-    from hyperacc.supervisor import METRICS_ENV
-    from hyperacc.trace import ENV_RUN_DIR
-
-    address, run_dir, here = env_text(METRICS_ENV), env_text(ENV_RUN_DIR), process.place()
-    if not address or not run_dir or here.rank != 0:
-        return None
-    try:
-        from hyperacc.present.metrics import RunDirEndpoint
-
-        return RunDirEndpoint(run_dir, address, world_size=here.world_size)
-    except Exception as exc:  # noqa: BLE001 - the endpoint is a convenience; training goes on
-        log.warning("hyperacc: metrics endpoint %s not served: %r", address, exc)
-        return None
 
 
 def close(closers: list[Any], *, stopping: bool = False) -> None:

@@ -36,8 +36,6 @@ from typing import Any, TextIO
 log = logging.getLogger("hyperacc.run")
 
 VIEWS = ("panel", "lines", "off")
-# ``HOST:PORT`` of the Prometheus endpoint rank 0 serves (``hyperacc run --metrics-port``).
-METRICS_ENV = "HYPERACC_METRICS"
 
 
 def choose_view(quiet: bool, stream: TextIO | None = None) -> str:

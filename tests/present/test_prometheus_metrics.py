@@ -150,3 +150,27 @@ def test_the_straggler_gauge_judges_the_columns_analyze_judges():
     for lo in range(0, 200, 20):
         sink(_paged_steps(lo, lo + 20, rng))
     assert sink._flagged == {1: "page_faults"}
+
+
+def test_the_node_agent_that_holds_rank_0_serves_the_metrics_and_no_other(tmp_path) -> None:
+    """``hyperacc run --metrics-port``: the agent whose ranks include rank 0 serves every rank's metrics
+    once rank 0's metadata names it; another node's agent serves nothing (no training rank does either)."""
+    from hyperacc.agent import MetricsEndpoint
+    from hyperacc.records import write_meta
+    from hyperacc.schema import RankMeta
+
+    address = f"127.0.0.1:{free_port()}"
+    other = MetricsEndpoint(tmp_path, agent="b:2", address=address)
+    leader = MetricsEndpoint(tmp_path, agent="a:1", address=address)
+    leader.pass_once(final=False)
+    assert leader.endpoint is None and leader.on  # rank 0 has not written its metadata yet
+    for rank in range(2):
+        write_meta(tmp_path, RankMeta(rank, rank, 0, 2, 2, "host", 10 + rank, agent="a:1"))
+    other.pass_once(final=False)
+    assert other.endpoint is None and not other.on
+    leader.pass_once(final=False)
+    assert leader.endpoint is not None and leader.endpoint.server is not None
+    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    assert "hyperacc_" in body
+    leader.stop()
+    assert leader.endpoint is None

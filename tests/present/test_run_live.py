@@ -14,6 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from hyperacc import store
@@ -93,7 +94,7 @@ def served_then_stopped(tmp_path_factory) -> dict:
              "--trace", TRACE, "--", str(EXAMPLE), "--steps", "1000000", *SMALL],
             env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    body, wrote = "", False
+    body, wrote, agent_serves = "", False, False
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -102,6 +103,9 @@ def served_then_stopped(tmp_path_factory) -> dict:
             except OSError:
                 body = ""
             if 'hyperacc_last_step{rank="0"}' in body and 'hyperacc_last_step{rank="1"}' in body:
+                # served by hyperacc run itself (the node agent), not by a training rank
+                listening = psutil.Process(proc.pid).net_connections(kind="tcp")
+                agent_serves = any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in listening)
                 break
             time.sleep(1.0)
         while time.monotonic() < deadline and proc.poll() is None and not wrote:
@@ -115,7 +119,7 @@ def served_then_stopped(tmp_path_factory) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     left = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True)
-    return {"body": body, "wrote": wrote, "running": running, "code": proc.returncode,
+    return {"body": body, "wrote": wrote, "running": running, "code": proc.returncode, "agent_serves": agent_serves,
             "out": log_path.read_text(errors="replace"), "left": left.stdout.strip()}  # fmt: skip
 
 
@@ -127,10 +131,11 @@ def test_sigterm_is_passed_to_torchrun_and_the_ranks_stop(served_then_stopped):
     assert job["left"] == "", job["left"]
 
 
-def test_metrics_of_every_rank_from_rank_0(served_then_stopped):
+def test_metrics_of_every_rank_from_the_node_agent(served_then_stopped):
     body = served_then_stopped["body"]
     assert 'hyperacc_last_step{rank="0"}' in body and 'hyperacc_last_step{rank="1"}' in body, body[-2000:]
     assert 'hyperacc_step_seconds_count{rank="1"}' in body
+    assert served_then_stopped["agent_serves"]  # hyperacc run's own process listens, no training rank
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (make system installs it)")

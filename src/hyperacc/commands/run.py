@@ -23,10 +23,10 @@ from pathlib import Path
 
 import click
 
-from hyperacc.agent import Compactor, LiveNode, NodeAgent
+from hyperacc.agent import Compactor, LiveNode, MetricsEndpoint, NodeAgent
 from hyperacc.commands.params import OneLineCommand, OutputDir
 from hyperacc.remediation.config import ENV as REMEDIATE_ENV
-from hyperacc.supervisor import METRICS_ENV, Supervisor, choose_view
+from hyperacc.supervisor import Supervisor, choose_view
 from hyperacc.trace.options import ENV_NODE_AGENT
 
 # torchrun options offered directly (name, takes a value); anything else: --torchrun-arg.
@@ -260,7 +260,8 @@ def build_command(
               help="--run-dir holds another run's records: remove them first (otherwise the run is refused).")  # fmt: skip
 @click.option("--quiet", is_flag=True, help="No live view; the job's output untouched.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
-              help="Serve Prometheus metrics of every rank from rank 0 on this port (docs/presentation.md).")  # fmt: skip
+              help="Serve Prometheus metrics of every rank on this port, from the node agent that holds rank 0 "
+                   "(docs/presentation.md).")  # fmt: skip
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics endpoint listens on (0.0.0.0: every interface).")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Print the torchrun command and environment; start nothing.")
@@ -355,15 +356,14 @@ def command(
         env.update(stabilize_env)
     if remediate is not None:
         env.update(remediate.env)
-    if metrics_port is not None:
-        env[METRICS_ENV] = f"{metrics_host}:{metrics_port}"
     rdzv_id = None if standalone else options.get("rdzv-id")
     _check_reuse(run_dir, rdzv_id, overwrite, dry_run)
     if dry_run:
         for note in remediate.notes if remediate is not None else ():
             click.echo(f"# --remediate: {note}")
-        ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE",
-                METRICS_ENV]  # fmt: skip
+        if metrics_port is not None:
+            click.echo(f"# --metrics-port: the node agent that holds rank 0 serves /metrics on {metrics_host}:{metrics_port}")
+        ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE"]
         added = sorted(k for k in env if env.get(k) != os.environ.get(k) and k not in ours)
         for key in [k for k in ours if k in env] + added:
             if key in env:
@@ -389,6 +389,7 @@ def command(
     node = NodeAgent(
         LiveNode.from_trace_json(run_dir, trace_json, agent=agent, remediate=env.get(REMEDIATE_ENV)),
         Compactor.from_trace_json(run_dir, trace_json, agent=agent),
+        None if metrics_port is None else MetricsEndpoint(run_dir, agent=agent, address=f"{metrics_host}:{metrics_port}"),
     )
     sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window, agent=node).run())
 
