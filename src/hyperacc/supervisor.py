@@ -187,8 +187,11 @@ class Supervisor:
 
     def _follower(self) -> Any:
         from hyperacc.present.live_view import RunFollower
+        from hyperacc.trace.options import ENV_NODE_AGENT
 
-        return RunFollower([self.run_dir], keep=max(4 * self.window, 200))
+        # this node's ranks (the ranks whose metadata names this hyperacc run), on a shared run directory too
+        agent = self.env.get(ENV_NODE_AGENT) or None
+        return RunFollower([self.run_dir], keep=max(4 * self.window, 200), agent=agent)
 
     def _lines(self) -> None:
         from hyperacc.present.live_view import line

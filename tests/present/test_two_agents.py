@@ -142,3 +142,35 @@ def test_watch_of_a_directory_without_records_says_so(tmp_path) -> None:
     assert r.returncode == 1 and r.stdout == ""
     missing = hyperacc("watch", str(tmp_path / "nowhere"), "--once")
     assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_the_view_of_hyperacc_run_follows_its_own_ranks_in_a_shared_run_directory(tmp_path, monkeypatch) -> None:
+    """Two nodes' agents sharing one run directory: each ``hyperacc run`` view (``RunFollower(agent=...)``)
+    reads only the ranks whose metadata names it, as on local disks, not every node's; the metadata is
+    read again only every ``META_EVERY_S``, not at every refresh."""
+    import numpy as np
+
+    from hyperacc import records
+    from hyperacc.present import live_view
+    from hyperacc.schema import RankMeta, steps_dir
+
+    columns = records.columns_of("STEP_SCHEMA")
+    for rank in range(4):
+        records.write_meta(tmp_path, RankMeta(rank, rank % 2, rank // 2, 4, 2, "host", 10 + rank,
+                                              agent=("a:1", "b:2")[rank // 2]))  # fmt: skip
+        rows = np.full((80, len(columns)), -1, dtype=np.int64)
+        for name, values in (("rank", rank), ("node", rank // 2), ("step", np.arange(80)), ("step_ns", 20_000_000),
+                             ("self_ns", 15_000_000), ("comm_wait_ns", 5_000_000), ("t_start_ns", 10**18)):  # fmt: skip
+            rows[:, columns.index(name)] = values
+        records.RecordWriter(steps_dir(tmp_path, rank), "STEP_SCHEMA").write_int64(rows)
+    reads = []
+    real = live_view.store.read_meta
+    monkeypatch.setattr(live_view.store, "read_meta", lambda run_dir: reads.append(run_dir) or real(run_dir))
+    mine = RunFollower([tmp_path], keep=200, agent="b:2")
+    assert mine.poll()
+    snap = mine.snapshot(window=50)
+    assert snap is not None and {v.rank for v in snap.per_rank} == {2, 3} and snap.world_size == 4
+    assert not mine.poll() and len(reads) == 1  # the second refresh read no metadata and no records
+    every = RunFollower([tmp_path], keep=200)
+    every.poll()
+    assert {v.rank for v in every.snapshot(window=50).per_rank} == {0, 1, 2, 3}

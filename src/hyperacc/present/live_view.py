@@ -33,6 +33,8 @@ from hyperacc.stats import nan_median
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 
 RSS_KEPT = 3600  # resource samples kept per rank for memory creep (the newest)
+META_EVERY_S = 10.0  # the ranks' metadata is read again this often (restarts, ranks joining)
+META_RETRY_S = 1.0  # ... and after this while a rank folder has none yet (doubling up to META_EVERY_S)
 
 _COLUMNS = (
     "step", "t_start_ns", "step_ns", "self_ns", "comm_wait_ns", "dev_comm_wait_ns", "cpu_ns", "data_ns",
@@ -86,11 +88,21 @@ class Snapshot:
 
 
 class RunFollower:
-    """Follows one or more run directories of one job (several agents with local disks)."""
+    """Follows one or more run directories of one job (several agents with local disks).
 
-    def __init__(self, run_dirs: Sequence[str | Path], keep: int = 400) -> None:
+    ``agent``: follow only the ranks whose metadata names that node agent ("host:pid"), as ``hyperacc
+    run``'s own view does, so that each node's view reads its own ranks' records whether the run
+    directory is a local disk or shared by every node (where every agent following every rank would
+    read nodes x ranks folders a refresh). The live findings are read either way."""
+
+    def __init__(self, run_dirs: Sequence[str | Path], keep: int = 400, agent: str | None = None) -> None:
         self.run_dirs = [Path(d) for d in run_dirs]
         self.keep = keep
+        self.agent = agent
+        self._agents: dict[int, str] = {}  # rank -> the agent its metadata names
+        # run directory -> (when its metadata was last read, the wait before reading it again for a rank
+        # folder whose metadata was not there yet)
+        self._meta_read: dict[Path, tuple[float, float]] = {}
         self._cursors: dict[Path, store.SegmentCursor] = {}  # per rank directory of steps, events, resources
         self._rows: dict[int, dict[str, np.ndarray]] = {}
         self._node: dict[int, int] = {}
@@ -104,9 +116,7 @@ class RunFollower:
         """Read what appeared since the last call; True when there was anything new."""
         new = False
         for run_dir in self.run_dirs:
-            for rank, m in store.read_meta(run_dir).items():  # checked as analyze checks it
-                self._node[rank] = m.node
-                self.world_size = max(self.world_size, m.world_size)
+            self._read_meta(run_dir)
             for rank, table in self._new_tables(run_dir, "steps", _COLUMNS, STEP_SCHEMA):
                 self._add(rank, table)
                 new = True
@@ -116,13 +126,33 @@ class RunFollower:
             self._last_new = time.monotonic()
         return new
 
+    def _read_meta(self, run_dir: Path) -> None:
+        """The ranks' metadata (node, agent, world size), read again every ``META_EVERY_S`` (a refresh
+        of a thousand ranks' view would otherwise read a thousand files), and at once while a rank
+        folder has no metadata read yet (a job starting)."""
+        now = time.monotonic()
+        last, wait = self._meta_read.get(run_dir, (None, META_RETRY_S))
+        if last is not None:
+            unknown = any(rank not in self._agents for rank, _ in _rank_dirs(run_dir, "steps", stat=False))
+            if now - last < (wait if unknown else META_EVERY_S):
+                return
+            wait = min(2 * wait, META_EVERY_S) if unknown else META_RETRY_S  # a rank that never writes it
+        self._meta_read[run_dir] = (now, wait)
+        for rank, m in store.read_meta(run_dir).items():  # checked as analyze checks it
+            self._node[rank] = m.node
+            self._agents[rank] = m.agent
+            self.world_size = max(self.world_size, m.world_size)
+
+    def _mine(self, rank: int) -> bool:
+        return self.agent is None or self._agents.get(rank) == self.agent
+
     def _new_tables(
         self, run_dir: Path, kind: str, columns: Sequence[str], schema: pa.Schema
     ) -> list[tuple[int, pa.Table]]:
         """The rows of every rank folder of ``kind`` not read yet, each once (across compactions), checked
         and conformed to ``schema`` as analyze reads them (a segment that does not fit: skipped)."""
         out = []
-        for rank, rank_dir in _rank_dirs(run_dir, kind):
+        for rank, rank_dir in _rank_dirs(run_dir, kind, keep=self._mine):
             cursor = self._cursors.get(rank_dir)
             if cursor is None:
                 cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
@@ -364,14 +394,17 @@ def _finding_key(text: str) -> str:
     return " ".join(words[:2]) if len(words) >= 2 else text
 
 
-def _rank_dirs(run_dir: Path, kind: str) -> list[tuple[int, Path]]:
+def _rank_dirs(run_dir: Path, kind: str, keep: Any = None, stat: bool = True) -> list[tuple[int, Path]]:
     """Every rank folder ``rank-<number below MAX_RANKS>`` under ``run_dir/kind``, as ``analysis.columns``
-    finds them: other folders are not a rank's."""
+    finds them: other folders are not a rank's. ``keep``: only the ranks it is true of (asked before
+    any folder is looked at); ``stat`` False: names only, not checked to be folders."""
     out: list[tuple[int, Path]] = []
     try:
         for sub in sorted((run_dir / kind).glob("rank-*")):
             m = _RANK_DIR.match(sub.name)
-            if m and int(m.group(1)) < store.MAX_RANKS and sub.is_dir():
+            if not m or int(m.group(1)) >= store.MAX_RANKS or (keep is not None and not keep(int(m.group(1)))):
+                continue
+            if not stat or sub.is_dir():
                 out.append((int(m.group(1)), sub))
     except OSError:
         return out  # a folder that vanished or cannot be listed: read again at the next refresh
