@@ -111,6 +111,7 @@ class Compactor(_Periodic):
         self.on = every > 0
         self.compacted = 0  # files written
         self._ranks: set[int] = set()
+        self._meta_cache: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -126,8 +127,10 @@ class Compactor(_Periodic):
         """The ranks whose metadata names this agent (read again for ranks not yet seen: restarts)."""
         from hyperacc import store
 
+        if self._meta_cache is None:
+            self._meta_cache = store.MetaCache(self.run_dir)
         try:
-            metas = store.read_meta(self.run_dir) if (self.run_dir / "meta").is_dir() else {}
+            metas = self._meta_cache.read()
         except Exception:  # noqa: BLE001 - unreadable metadata: nothing new to compact this time
             return self._ranks
         self._ranks |= {rank for rank, meta in metas.items() if meta.agent == self.agent}
@@ -209,6 +212,7 @@ class LiveNode(_Periodic):
         self._streams: dict[int, Any] = {}
         self._last_step: dict[int, int] = {}
         self._metas: dict[int, Any] = {}
+        self._meta_cache: Any = None  # store.MetaCache of the run directory
         self._held: list[dict[str, Any]] = []  # rows read before the job's shape is known
         self._gatherer: Any = None
         self._store: Any = None  # a follower's client of the leader's store (multi-node)
@@ -463,11 +467,12 @@ class LiveNode(_Periodic):
         from hyperacc.analysis.windows import WindowStream, step_columns
         from hyperacc.schema import STEP_SCHEMA, steps_dir
 
-        if (self.run_dir / "meta").is_dir():
-            try:
-                self._metas.update(store.read_meta(self.run_dir))
-            except Exception:  # noqa: BLE001 - metadata being written: read again next pass
-                pass
+        if self._meta_cache is None:
+            self._meta_cache = store.MetaCache(self.run_dir)
+        try:
+            self._metas.update(self._meta_cache.read())
+        except Exception:  # noqa: BLE001 - metadata being written: read again next pass
+            pass
         out: list[dict[str, Any]] = []
         for rank, meta in sorted(self._metas.items()):
             if meta.agent != self.agent:

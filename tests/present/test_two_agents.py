@@ -147,7 +147,7 @@ def test_watch_of_a_directory_without_records_says_so(tmp_path) -> None:
 def test_the_view_of_hyperacc_run_follows_its_own_ranks_in_a_shared_run_directory(tmp_path, monkeypatch) -> None:
     """Two nodes' agents sharing one run directory: each ``hyperacc run`` view (``RunFollower(agent=...)``)
     reads only the ranks whose metadata names it, as on local disks, not every node's; the metadata is
-    read again only every ``META_EVERY_S``, not at every refresh."""
+    read again only when it changed (``store.MetaCache``), not at every refresh."""
     import numpy as np
 
     from hyperacc import records
@@ -163,6 +163,8 @@ def test_the_view_of_hyperacc_run_follows_its_own_ranks_in_a_shared_run_director
                              ("self_ns", 15_000_000), ("comm_wait_ns", 5_000_000), ("t_start_ns", 10**18)):  # fmt: skip
             rows[:, columns.index(name)] = values
         records.RecordWriter(steps_dir(tmp_path, rank), "STEP_SCHEMA").write_int64(rows)
+    past = os.stat(tmp_path / "meta").st_mtime - 10  # written a while ago: settled
+    os.utime(tmp_path / "meta", (past, past))
     reads = []
     real = live_view.store.read_meta
     monkeypatch.setattr(live_view.store, "read_meta", lambda run_dir: reads.append(run_dir) or real(run_dir))
@@ -171,6 +173,9 @@ def test_the_view_of_hyperacc_run_follows_its_own_ranks_in_a_shared_run_director
     snap = mine.snapshot(window=50)
     assert snap is not None and {v.rank for v in snap.per_rank} == {2, 3} and snap.world_size == 4
     assert not mine.poll() and len(reads) == 1  # the second refresh read no metadata and no records
+    records.write_meta(tmp_path, RankMeta(4, 0, 2, 5, 1, "host", 14, agent="b:2"))  # a rank joins
+    mine.poll()
+    assert len(reads) == 2 and mine.world_size == 5
     every = RunFollower([tmp_path], keep=200)
     every.poll()
     assert {v.rank for v in every.snapshot(window=50).per_rank} == {0, 1, 2, 3}

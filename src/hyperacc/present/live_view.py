@@ -33,8 +33,6 @@ from hyperacc.stats import nan_median
 _RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 
 RSS_KEPT = 3600  # resource samples kept per rank for memory creep (the newest)
-META_EVERY_S = 10.0  # the ranks' metadata is read again this often (restarts, ranks joining)
-META_RETRY_S = 1.0  # ... and after this while a rank folder has none yet (doubling up to META_EVERY_S)
 
 _COLUMNS = (
     "step", "t_start_ns", "step_ns", "self_ns", "comm_wait_ns", "dev_comm_wait_ns", "cpu_ns", "data_ns",
@@ -100,9 +98,7 @@ class RunFollower:
         self.keep = keep
         self.agent = agent
         self._agents: dict[int, str] = {}  # rank -> the agent its metadata names
-        # run directory -> (when its metadata was last read, the wait before reading it again for a rank
-        # folder whose metadata was not there yet)
-        self._meta_read: dict[Path, tuple[float, float]] = {}
+        self._meta_cache: dict[Path, store.MetaCache] = {}
         self._cursors: dict[Path, store.SegmentCursor] = {}  # per rank directory of steps, events, resources
         self._rows: dict[int, dict[str, np.ndarray]] = {}
         self._node: dict[int, int] = {}
@@ -127,18 +123,12 @@ class RunFollower:
         return new
 
     def _read_meta(self, run_dir: Path) -> None:
-        """The ranks' metadata (node, agent, world size), read again every ``META_EVERY_S`` (a refresh
-        of a thousand ranks' view would otherwise read a thousand files), and at once while a rank
-        folder has no metadata read yet (a job starting)."""
-        now = time.monotonic()
-        last, wait = self._meta_read.get(run_dir, (None, META_RETRY_S))
-        if last is not None:
-            unknown = any(rank not in self._agents for rank, _ in _rank_dirs(run_dir, "steps", stat=False))
-            if now - last < (wait if unknown else META_EVERY_S):
-                return
-            wait = min(2 * wait, META_EVERY_S) if unknown else META_RETRY_S  # a rank that never writes it
-        self._meta_read[run_dir] = (now, wait)
-        for rank, m in store.read_meta(run_dir).items():  # checked as analyze checks it
+        """The ranks' metadata (node, agent, world size), read again only when it changed
+        (``store.MetaCache``): a refresh of a thousand ranks' view would otherwise read a thousand files."""
+        cache = self._meta_cache.get(run_dir)
+        if cache is None:
+            cache = self._meta_cache[run_dir] = store.MetaCache(run_dir)
+        for rank, m in cache.read().items():  # checked as analyze checks it
             self._node[rank] = m.node
             self._agents[rank] = m.agent
             self.world_size = max(self.world_size, m.world_size)
@@ -394,17 +384,17 @@ def _finding_key(text: str) -> str:
     return " ".join(words[:2]) if len(words) >= 2 else text
 
 
-def _rank_dirs(run_dir: Path, kind: str, keep: Any = None, stat: bool = True) -> list[tuple[int, Path]]:
+def _rank_dirs(run_dir: Path, kind: str, keep: Any = None) -> list[tuple[int, Path]]:
     """Every rank folder ``rank-<number below MAX_RANKS>`` under ``run_dir/kind``, as ``analysis.columns``
     finds them: other folders are not a rank's. ``keep``: only the ranks it is true of (asked before
-    any folder is looked at); ``stat`` False: names only, not checked to be folders."""
+    any folder is looked at)."""
     out: list[tuple[int, Path]] = []
     try:
         for sub in sorted((run_dir / kind).glob("rank-*")):
             m = _RANK_DIR.match(sub.name)
             if not m or int(m.group(1)) >= store.MAX_RANKS or (keep is not None and not keep(int(m.group(1)))):
                 continue
-            if not stat or sub.is_dir():
+            if sub.is_dir():
                 out.append((int(m.group(1)), sub))
     except OSError:
         return out  # a folder that vanished or cannot be listed: read again at the next refresh
