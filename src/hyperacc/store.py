@@ -410,7 +410,6 @@ class MetaCache:
     def __init__(self, run_dir: str | os.PathLike, refresh_s: float = 60.0) -> None:
         self.folder = Path(run_dir) / "meta"
         self.refresh_s = refresh_s
-        self.reads = 0  # full reads made (tests, benchmarks)
         self._metas: dict[int, RankMeta] = {}
         self._mtime: int | None = None
         self._at = -math.inf
@@ -425,7 +424,6 @@ class MetaCache:
         if mtime == self._mtime and settled and now - self._at < self.refresh_s:
             return self._metas
         self._metas, self._mtime, self._at = read_meta(self.folder.parent), mtime, now
-        self.reads += 1
         return self._metas
 
 
