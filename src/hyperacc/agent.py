@@ -543,6 +543,11 @@ class LiveNode(_Periodic):
             self._remediation.retarget(_remediate_prefix(meta0), meta0.store)
         return self._gatherer
 
+    def confirmed_stragglers(self) -> dict[int, str]:
+        """The stragglers the live windows confirm now (rank -> kind); empty where this agent does not judge."""
+        detector = getattr(self._gatherer, "_detector", None)
+        return dict(getattr(detector, "confirmed", {}))
+
     def _window_event(self, w: int, received: list[int], missing: list[int]) -> None:
         detail = json.dumps({"received": received, "missing": missing})
         self._event("window_gathered", w * self.window, float(len(received)), detail)
@@ -612,42 +617,56 @@ class _EventLog:
 
 
 class MetricsEndpoint(_Periodic):
-    """``hyperacc run --metrics-port``: every rank's Prometheus metrics, served by the agent that holds
-    rank 0 (``present.metrics.RunDirEndpoint``: the run directory's records read every 2 s into one sink),
-    so that no training rank serves them (docs/presentation.md, "Live metrics"). The endpoint starts once
-    rank 0's metadata names this agent; an agent whose run directory shows rank 0 under another agent,
-    or never shows it (another node's local disk), serves nothing. Checking costs one small file read a
-    pass until then."""
+    """``hyperacc run --metrics-port``: the Prometheus metrics of this agent's ranks, served by the agent
+    (``present.metrics.RunDirEndpoint`` over the ranks whose metadata names it), so that no training rank
+    serves them and every node is scraped for its own ranks, whether the run directory is a local disk or
+    shared (docs/presentation.md, "Live metrics"). Where the agent holds every rank of the job (one node),
+    its sink judges the stragglers itself, as ``analyze`` does; on several nodes the straggler gauge
+    comes from ``stragglers`` (the live windows' verdicts of the agent that holds rank 0, over the whole
+    job), and the other agents export none. The metadata is read through ``store.MetaCache``."""
 
     thread_name = "hyperacc-agent-metrics"
 
-    def __init__(self, run_dir: str | Path, *, agent: str, address: str, poll_s: float = 1.0) -> None:
+    def __init__(self, run_dir: str | Path, *, agent: str, address: str, poll_s: float = 1.0,
+                 stragglers: Callable[[], dict[int, str]] | None = None) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.agent, self.address, self.poll_s = agent, address, poll_s
+        self.stragglers = stragglers
         self.on = True
         self.endpoint: Any = None
+        self._own: frozenset[int] = frozenset()  # the ranks whose metadata names this agent
+        self._metas: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def pass_once(self, *, final: bool) -> None:
-        if self.endpoint is not None or not self.on or final:
-            return
-        from hyperacc.schema import RankMeta, meta_path
-
-        try:
-            meta0 = RankMeta.from_json(meta_path(self.run_dir, 0).read_text())
-        except (OSError, ValueError, TypeError):
-            return  # not written yet (or being written): next pass
-        if meta0.agent != self.agent:
-            self.on = False  # rank 0 is another agent's: that one serves the metrics
+        if not self.on:
             return
         try:
-            from hyperacc.present.metrics import RunDirEndpoint
-
-            self.endpoint = RunDirEndpoint(self.run_dir, self.address, world_size=meta0.world_size)
+            self._pass()
         except Exception as exc:  # noqa: BLE001 - the endpoint is a convenience; training goes on
             self.on = False
-            log.warning("hyperacc run: metrics endpoint %s not served (%s)", self.address, one_line(exc))
+            log.warning("hyperacc run: metrics endpoint %s switched off (%s)", self.address, one_line(exc))
+
+    def _pass(self) -> None:
+        from hyperacc import store
+
+        if self._metas is None:
+            self._metas = store.MetaCache(self.run_dir)
+        metas = self._metas.read()
+        own = frozenset(rank for rank, m in metas.items() if m.agent == self.agent)
+        if not own:
+            return  # none of this agent's ranks has written its metadata yet
+        self._own = own
+        world = max(m.world_size for m in metas.values())
+        alone = len(own) >= world or all(metas[r].nodes == 1 for r in own)
+        if self.endpoint is None:
+            from hyperacc.present.metrics import RunDirEndpoint
+
+            self.endpoint = RunDirEndpoint(self.run_dir, self.address, world_size=world,
+                                           ranks=lambda rank: rank in self._own, judges=alone)  # fmt: skip
+        if not self.endpoint.sink.judges and 0 in own and self.stragglers is not None:
+            self.endpoint.sink.set_stragglers(self.stragglers())
 
     def _finish(self) -> None:
         if self.endpoint is not None:

@@ -152,25 +152,51 @@ def test_the_straggler_gauge_judges_the_columns_analyze_judges():
     assert sink._flagged == {1: "page_faults"}
 
 
-def test_the_node_agent_that_holds_rank_0_serves_the_metrics_and_no_other(tmp_path) -> None:
-    """``hyperacc run --metrics-port``: the agent whose ranks include rank 0 serves every rank's metrics
-    once rank 0's metadata names it; another node's agent serves nothing (no training rank does either)."""
+def test_each_node_agent_serves_its_own_ranks_and_the_leader_the_jobs_stragglers(tmp_path) -> None:
+    """``hyperacc run --metrics-port`` on a job of two nodes sharing one run directory: each node's agent
+    serves the metrics of the ranks whose metadata names it, none of the other node's (no training rank
+    serves any); the straggler gauge is the live windows' job-wide verdict, exported by the agent that
+    holds rank 0, not judged by a sink that sees one node. An agent that holds every rank judges itself."""
+    from hyperacc import records
     from hyperacc.agent import MetricsEndpoint
-    from hyperacc.records import write_meta
-    from hyperacc.schema import RankMeta
+    from hyperacc.schema import RankMeta, steps_dir
 
-    address = f"127.0.0.1:{free_port()}"
-    other = MetricsEndpoint(tmp_path, agent="b:2", address=address)
-    leader = MetricsEndpoint(tmp_path, agent="a:1", address=address)
-    leader.pass_once(final=False)
-    assert leader.endpoint is None and leader.on  # rank 0 has not written its metadata yet
-    for rank in range(2):
-        write_meta(tmp_path, RankMeta(rank, rank, 0, 2, 2, "host", 10 + rank, agent="a:1"))
-    other.pass_once(final=False)
-    assert other.endpoint is None and not other.on
-    leader.pass_once(final=False)
-    assert leader.endpoint is not None and leader.endpoint.server is not None
-    body = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    assert "hyperacc_" in body
-    leader.stop()
-    assert leader.endpoint is None
+    columns = records.columns_of("STEP_SCHEMA")
+    for rank in range(4):
+        records.write_meta(tmp_path, RankMeta(rank, rank % 2, rank // 2, 4, 2, "host", 10 + rank,
+                                              agent=("a:1", "b:2")[rank // 2], nodes=2))  # fmt: skip
+        rows = np.full((60, len(columns)), -1, dtype=np.int64)
+        for name, values in (("rank", rank), ("node", rank // 2), ("step", np.arange(60)), ("step_ns", 20_000_000),
+                             ("self_ns", 15_000_000), ("comm_wait_ns", 5_000_000)):  # fmt: skip
+            rows[:, columns.index(name)] = values
+        records.RecordWriter(steps_dir(tmp_path, rank), "STEP_SCHEMA").write_int64(rows)
+    leader = MetricsEndpoint(tmp_path, agent="a:1", address=f"127.0.0.1:{free_port()}",
+                             stragglers=lambda: {3: "compute"})  # fmt: skip
+    other = MetricsEndpoint(tmp_path, agent="b:2", address=f"127.0.0.1:{free_port()}", stragglers=lambda: {1: "data"})
+    bodies = {}
+    try:
+        for part in (leader, other):
+            part.pass_once(final=False)
+            assert part.endpoint is not None and not part.endpoint.sink.judges
+            part.endpoint.follower.poll()
+            bodies[part.agent] = urllib.request.urlopen(f"http://{part.address}/metrics", timeout=5).read().decode()
+    finally:
+        leader.stop()
+        other.stop()
+    for agent, mine, theirs in (("a:1", (0, 1), (2, 3)), ("b:2", (2, 3), (0, 1))):
+        body = bodies[agent]
+        assert all(f'hyperacc_last_step{{rank="{r}"}} 59.0' in body for r in mine), body[-1500:]
+        assert not any(f'hyperacc_last_step{{rank="{r}"}}' in body or f'hyperacc_step_seconds_count{{rank="{r}"}}' in body
+                       for r in theirs)  # fmt: skip
+    assert 'hyperacc_straggler{kind="compute",rank="3"} 1.0' in bodies["a:1"]
+    assert "hyperacc_straggler{" not in bodies["b:2"]  # only the leader exports the job's verdicts
+    assert leader.endpoint is None and other.endpoint is None  # closed with the agent
+    # one agent holding every rank (one node) judges the stragglers in its own sink, as before
+    for rank in range(4):
+        records.write_meta(tmp_path, RankMeta(rank, rank, 0, 4, 4, "host", 10 + rank, agent="a:1", nodes=1))
+    alone = MetricsEndpoint(tmp_path, agent="a:1", address=f"127.0.0.1:{free_port()}")
+    alone.pass_once(final=False)
+    try:
+        assert alone.endpoint.sink.judges
+    finally:
+        alone.stop()

@@ -260,7 +260,7 @@ def build_command(
               help="--run-dir holds another run's records: remove them first (otherwise the run is refused).")  # fmt: skip
 @click.option("--quiet", is_flag=True, help="No live view; the job's output untouched.")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
-              help="Serve Prometheus metrics of every rank on this port, from the node agent that holds rank 0 "
+              help="Serve the Prometheus metrics of this node's ranks on this port, from hyperacc run itself "
                    "(docs/presentation.md).")  # fmt: skip
 @click.option("--metrics-host", default="127.0.0.1", show_default=True,
               help="Address the metrics endpoint listens on (0.0.0.0: every interface).")  # fmt: skip
@@ -362,7 +362,7 @@ def command(
         for note in remediate.notes if remediate is not None else ():
             click.echo(f"# --remediate: {note}")
         if metrics_port is not None:
-            click.echo(f"# --metrics-port: the node agent that holds rank 0 serves /metrics on {metrics_host}:{metrics_port}")
+            click.echo(f"# --metrics-port: this node's agent serves its ranks' /metrics on {metrics_host}:{metrics_port}")
         ours = ["HYPERACC_RUN_DIR", "HYPERACC_TRACE", "HYPERACC_CHAOS", "HYPERACC_STABILIZE", "HYPERACC_PACE"]
         added = sorted(k for k in env if env.get(k) != os.environ.get(k) and k not in ours)
         for key in [k for k in ours if k in env] + added:
@@ -386,11 +386,12 @@ def command(
     if view == "panel":
         env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks' output reaches the terminal as it is written
     window = _live_window(trace_json)
-    node = NodeAgent(
-        LiveNode.from_trace_json(run_dir, trace_json, agent=agent, remediate=env.get(REMEDIATE_ENV)),
-        Compactor.from_trace_json(run_dir, trace_json, agent=agent),
-        None if metrics_port is None else MetricsEndpoint(run_dir, agent=agent, address=f"{metrics_host}:{metrics_port}"),
-    )
+    live = LiveNode.from_trace_json(run_dir, trace_json, agent=agent, remediate=env.get(REMEDIATE_ENV))
+    metrics = None
+    if metrics_port is not None:
+        metrics = MetricsEndpoint(run_dir, agent=agent, address=f"{metrics_host}:{metrics_port}",
+                                  stragglers=live.confirmed_stragglers)  # fmt: skip
+    node = NodeAgent(live, Compactor.from_trace_json(run_dir, trace_json, agent=agent), metrics)
     sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window, agent=node).run())
 
 

@@ -82,8 +82,13 @@ class MetricsSink:
         nodes: int | None = None,
         options: DetectionOptions | None = None,
         buckets: Iterable[float] = STEP_BUCKETS,
+        judges: bool = True,
     ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        # whether the sink judges stragglers from the windows of the ranks it is fed; False where it sees
+        # only part of the job (one node of several): the straggler gauge is then set from the job-wide
+        # verdicts (``set_stragglers``) or left out
+        self.judges = judges
         self.world_size = world_size
         self.nodes = nodes
         self.opts = options or DetectionOptions()
@@ -166,7 +171,7 @@ class MetricsSink:
             typical = self._rank_rows(int(rank), sub)
             windows.append(self._close_windows(int(rank), typical))
         done = concat_windows([w for w in windows if w is not None])
-        if done["rank"].size:
+        if done["rank"].size and self.judges:
             self._update_windows(window_table(done))
 
     def _close_windows(self, rank: int, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
@@ -198,7 +203,16 @@ class MetricsSink:
             self._detector = LiveDetector(world, nodes, **{k: getattr(self.opts, k) for k in fields})
         for line in self._detector.update(table):
             log.info("%s", line)
-        confirmed = self._detector.confirmed
+        self._flag(self._detector.confirmed)
+
+    def set_stragglers(self, confirmed: dict[int, str]) -> None:
+        """The straggler gauge from verdicts judged elsewhere over the whole job (rank -> kind): a node
+        agent's sink that sees only its node (``judges`` False) takes the live windows' verdicts of the
+        agent that holds rank 0."""
+        with self._lock:
+            self._flag(confirmed)
+
+    def _flag(self, confirmed: dict[int, str]) -> None:
         for rank, kind in self._flagged.items():
             if confirmed.get(rank) != kind:
                 self.straggler.labels(str(rank), kind).set(0.0)
@@ -327,10 +341,12 @@ class RunDirFollower:
     schema or cannot be read is skipped with one warning.
     """
 
-    def __init__(self, run_dir: str | Path, sink: MetricsSink, interval: float = 2.0) -> None:
+    def __init__(self, run_dir: str | Path, sink: MetricsSink, interval: float = 2.0,
+                 ranks: Callable[[int], bool] | None = None) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.sink = sink
         self.interval = interval
+        self.ranks = ranks  # only the ranks it is true of (a node agent's own), before any folder is read
         self._cursors: dict[Path, store.SegmentCursor] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hyperacc-metrics-follower", daemon=True)
@@ -358,6 +374,8 @@ class RunDirFollower:
         for kind in ("steps", "events"):
             schema = STEP_SCHEMA if kind == "steps" else EVENT_SCHEMA
             for rank_dir in sorted(self.run_dir.glob(f"{kind}/rank-*")):
+                if self.ranks is not None and not self._wanted(rank_dir.name):
+                    continue
                 cursor = self._cursors.get(rank_dir)
                 if cursor is None:
                     cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
@@ -371,6 +389,11 @@ class RunDirFollower:
         return fed
 
 
+    def _wanted(self, name: str) -> bool:
+        number = name.removeprefix("rank-")
+        return number.isdigit() and self.ranks is not None and self.ranks(int(number))
+
+
 class RunDirEndpoint:
     """The endpoint of ``hyperacc run --metrics-port``: on rank 0, every rank's metrics from the run
     directory (a ``RunDirFollower`` feeding one ``MetricsSink``), served on ``HOST:PORT``.
@@ -380,13 +403,14 @@ class RunDirEndpoint:
     """
 
     def __init__(self, run_dir: str | Path, address: str, *, world_size: int | None = None,
-                 interval: float = 2.0) -> None:  # fmt: skip
+                 interval: float = 2.0, ranks: Callable[[int], bool] | None = None,
+                 judges: bool = True) -> None:  # fmt: skip
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"metrics address must be HOST:PORT with a port 1-65535 (got {address!r})")
-        self.sink = MetricsSink(world_size=world_size)
+        self.sink = MetricsSink(world_size=world_size, judges=judges)
         self.server = serve(self.sink, int(port), host.strip("[]"))
-        self.follower = RunDirFollower(run_dir, self.sink, interval=interval).start() if self.server else None
+        self.follower = RunDirFollower(run_dir, self.sink, interval=interval, ranks=ranks).start() if self.server else None
 
     def close(self) -> None:
         if self.follower is not None:
