@@ -212,26 +212,27 @@ def episodes_cost(ranks: int, per_node: int, judgements: int = 3) -> dict[str, A
         costs.append(time.thread_time() - began)
     cost = statistics.median(costs)
     # one pass of every other node's agent sending its ranks' new block, and the leader reading them all
-    # from its real TCPStore (LiveNode._gather_blocks: a check, a get and a delete per key)
-    from hyperacc.agent import LiveNode
+    # from its real TCPStore (live_episodes.BlockInbox, as LiveNode reads them: a check, a get and a delete
+    # per key)
+    from hyperacc.analysis.live_episodes import BlockInbox, send_blocks
 
     served = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
-    payloads = [encode_blocks(b) for b in _per_node(blocks(KEEP_BLOCKS + judgements, 1), per_node)[1:]]
+    nodes = _per_node(blocks(KEEP_BLOCKS + judgements, 1), per_node)[1:]
     client = dist.TCPStore("127.0.0.1", served.port, None, False, wait_for_workers=False)
-    for payload in payloads:
-        client.set(f"blocks/{int(client.add('blocks/n', 1))}", payload)
-    leader = LiveNode(".", agent="bench", window=WINDOW, grace_s=4.0)
+    for node in nodes:
+        send_blocks(client, node)
+    inbox = BlockInbox(grace_s=4.0)
     t0, c0 = time.monotonic(), time.thread_time()
-    got = leader._gather_blocks(served, final=False)
+    got = inbox.take(served)
     read_s, read_cpu = time.monotonic() - t0, time.thread_time() - c0
     assert len(got) == ranks - per_node
     return {
         "cpu_s": cost,
         "interval_s": (1 + EPISODE_DUTY) * cost,
-        "wire_bytes": len(payloads[0]),
+        "wire_bytes": len(encode_blocks(nodes[0])),
         "read_s": read_s,
         "read_cpu_s": read_cpu,
-        "keys": len(payloads),
+        "keys": len(nodes),
         "found": any(text.startswith(f"rank {slow} ") for _, text in said),
     }
 

@@ -9,6 +9,7 @@ that a training rank keeps to timing and writing its records (docs/tracing.md, "
   json: no pyarrow in the rank); a thread rolls them into Parquet, one file per rank and period
   (``store.compact`` with the tracer's ``compact_every``, ``compact_period_s`` and ``compact_min_rows``),
   every few seconds while the job runs and once more, everything, when torchrun has exited.
+- ``MetricsEndpoint``: ``hyperacc run --metrics-port``, the Prometheus metrics of its ranks.
 
 ``hyperacc run`` tells its ranks with ``HYPERACC_NODE_AGENT`` so that they do neither themselves; a rank
 traced without ``hyperacc run`` compacts its own segments from its flusher thread, and rank 0 gathers
@@ -18,10 +19,11 @@ multi-node job sharing one run directory never work on the same folder, even whe
 the same host name. Nothing here can touch the job: it runs in the agent's process, and an error
 switches the failing part off with one log line; the ranks' records stay readable as they are.
 
-Why this module is a little over 500 lines: both parts run on the same periodic-thread scaffold
+Why this module is about 650 lines: its three parts run on the same periodic-thread scaffold
 (``_Periodic``) and decide the same way which ranks are this agent's; ``LiveNode`` is most of it, and
-its store handling (``analysis.window_store``) and judging (``analysis.live_aggregate``) already live
-beside the analysis they serve.
+its store handling (``analysis.window_store``, ``live_episodes.send_blocks`` / ``BlockInbox``) and
+judging (``analysis.live_aggregate``, ``analysis.live_episodes``) already live beside the analysis
+they serve.
 """
 
 from __future__ import annotations
@@ -227,9 +229,8 @@ class LiveNode(_Periodic):
         self._new_blocks: list[Any] = []  # blocks read and not yet judged (the leader) or published
         self._episodes: Any = None  # the leader's LiveEpisodes; False: switched off
         self._judge_after = 0.0  # monotonic time before which the episodes are not judged again
-        self._blocks_read = 0  # the leader: the other agents' block keys read so far
         self._blocks_due = 0.0  # a follower: monotonic time from which it sends its blocks again
-        self._blocks_absent: dict[str, float] = {}  # a counted block key not there yet -> since when
+        self._inbox: Any = None  # the leader's live_episodes.BlockInbox
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -324,46 +325,18 @@ class LiveNode(_Periodic):
             self._new_blocks = merged_blocks(self._new_blocks)
 
     def _publish_blocks(self, store: Any) -> None:
-        """A follower's new blocks of its ranks, for the live episodes that the leader judges: one numbered
-        key per pass (``blocks/<i>``, ``i`` from the count ``blocks/n``), deleted by the leader once read."""
-        from hyperacc.analysis.live_episodes import encode_blocks, merged_blocks
+        """A follower's new blocks of its ranks, for the live episodes that the leader judges
+        (``live_episodes.send_blocks``)."""
+        from hyperacc.analysis.live_episodes import merged_blocks, send_blocks
 
         try:
             blocks = merged_blocks(self._new_blocks)
-            payload = encode_blocks(blocks) if blocks else b""
         except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
             self._episodes, self._new_blocks = False, []
             log.warning("hyperacc run: live episodes switched off (%s)", one_line(exc))
             return
-        if payload:
-            key = f"blocks/{int(store.add('blocks/n', 1))}"
-            store.set(key, payload)
+        send_blocks(store, blocks)
         self._new_blocks = []
-
-    def _gather_blocks(self, store: Any, final: bool) -> list[Any]:
-        """The leader: the blocks the other nodes' agents published since the last pass, each key deleted
-        once read. A key counted but not there is waited for ``grace_s`` (its agent may be between the count
-        and the write), then skipped (its agent failed in between), so that one never stops the rest."""
-        from hyperacc.analysis.live_episodes import decode_blocks
-
-        out: list[Any] = []
-        try:
-            count = int(store.add("blocks/n", 0))
-            while self._blocks_read < count:
-                key = f"blocks/{self._blocks_read + 1}"
-                if store.check([key]):
-                    data = store.get(key)
-                    store.delete_key(key)
-                    out += decode_blocks(data, f"the blocks under {key} in the node agents' store")
-                elif not final:
-                    since = self._blocks_absent.setdefault(key, time.monotonic())
-                    if time.monotonic() - since < self.grace_s:
-                        break
-                self._blocks_absent.pop(key, None)
-                self._blocks_read += 1
-        except STORE_ERRORS:
-            pass  # what was read is judged; the rest stays in the store for the next pass
-        return out
 
     def _judge_episodes(self, final: bool, store: Any = None) -> None:
         """Live episodes (``analysis.live_episodes``) over the blocks read this pass, and those the other
@@ -376,13 +349,15 @@ class LiveNode(_Periodic):
             return
         try:
             if self._episodes is None:
-                from hyperacc.analysis.live_episodes import LiveEpisodes
+                from hyperacc.analysis.live_episodes import BlockInbox, LiveEpisodes
                 from hyperacc.analysis.options import DetectionOptions
+
+                self._inbox = BlockInbox(self.grace_s)  # the other nodes' blocks (a multi-node job)
 
                 confirmed = lambda rank: rank in getattr(self._gatherer._detector, "confirmed", {})  # noqa: E731
                 self._episodes = LiveEpisodes(DetectionOptions(window_steps=self.window), straggler=confirmed)
             if store is not None:
-                blocks += self._gather_blocks(store, final)
+                blocks += self._inbox.take(store, final)
             self._episodes.add(blocks)
             if not final and time.monotonic() < self._judge_after:
                 return

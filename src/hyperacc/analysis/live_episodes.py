@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -304,3 +306,46 @@ def merged_blocks(blocks: Sequence[RankBlocks | None], keep_blocks: int = KEEP_B
             per_rank[b.rank] = joined = _joined(per_rank.get(b.rank), b)
             per_rank[b.rank] = _since(joined, int(joined.block[-1]) - keep_blocks + 1)
     return list(per_rank.values())
+
+
+def send_blocks(store: Any, blocks: Sequence[RankBlocks]) -> None:
+    """A node agent's new blocks of its ranks, for the agent that judges every rank's: one numbered key
+    (``blocks/<i>``, ``i`` from the count ``blocks/n``), which that agent deletes once read
+    (``BlockInbox``)."""
+    if blocks:
+        payload = encode_blocks(blocks)
+        store.set(f"blocks/{int(store.add('blocks/n', 1))}", payload)
+
+
+class BlockInbox:
+    """The judging agent's side of ``send_blocks``: the blocks sent since the last call, each key deleted
+    once read. A key counted but not there is waited for ``grace_s`` (its sender may be between the count
+    and the write), then skipped (its sender failed in between), so that one never stops the rest. A
+    store error keeps what was read and leaves the rest for the next call."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.read = 0  # keys read (or skipped) so far
+        self._absent: dict[str, float] = {}  # a counted key not there yet -> since when (monotonic)
+
+    def take(self, store: Any, final: bool = False) -> list[RankBlocks]:
+        from hyperacc.analysis.window_store import STORE_ERRORS
+
+        out: list[RankBlocks] = []
+        try:
+            count = int(store.add("blocks/n", 0))
+            while self.read < count:
+                key = f"blocks/{self.read + 1}"
+                if store.check([key]):
+                    data = store.get(key)
+                    store.delete_key(key)
+                    out += decode_blocks(data, f"the blocks under {key} in the node agents' store")
+                elif not final:
+                    since = self._absent.setdefault(key, time.monotonic())
+                    if time.monotonic() - since < self.grace_s:
+                        break
+                self._absent.pop(key, None)
+                self.read += 1
+        except STORE_ERRORS:
+            pass
+        return out
