@@ -311,12 +311,10 @@ class SegmentCursor:
             if hi <= self.done:
                 continue
             try:
-                if schema is not None:
-                    checked = open_segment(path, schema)
-                    if checked is None:
-                        self.done = hi
-                        continue
-                pf = _open_file(path)
+                pf = open_segment(path, schema) if schema is not None else _open_file(path)  # opened once
+                if pf is None:  # not a segment of this schema: skipped with its warning
+                    self.done = hi
+                    continue
                 skip = 0
                 if lo <= self.done:
                     parts = dict(_parse_parts((pf.schema_arrow.metadata or {}).get(_PARTS, b"")))
