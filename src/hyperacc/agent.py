@@ -70,9 +70,19 @@ class _Periodic:
     the job (``stop``)."""
 
     thread_name = "hyperacc-agent"
+    run_dir: Path
     poll_s: float
     on: bool
     _stop: threading.Event
+    meta_cache: Any = None  # the run directory's store.MetaCache, one for all parts of a NodeAgent
+
+    def metas(self) -> dict[int, Any]:
+        """The ranks' metadata, read again only when it changed (``store.MetaCache``)."""
+        if self.meta_cache is None:
+            from hyperacc import store
+
+            self.meta_cache = store.MetaCache(self.run_dir)
+        return self.meta_cache.read()
     _thread: threading.Thread | None
 
     def start(self) -> None:
@@ -113,7 +123,6 @@ class Compactor(_Periodic):
         self.on = every > 0
         self.compacted = 0  # files written
         self._ranks: set[int] = set()
-        self._meta_cache: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -127,12 +136,8 @@ class Compactor(_Periodic):
 
     def local_ranks(self) -> set[int]:
         """The ranks whose metadata names this agent (read again for ranks not yet seen: restarts)."""
-        from hyperacc import store
-
-        if self._meta_cache is None:
-            self._meta_cache = store.MetaCache(self.run_dir)
         try:
-            metas = self._meta_cache.read()
+            metas = self.metas()
         except Exception:  # noqa: BLE001 - unreadable metadata: nothing new to compact this time
             return self._ranks
         self._ranks |= {rank for rank, meta in metas.items() if meta.agent == self.agent}
@@ -214,7 +219,6 @@ class LiveNode(_Periodic):
         self._streams: dict[int, Any] = {}
         self._last_step: dict[int, int] = {}
         self._metas: dict[int, Any] = {}
-        self._meta_cache: Any = None  # store.MetaCache of the run directory
         self._held: list[dict[str, Any]] = []  # rows read before the job's shape is known
         self._gatherer: Any = None
         self._store: Any = None  # a follower's client of the leader's store (multi-node)
@@ -330,12 +334,12 @@ class LiveNode(_Periodic):
         from hyperacc.analysis.live_episodes import merged_blocks, send_blocks
 
         try:
-            blocks = merged_blocks(self._new_blocks)
+            send_blocks(store, merged_blocks(self._new_blocks))
+        except STORE_ERRORS:
+            raise  # the store's: the blocks are held for the next try (``_hold``)
         except Exception as exc:  # noqa: BLE001 - the job never sees the agent's errors
-            self._episodes, self._new_blocks = False, []
+            self._episodes = False
             log.warning("hyperacc run: live episodes switched off (%s)", one_line(exc))
-            return
-        send_blocks(store, blocks)
         self._new_blocks = []
 
     def _judge_episodes(self, final: bool, store: Any = None) -> None:
@@ -442,10 +446,8 @@ class LiveNode(_Periodic):
         from hyperacc.analysis.windows import WindowStream, step_columns
         from hyperacc.schema import STEP_SCHEMA, steps_dir
 
-        if self._meta_cache is None:
-            self._meta_cache = store.MetaCache(self.run_dir)
         try:
-            self._metas.update(self._meta_cache.read())
+            self._metas.update(self.metas())
         except Exception:  # noqa: BLE001 - metadata being written: read again next pass
             pass
         out: list[dict[str, Any]] = []
@@ -610,7 +612,6 @@ class MetricsEndpoint(_Periodic):
         self.on = True
         self.endpoint: Any = None
         self._own: frozenset[int] = frozenset()  # the ranks whose metadata names this agent
-        self._metas: Any = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -624,20 +625,16 @@ class MetricsEndpoint(_Periodic):
             log.warning("hyperacc run: metrics endpoint %s switched off (%s)", self.address, one_line(exc))
 
     def _pass(self) -> None:
-        from hyperacc import store
-
-        if self._metas is None:
-            self._metas = store.MetaCache(self.run_dir)
-        metas = self._metas.read()
+        metas = self.metas()
         own = frozenset(rank for rank, m in metas.items() if m.agent == self.agent)
         if not own:
             return  # none of this agent's ranks has written its metadata yet
         self._own = own
-        world = max(m.world_size for m in metas.values())
-        alone = len(own) >= world or all(metas[r].nodes == 1 for r in own)
         if self.endpoint is None:
             from hyperacc.present.metrics import RunDirEndpoint
 
+            world = max(m.world_size for m in metas.values())
+            alone = len(own) >= world or all(metas[r].nodes == 1 for r in own)
             self.endpoint = RunDirEndpoint(self.run_dir, self.address, world_size=world,
                                            ranks=lambda rank: rank in self._own, judges=alone)  # fmt: skip
         if not self.endpoint.sink.judges and 0 in own and self.stragglers is not None:
@@ -654,6 +651,11 @@ class NodeAgent:
 
     def __init__(self, *parts: Any) -> None:
         self.parts = [p for p in parts if p is not None]
+        from hyperacc import store
+
+        shared: dict[Path, Any] = {}  # one metadata cache per run directory for all parts (one stat a pass)
+        for part in self.parts:
+            part.meta_cache = shared.setdefault(part.run_dir, part.meta_cache or store.MetaCache(part.run_dir))
 
     def start(self) -> None:
         for part in self.parts:

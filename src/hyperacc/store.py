@@ -395,6 +395,27 @@ def read_meta(run_dir: str | os.PathLike) -> dict[int, RankMeta]:
     return out
 
 
+_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
+
+
+def rank_dirs(run_dir: str | os.PathLike, kind: str, keep: Callable[[int], bool] | None = None) -> list[tuple[int, Path]]:
+    """Every rank folder ``rank-<number below MAX_RANKS>`` under ``run_dir/kind``, with its rank, as
+    ``analysis.columns`` finds them: other folders are not a rank's. ``keep``: only the ranks it is true
+    of (asked before any folder is looked at: a node agent's own ranks in a run directory every node
+    shares). A folder that cannot be listed gives what was found so far (read again next time)."""
+    out: list[tuple[int, Path]] = []
+    try:
+        for sub in sorted((Path(run_dir) / kind).glob("rank-*")):
+            m = _RANK_DIR.match(sub.name)
+            if not m or int(m.group(1)) >= MAX_RANKS or (keep is not None and not keep(int(m.group(1)))):
+                continue
+            if sub.is_dir():
+                out.append((int(m.group(1)), sub))
+    except OSError:
+        pass
+    return out
+
+
 class MetaCache:
     """A run directory's rank metadata (``read_meta``) for a process that asks for it every second (the
     node agent): read again only when the ``meta`` folder changed (a rank writes its file under a
@@ -605,7 +626,7 @@ def _holds(col: pa.ChunkedArray, target: pa.DataType) -> pa.ChunkedArray | None:
 
 
 def _folder_rank(path: str | os.PathLike) -> int | None:
-    m = re.match(r"^rank-(\d{1,7})$", Path(path).parent.name) if path else None
+    m = _RANK_DIR.match(Path(path).parent.name) if path else None
     return int(m.group(1)) if m else None
 
 

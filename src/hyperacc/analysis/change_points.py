@@ -172,19 +172,17 @@ def noise_floor(x: np.ndarray, opts: DetectionOptions) -> np.ndarray:
             if v.size >= 3:
                 d = np.diff(v)
                 sig[r] = MAD_TO_SIGMA * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2.0)
-    rows = max(1, _CHUNK_CELLS // max(x.shape[1], 1))
-    for at in range(0, x.shape[0] if x.shape[1] <= _SHORT_ROW else 0, rows):
-        part = x[at : at + rows]
-        seen = np.isfinite(part)
-        count = seen.sum(axis=1)
-        front = np.take_along_axis(part, np.argsort(~seen, axis=1, kind="stable"), axis=1)
-        d = np.diff(front, axis=1)
-        d[np.arange(d.shape[1])[None, :] >= (count - 1)[:, None]] = (
-            np.nan
-        )  # a difference with an unmeasured block
-        mid = last_axis_nan_median(d)[0]
-        mad = last_axis_nan_median(np.abs(d - mid[:, None]))[0]
-        sig[at : at + rows] = np.where(count >= 3, MAD_TO_SIGMA * mad / math.sqrt(2.0), np.nan)
+    else:
+        for rows in _row_chunks(x):
+            part = x[rows]
+            seen = np.isfinite(part)
+            count = seen.sum(axis=1)
+            front = np.take_along_axis(part, np.argsort(~seen, axis=1, kind="stable"), axis=1)
+            d = np.diff(front, axis=1)
+            d[np.arange(d.shape[1])[None, :] >= (count - 1)[:, None]] = np.nan  # with an unmeasured block
+            mid = last_axis_nan_median(d)[0]
+            mad = last_axis_nan_median(np.abs(d - mid[:, None]))[0]
+            sig[rows] = np.where(count >= 3, MAD_TO_SIGMA * mad / math.sqrt(2.0), np.nan)
     floor = nan_median(sig) if np.isfinite(sig).any() else 0.0
     return np.fmax(np.fmax(sig, floor), opts.min_mad_rel)
 
@@ -252,16 +250,18 @@ def _lindley(z: np.ndarray) -> np.ndarray:
     return c - np.minimum.accumulate(np.minimum(c, 0.0), axis=-1)
 
 
-def _opening_rows(
-    x: np.ndarray, level: np.ndarray, sigma: np.ndarray, k: float, opts: DetectionOptions
-) -> np.ndarray:
+def _opening_rows(x: np.ndarray, level: np.ndarray, sigma: np.ndarray, k: float, opts: DetectionOptions) -> np.ndarray:
     """The rows whose upward CUSUM from their first block ever passes ``h``: the only ones that can hold
     a segment, found for all rows at once (the same sums as the per-row recursion: unjudged blocks add 0)."""
-    rows = max(1, _CHUNK_CELLS // max(x.shape[1], 1))
-    out = []
-    for at in range(0, x.shape[0], rows):
-        y = x[at : at + rows] - level[at : at + rows, None]
+    out = [np.zeros(0, dtype=np.intp)]
+    for rows in _row_chunks(x):
+        y = x[rows] - level[rows, None]
         up = np.where(np.isfinite(y), y - k, 0.0)
-        h = opts.episode_h * sigma[at : at + rows]
-        out.append(at + np.flatnonzero((_lindley(up) > h[:, None]).any(axis=1)))
-    return np.concatenate(out) if out else np.zeros(0, dtype=np.intp)
+        out.append(rows.start + np.flatnonzero((_lindley(up) > opts.episode_h * sigma[rows, None]).any(axis=1)))
+    return np.concatenate(out)
+
+
+def _row_chunks(x: np.ndarray) -> list[slice]:
+    """``x``'s rows in slices of at most ``_CHUNK_CELLS`` cells (one row at least)."""
+    step = max(1, _CHUNK_CELLS // max(x.shape[1], 1))
+    return [slice(at, at + step) for at in range(0, x.shape[0], step)]

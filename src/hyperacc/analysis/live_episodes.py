@@ -273,7 +273,7 @@ def encode_blocks(blocks: Sequence[RankBlocks]) -> bytes:
         n = b.block.size
         values = np.vstack([np.full(n, b.rank), np.full(n, b.node), np.full(n, b.width), b.block, b.steps,
                             *(getattr(b, name) for name in present)]).astype(np.float64)  # fmt: skip
-        out.append(encode_frame([*_WIRE_FIXED, *present], values.reshape(len(_WIRE_FIXED) + len(present), n)))
+        out.append(encode_frame([*_WIRE_FIXED, *present], values))
     return b"".join(out)
 
 
@@ -284,9 +284,8 @@ def decode_blocks(data: bytes, where: str = "live episode blocks") -> list[RankB
 
     out = []
     for _, columns, values in iter_frames(data, where):
-        if tuple(columns[: len(_WIRE_FIXED)]) != _WIRE_FIXED or not set(columns[len(_WIRE_FIXED) :]) <= set(
-            PER_BLOCK
-        ):
+        fixed, measured = tuple(columns[: len(_WIRE_FIXED)]), set(columns[len(_WIRE_FIXED) :])
+        if fixed != _WIRE_FIXED or not measured <= set(PER_BLOCK):
             raise ValueError(f"{where}: a frame of columns {columns} is not a rank's blocks")
         if not values.shape[1]:
             continue
@@ -326,7 +325,7 @@ class BlockInbox:
     def __init__(self, grace_s: float) -> None:
         self.grace_s = grace_s
         self.read = 0  # keys read (or skipped) so far
-        self._absent: dict[str, float] = {}  # a counted key not there yet -> since when (monotonic)
+        self._absent: tuple[str, float] | None = None  # the counted key not there yet, since when (monotonic)
 
     def take(self, store: Any, final: bool = False) -> list[RankBlocks]:
         from hyperacc.analysis.window_store import STORE_ERRORS
@@ -341,10 +340,11 @@ class BlockInbox:
                     store.delete_key(key)
                     out += decode_blocks(data, f"the blocks under {key} in the node agents' store")
                 elif not final:
-                    since = self._absent.setdefault(key, time.monotonic())
-                    if time.monotonic() - since < self.grace_s:
+                    if self._absent is None or self._absent[0] != key:
+                        self._absent = (key, time.monotonic())
+                    if time.monotonic() - self._absent[1] < self.grace_s:
                         break
-                self._absent.pop(key, None)
+                self._absent = None
                 self.read += 1
         except STORE_ERRORS:
             pass

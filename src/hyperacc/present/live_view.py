@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,8 +28,6 @@ from hyperacc import store
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.schema import EVENT_SCHEMA, RESOURCE_SCHEMA, STEP_SCHEMA, live_events_dir
 from hyperacc.stats import nan_median
-
-_RANK_DIR = re.compile(r"^rank-(\d{1,7})$")
 
 RSS_KEPT = 3600  # resource samples kept per rank for memory creep (the newest)
 
@@ -142,7 +139,7 @@ class RunFollower:
         """The rows of every rank folder of ``kind`` not read yet, each once (across compactions), checked
         and conformed to ``schema`` as analyze reads them (a segment that does not fit: skipped)."""
         out = []
-        for rank, rank_dir in _rank_dirs(run_dir, kind, keep=self._mine):
+        for rank, rank_dir in store.rank_dirs(run_dir, kind, keep=self._mine):
             cursor = self._cursors.get(rank_dir)
             if cursor is None:
                 cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
@@ -382,23 +379,6 @@ def _coordination_rows(s: Snapshot) -> list[str]:
 def _finding_key(text: str) -> str:
     words = text.split()
     return " ".join(words[:2]) if len(words) >= 2 else text
-
-
-def _rank_dirs(run_dir: Path, kind: str, keep: Any = None) -> list[tuple[int, Path]]:
-    """Every rank folder ``rank-<number below MAX_RANKS>`` under ``run_dir/kind``, as ``analysis.columns``
-    finds them: other folders are not a rank's. ``keep``: only the ranks it is true of (asked before
-    any folder is looked at)."""
-    out: list[tuple[int, Path]] = []
-    try:
-        for sub in sorted((run_dir / kind).glob("rank-*")):
-            m = _RANK_DIR.match(sub.name)
-            if not m or int(m.group(1)) >= store.MAX_RANKS or (keep is not None and not keep(int(m.group(1)))):
-                continue
-            if sub.is_dir():
-                out.append((int(m.group(1)), sub))
-    except OSError:
-        return out  # a folder that vanished or cannot be listed: read again at the next refresh
-    return out
 
 
 def _fmt(x: float | None, spec: str = ".3g", unit: str = "") -> str:

@@ -373,9 +373,7 @@ class RunDirFollower:
         fed = 0
         for kind in ("steps", "events"):
             schema = STEP_SCHEMA if kind == "steps" else EVENT_SCHEMA
-            for rank_dir in sorted(self.run_dir.glob(f"{kind}/rank-*")):
-                if self.ranks is not None and not self._wanted(rank_dir.name):
-                    continue
+            for _, rank_dir in store.rank_dirs(self.run_dir, kind, keep=self.ranks):
                 cursor = self._cursors.get(rank_dir)
                 if cursor is None:
                     cursor = self._cursors[rank_dir] = store.SegmentCursor(rank_dir)
@@ -387,11 +385,6 @@ class RunDirFollower:
                         self.sink.observe_events(table)
                     fed += 1
         return fed
-
-
-    def _wanted(self, name: str) -> bool:
-        number = name.removeprefix("rank-")
-        return number.isdigit() and self.ranks is not None and self.ranks(int(number))
 
 
 class RunDirEndpoint:
