@@ -1,5 +1,7 @@
 """`hyperacc watch` of a long job: what its first look costs, starting from the newest records against
-reading the whole run first (what it did before ``SegmentCursor.start_at_tail``).
+reading the whole run first (what it did before ``SegmentCursor.start_at_tail``); and of a job of
+thousands of ranks: what a refresh costs when it reads every rank's new records, against the windows the
+leader gathered (``present.job_view``, what watch reads above 256 ranks).
 
 A run directory as the node agent leaves it after a day: every rank's steps and resource samples in one
 compacted file per hour (``seg-lo-hi.parquet``, the compactor's names and row groups), at 1 step and 1
@@ -7,8 +9,8 @@ sample a second. Each arm runs in its own interpreter (so its peak memory is its
 ``RunFollower`` makes its first ``poll`` and one ``snapshot``; printed are the wall time, the CPU time,
 the peak RSS, and whether both arms' snapshots agree.
 
-    .venv/bin/python bench/watch_scale.py            # 256 ranks x 24 hours
-    .venv/bin/python bench/watch_scale.py --quick    # 64 ranks x 12 hours
+    .venv/bin/python bench/watch_scale.py            # 256 ranks x 24 hours; refreshes at 1,024 and 4,096 ranks
+    .venv/bin/python bench/watch_scale.py --quick    # 64 ranks x 12 hours; refreshes at 512 ranks
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import pyarrow.parquet as pq  # noqa: E402
 from _machine import describe as machine  # noqa: E402
 
 from hyperacc import records, store  # noqa: E402
-from hyperacc.schema import RESOURCE_SCHEMA, STEP_SCHEMA, RankMeta  # noqa: E402
+from hyperacc.analysis.windows import SUMMARY_COLUMNS  # noqa: E402
+from hyperacc.schema import RESOURCE_SCHEMA, STEP_SCHEMA, RankMeta, live_events_dir, live_windows_dir  # noqa: E402
 
 HOUR = 3600
 
@@ -88,6 +91,61 @@ def refresh(run: str, ranks: int, hours: int, rounds: int = 5) -> dict:
     return {name: float(np.median(v)) for name, v in cpu.items()}
 
 
+def jobwide(root: Path, ranks: int, rounds: int = 3) -> dict:
+    """A job of ``ranks`` ranks (8 a node) under ``hyperacc run``: each round every rank flushes 50 steps
+    and the leader writes one gathered window and its ``window_gathered`` event, as ``LiveNode`` does;
+    then each follower refreshes (``poll`` + ``snapshot``). The CPU of the first look and the median
+    refresh of each."""
+    from hyperacc.present.job_view import WindowFollower
+    from hyperacc.present.live_view import RunFollower
+
+    rng = np.random.default_rng(1)
+    columns = records.columns_of("STEP_SCHEMA")
+    writers = []
+    for r in range(ranks):
+        records.write_meta(root, RankMeta(r, r % 8, r // 8, ranks, 8, f"node{r // 8}", 1000 + r, agent=f"node{r // 8}:1"))
+        writers.append(records.RecordWriter(root / "steps" / f"rank-{r:05d}", "STEP_SCHEMA"))
+    windows = records.RecordWriter(live_windows_dir(root), "WINDOW_SCHEMA")
+    events = records.RecordWriter(live_events_dir(root), "EVENT_SCHEMA")
+
+    def flush(k: int, steps: int) -> None:
+        for r, writer in enumerate(writers):
+            rows = np.full((steps, len(columns)), -1, dtype=np.int64)
+            step = k + np.arange(steps)
+            self_ns = rng.lognormal(np.log(80e6), 0.05, steps).astype(np.int64)
+            for name, values in (("rank", r), ("node", r // 8), ("step", step), ("t_start_ns", step * 10**8),
+                                 ("step_ns", self_ns + 15_000_000), ("self_ns", self_ns), ("comm_wait_ns", 15_000_000),
+                                 ("cpu_ns", self_ns)):  # fmt: skip
+                rows[:, columns.index(name)] = values
+            writer.write_int64(rows)
+        w = (k + steps) // 50 - 1
+        cols = list(SUMMARY_COLUMNS)
+        vals = rng.random((ranks, len(cols))) * 1e7
+        vals[:, cols.index("rank")], vals[:, cols.index("window")] = np.arange(ranks), w
+        windows.write_json(vals.tolist(), cols)
+        detail = json.dumps({"received": list(range(ranks)), "missing": []})
+        events.write_json([[0, w * 50, (k + steps) * 10**8, "window_gathered", None, float(ranks), detail]])
+
+    flush(0, 200)
+    out: dict = {}
+    followers = {"records": RunFollower([root], keep=200), "windows": WindowFollower([root])}
+    for name, f in followers.items():
+        c = time.process_time()
+        f.poll()
+        f.snapshot(window=50)
+        out[f"{name}_first"] = time.process_time() - c
+    cpu: dict[str, list[float]] = {name: [] for name in followers}
+    for k in range(rounds):
+        flush(200 + 50 * k, 50)
+        for name, f in followers.items():
+            c = time.process_time()
+            f.poll()
+            snap = f.snapshot(window=50)
+            cpu[name].append(time.process_time() - c)
+            assert snap is not None and snap.ranks == ranks, (name, snap)
+    return out | {name: float(np.median(v)) for name, v in cpu.items()}
+
+
 def arm(run: str, whole: bool) -> dict:
     """One arm, in this interpreter: the first poll and a snapshot."""
     from hyperacc.present.live_view import RunFollower
@@ -108,6 +166,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="64 ranks x 12 hours")
     ap.add_argument("--ranks", type=int)
     ap.add_argument("--hours", type=int)
+    ap.add_argument("--jobwide", type=lambda s: [int(x) for x in s.split(",")], help="ranks of the refresh rows, e.g. 1024,4096")
     ap.add_argument("--arm", choices=("tail", "whole"), help=argparse.SUPPRESS)
     ap.add_argument("run", nargs="?", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -141,6 +200,15 @@ def main() -> None:
     print(f"| view | CPU per refresh |\n|---|---|\n| every rank (before) | {r['every'] * 1e3:.0f} ms |\n"
           f"| its own node's 8 ranks (now) | {r['own'] * 1e3:.0f} ms |")  # fmt: skip
     print(f"# own / every: {r['own'] / r['every']:.3f}; all nodes' agents together read {ranks // 8} x fewer folders")
+    print("\n# hyperacc watch of a whole job: every rank's new records against the leader's gathered windows; each")
+    print("# round every rank flushed 50 steps and the leader wrote one window (CPU, median of 3 refreshes)")
+    print("| ranks | first look: records | windows | a refresh: records | windows | windows / records |")
+    print("|---|---|---|---|---|---|")
+    for n in (args.jobwide or ([512] if args.quick else [1024, 4096])):
+        with tempfile.TemporaryDirectory(prefix="hyperacc-watch-") as tmp:
+            j = jobwide(Path(tmp), n)
+        print(f"| {n:,} | {j['records_first']:.2f} s | {j['windows_first'] * 1e3:.0f} ms | {j['records'] * 1e3:.0f} ms | "
+              f"{j['windows'] * 1e3:.1f} ms | {j['windows'] / j['records']:.4f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

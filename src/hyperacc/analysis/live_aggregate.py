@@ -104,7 +104,7 @@ class WindowGatherer:
         self._known = -1  # the highest window known to have begun
         self._missing_reported: frozenset[int] = frozenset()
         self.windows_processed = 0
-        # the gathered rows under RUN_DIR/live/windows (what `watch` and the live view read first)
+        # the gathered rows under RUN_DIR/live/windows (what `hyperacc watch` shows of a job of many ranks)
         self.run_dir = run_dir
         self._gathered: list[dict[str, np.ndarray]] = []  # judged windows' columns
         self._gathered_at = time.monotonic()

@@ -20,27 +20,39 @@ if TYPE_CHECKING:
 # A window still open is shown once the records have stopped for this long (the job ended, or stalls):
 # ranks flush every 5 s by default, so a live job keeps the idle time below it.
 SETTLED_S = 12.0
+# Above this many ranks, watch shows the windows the leader gathered unless told ``--source records``: a
+# view of every rank's records costs a refresh CPU in proportion to the ranks (docs/presentation.md).
+RECORDS_MAX_RANKS = 256
 
 
 def follow(run_dirs: list[Path], *, interval: float, window: int, live: bool, once: bool, idle: float | None,
-           as_json: bool = False) -> int:  # fmt: skip
+           as_json: bool = False, source: str = "auto") -> int:  # fmt: skip
     """Refresh the view every ``interval`` seconds until Ctrl-C, ``once``, or ``idle`` seconds without news.
 
     ``live``: a rich live panel (a terminal); otherwise one line each time a window of steps completes,
     and the latest steps once more when the records stop (a run shorter than a window, the last window of
     a run) or when watching ends (``--idle``, Ctrl-C).
-    """
-    from hyperacc.present.live_view import RunFollower, render
 
-    follower = RunFollower(run_dirs, keep=max(4 * window, 200))
+    ``source``: every rank's records, the windows the leader gathered (``present.job_view``), or
+    ``auto``: the windows above ``RECORDS_MAX_RANKS`` ranks.
+    """
+    from hyperacc.present.job_view import follower as make_follower
+    from hyperacc.present.live_view import render
+
+    follower = make_follower(run_dirs, keep=max(4 * window, 200), source=source, records_max_ranks=RECORDS_MAX_RANKS)
+    cadence = window if follower.source == "records" else 1  # windows: each gathered window once
     where = ", ".join(str(d) for d in run_dirs)
+    what = "step records" if follower.source == "records" else "gathered windows (live/windows)"
+    if follower.source == "windows" and source == "auto":
+        click.echo(f"hyperacc watch: more than {RECORDS_MAX_RANKS} ranks: showing the windows the agent that "
+                   "holds rank 0 gathered; --source records reads every rank's records", err=True)  # fmt: skip
     follower.poll()
     if follower.snapshot(window) is None:
         if once:
-            click.echo(f"hyperacc watch: no step records in {where} yet; is the job traced into it "
+            click.echo(f"hyperacc watch: no {what} in {where} yet; is the job traced into it "
                        "(hyperacc run --run-dir)?", err=True)  # fmt: skip
             return 1
-        click.echo(f"hyperacc watch: waiting for the first step records in {where} (Ctrl-C to stop)", err=True)
+        click.echo(f"hyperacc watch: waiting for the first {what} in {where} (Ctrl-C to stop)", err=True)
     if live and not once:
         from rich.console import Console
         from rich.live import Live
@@ -67,7 +79,7 @@ def follow(run_dirs: list[Path], *, interval: float, window: int, live: bool, on
             follower.poll()
             snap = follower.snapshot(window)
             quiet = follower_idle(follower)
-            if snap is not None and (once or snap.step >= printed + window or (quiet >= SETTLED_S and snap.step > printed)):
+            if snap is not None and (once or snap.step >= printed + cadence or (quiet >= SETTLED_S and snap.step > printed)):
                 show(snap)
             if once:
                 return 0
@@ -131,7 +143,12 @@ def follower_idle(follower: object) -> float:
 @click.option("--once", is_flag=True, help="Show one snapshot and exit (1 when there is nothing to show yet).")
 @click.option("--idle", default=None, type=click.FloatRange(0, None), help="Exit after this many seconds without new records.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per snapshot instead of text.")
-def command(run_dirs: tuple[Path, ...], interval: float, window: int, once: bool, idle: float | None, as_json: bool) -> None:
+@click.option("--source", type=click.Choice(["auto", "records", "windows"]), default="auto", show_default=True,
+              help="Every rank's step records, or the windows the agent that holds rank 0 gathered (one row "
+                   "per rank and window: light at thousands of ranks); auto: the windows above "
+                   f"{RECORDS_MAX_RANKS} ranks.")  # fmt: skip
+def command(run_dirs: tuple[Path, ...], interval: float, window: int, once: bool, idle: float | None, as_json: bool,
+            source: str) -> None:  # fmt: skip
     """Show the live view of the job writing RUN_DIRS (a rich panel in a terminal, else one line per window).
 
     Several run directories of one job (one per agent on nodes with local disks) are shown as one job,
@@ -153,7 +170,8 @@ def command(run_dirs: tuple[Path, ...], interval: float, window: int, once: bool
     run_dirs = tuple(dirs)
     live = sys.stdout.isatty() and not as_json
     try:
-        code = follow(list(run_dirs), interval=interval, window=window, live=live, once=once, idle=idle, as_json=as_json)
+        code = follow(list(run_dirs), interval=interval, window=window, live=live, once=once, idle=idle, as_json=as_json,
+                      source=source)  # fmt: skip
     except KeyboardInterrupt:
         code = 0
     sys.exit(code)

@@ -72,6 +72,11 @@ class Snapshot:
     # the second document's view over the same window (``RunFollower._coordination``): p90, jitter, the
     # split of the wait, the spread trend, the failure modes, resource findings
     coordination: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # "records": every rank's step records; "windows": the leader's gathered windows (``job_view``), where
+    # the figures that need every step (p99, CV, spike_rate, coordination) are NaN and the spikes are
+    # counted per rank-step instead (``rank_spike_rate``)
+    source: str = "records"
+    rank_spike_rate: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         def plain(v: Any) -> Any:
@@ -104,6 +109,8 @@ class RunFollower:
         self._rss_hist: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # rank -> (t_ns, rss bytes), bounded
         self._last_new = time.monotonic()
         self.world_size = 0
+
+    source = "records"
 
     def poll(self) -> bool:
         """Read what appeared since the last call; True when there was anything new."""
@@ -179,15 +186,20 @@ class RunFollower:
         tables += self._new_live_events(run_dir)
         for _rank, table in tables:
             for row in table.to_pylist():
-                if row.get("kind") == "live_finding" and row.get("detail"):
-                    text = str(row["detail"])
-                    self._findings[_finding_key(text)] = text
-                    new = True
-                elif row.get("kind") == "remediation" and row.get("detail"):  # a rank started a live switch
-                    self._findings[f"switch:{row['detail']}"] = f"remediation: {row['detail']}"
-                    new = True
+                new |= self._finding(row)
         new = self._read_remediation(run_dir) or new
         return new
+
+    def _finding(self, row: dict[str, Any]) -> bool:
+        """Keep an event row that is a live finding or a live switch a rank started; True if it was."""
+        if row.get("kind") == "live_finding" and row.get("detail"):
+            text = str(row["detail"])
+            self._findings[_finding_key(text)] = text
+            return True
+        if row.get("kind") == "remediation" and row.get("detail"):  # a rank started a live switch
+            self._findings[f"switch:{row['detail']}"] = f"remediation: {row['detail']}"
+            return True
+        return False
 
     def _read_remediation(self, run_dir: Path) -> bool:
         """What ``--remediate`` decided and did (docs/remediation.md), as findings of the live line."""
@@ -387,9 +399,21 @@ def _fmt(x: float | None, spec: str = ".3g", unit: str = "") -> str:
     return f"{x:{spec}}{unit}"
 
 
+def _pct(x: float, spec: str) -> str:
+    return _fmt(x * 100 if math.isfinite(x) else None, spec, "%")
+
+
 def line(s: Snapshot) -> str:
     """One line per refresh, for a log or a pipe."""
     culprit = "-" if s.culprit is None else str(s.culprit)
+    if s.source == "windows":
+        return (
+            f"hyperacc live (gathered windows): step {s.step}, {s.ranks}/{s.world_size} ranks, "
+            f"{_fmt(s.steps_per_s)} steps/s, step median {_fmt(s.p50_ms)} ms over the last {s.window} steps, "
+            f"rank-steps spiked {_pct(s.rank_spike_rate, '.2f')}, wait {_pct(s.wait_share, '.0f')}, "
+            f"spread {_fmt(s.spread_ms)} ms, waited for most: rank {culprit}"
+            + (f"; {s.findings[-1]}" if s.findings else "")
+        )
     return (
         f"hyperacc live: step {s.step}, {s.ranks}/{s.world_size} ranks, {_fmt(s.steps_per_s)} steps/s, "
         f"step p50 {_fmt(s.p50_ms)} ms p99 {_fmt(s.p99_ms)} ms CV {_fmt(s.cv, '.2f')}, spikes "
@@ -413,19 +437,27 @@ def render(s: Snapshot) -> Any:
     pct = lambda x: _fmt(x * 100 if math.isfinite(x) else None, ".1f", " %")  # noqa: E731
     head.add_row(f"step [bold]{s.step}[/]", f"{_fmt(s.steps_per_s)} steps/s",
                  f"ranks {s.ranks}/{s.world_size}", f"last {s.window} steps")  # fmt: skip
-    head.add_row(f"step p50 {_fmt(s.p50_ms)} ms", f"p99 {_fmt(s.p99_ms)} ms", f"CV {_fmt(s.cv, '.2f')}",
-                 f"spiked {pct(s.spike_rate)}")  # fmt: skip
-    head.add_row(f"waiting {pct(s.wait_share)}", f"arrival spread {_fmt(s.spread_ms)} ms",
-                 f"culprit now: rank {'-' if s.culprit is None else s.culprit}",
-                 "" if s.idle_s < 10 else f"[yellow]no new records for {s.idle_s:.0f} s[/]")  # fmt: skip
+    culprit = "-" if s.culprit is None else s.culprit
+    if s.source == "windows":  # the leader's gathered windows: medians per rank, no per-step figures
+        head.add_row(f"step median {_fmt(s.p50_ms)} ms", f"rank-steps spiked {pct(s.rank_spike_rate)}",
+                     f"waiting {pct(s.wait_share)}", f"spread of waits {_fmt(s.spread_ms)} ms")  # fmt: skip
+        head.add_row(f"waited for most: rank {culprit}", "", "",
+                     "" if s.idle_s < 10 else f"[yellow]no new window for {s.idle_s:.0f} s[/]")  # fmt: skip
+    else:
+        head.add_row(f"step p50 {_fmt(s.p50_ms)} ms", f"p99 {_fmt(s.p99_ms)} ms", f"CV {_fmt(s.cv, '.2f')}",
+                     f"spiked {pct(s.spike_rate)}")  # fmt: skip
+        head.add_row(f"waiting {pct(s.wait_share)}", f"arrival spread {_fmt(s.spread_ms)} ms",
+                     f"culprit now: rank {culprit}",
+                     "" if s.idle_s < 10 else f"[yellow]no new records for {s.idle_s:.0f} s[/]")  # fmt: skip
     ranks = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("rank", "node", "step", "self ms", "wait ms", "CPU ms", "RSS MB", "spikes", "culprit"):
         ranks.add_column(name, justify="right")
     top = sorted(s.per_rank, key=lambda v: -(v.self_ms if math.isfinite(v.self_ms) else -1))[:16]
     for v in sorted(top, key=lambda v: v.rank):
         ranks.add_row(str(v.rank), str(v.node), str(v.step), _fmt(v.self_ms), _fmt(v.wait_ms), _fmt(v.cpu_ms),
-                      _fmt(v.rss_mb, ".0f"), str(v.spikes), f"{v.culprit_share:.0%}")  # fmt: skip
+                      _fmt(v.rss_mb, ".0f"), str(v.spikes), _pct(v.culprit_share, ".0f"))  # fmt: skip
     parts: list[Any] = [head, *_coordination_rows(s), ranks]
     if s.findings:
         parts.append("\n".join(f"[bold red]![/] {f}" for f in s.findings))
-    return Panel(Group(*parts), title=f"hyperacc live: {s.run}", expand=False)
+    where = f"{s.run} (gathered windows)" if s.source == "windows" else s.run
+    return Panel(Group(*parts), title=f"hyperacc live: {where}", expand=False)
