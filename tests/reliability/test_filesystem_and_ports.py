@@ -48,7 +48,7 @@ def _traced_job_through(mnt: Path, tmp: Path, break_it) -> tuple[int, str, int, 
     Returns (exit status, launcher output, rows on disk when it broke, run directory)."""
     run_dir = mnt / "run"
     log_path = tmp / "job.log"
-    cmd = ddp_command(run_dir, 1500, nproc=1, trace='{"flush_every_s": 0.2, "window": 0}')
+    cmd = ddp_command(run_dir, 600, nproc=1, trace='{"flush_every_s": 0.2, "window": 0}')
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, env=job_env(HYPERACC_RESULT_DIR=str(tmp)), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip

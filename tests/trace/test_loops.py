@@ -1,6 +1,7 @@
 """Steps and phases right on the loops people write: no DataLoader (nanoGPT), gradient accumulation, a
 skipped GradScaler update, a prefetch thread, FSDP2, two DDP models, hand-written async collectives, a
-model and an optimizer step compiled with ``torch.compile``, an update written by hand.
+model and an optimizer step compiled with ``torch.compile``, an update written by hand, DDP with unused
+parameters, activation checkpointing and two optimizers.
 
 Real ranks under ``hyperacc run`` with an unmodified script; where training is deterministic the final
 parameters are compared with the same script under plain torchrun, bit for bit.
@@ -158,3 +159,19 @@ def test_an_update_written_by_hand_ends_each_accumulated_step(tmp_path: Path) ->
         assert [row["step"] for row in rows[r]] == list(range(steps))
         assert all(row["micro_steps"] == accum and row["collectives"] == 1 for row in rows[r])
         check_nesting(rows[r])
+
+
+@pytest.mark.multirank
+def test_unused_parameters_checkpointing_and_two_optimizers_train_as_without_tracing(tmp_path: Path) -> None:
+    # DDP(find_unused_parameters=True) with a branch left out every third iteration, a checkpointed block
+    # (its forward runs again inside the backward), two optimizers stepped one after the other
+    steps = 9
+    job, rows, reference = run(tmp_path, "ddp_options", ["--steps", str(steps)], plain=True)
+    for r in range(2):
+        # one record per iteration, not per optimizer; the one gradient all-reduce is the step's wait
+        assert [row["step"] for row in rows[r]] == list(range(steps))
+        assert all(row["micro_steps"] == 1 and row["collectives"] == 1 and row["comm_wait_ns"] > 0 for row in rows[r])
+        assert all(row["forward_ns"] > 0 and row["backward_ns"] > 0 and row["optimizer_ns"] > 0 for row in rows[r])
+        check_nesting(rows[r])
+    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
+    assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]

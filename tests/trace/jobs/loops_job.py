@@ -14,7 +14,10 @@
 - ``explicit``: a hand-written gradient all-reduce, ``async_op`` given by position, then ``wait()``;
 - ``compiled``: nanoGPT's order, ``torch.compile(model, fullgraph=True)`` then DDP, and for the last
   ``--compiled-updates`` iterations an optimizer step compiled too (``aot_eager``: no C++ compiler needed);
-- ``manual``: gradient accumulation and an update written by hand (no ``torch.optim``).
+- ``manual``: gradient accumulation and an update written by hand (no ``torch.optim``);
+- ``ddp_options``: DDP with ``find_unused_parameters=True`` and a branch of the model left out every
+  third iteration, a block run under activation checkpointing (``torch.utils.checkpoint``, not
+  reentrant), and two optimizers (SGD and AdamW on disjoint parameters) stepped one after the other.
 
 Each rank reports its final parameters' checksum and losses; under the harness, ``--plain-check``
 trains an untouched copy beside it where that makes sense.
@@ -205,8 +208,44 @@ def manual(args: argparse.Namespace, rank: int, world: int) -> dict:
     return {"losses": losses, "checksum": checksum(model)}
 
 
+class _Branchy(nn.Module):
+    """An input layer, a checkpointed block, a branch used on two iterations of three, an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.branch, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.relu(self.inp(x))
+        h = checkpoint(lambda t: torch.relu(self.block(t)), h, use_reentrant=False)
+        if use_branch:
+            h = h + torch.relu(self.branch(h))
+        return self.out(h)
+
+
+def ddp_options(args: argparse.Namespace, rank: int, world: int) -> dict:
+    net = _Branchy()
+    model = DDP(net, find_unused_parameters=True)
+    opts = [torch.optim.SGD([*net.inp.parameters(), *net.block.parameters()], lr=0.05),
+            torch.optim.AdamW([*net.branch.parameters(), *net.out.parameters()], lr=1e-3)]  # fmt: skip
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for i in range(args.steps):
+        x, y = batch(g)
+        loss = nn.functional.cross_entropy(model(x, i % 3 != 0), y)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return {"losses": losses, "checksum": checksum(model)}
+
+
 LOOPS = {"nanogpt": nanogpt, "prefetch": prefetch, "fsdp2": fsdp2, "two_models": two_models, "explicit": explicit,
-         "compiled": compiled, "manual": manual}  # fmt: skip
+         "compiled": compiled, "manual": manual, "ddp_options": ddp_options}  # fmt: skip
 
 
 def main() -> None:
