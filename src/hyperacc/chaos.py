@@ -40,7 +40,8 @@ What each kind does:
   ``TorchFunctionMode``), as a slow launch path (driver, contended host) does; the tracer's
   launch-latency probe shows it.
 - ``page_churn``: the rank's C allocator maps every block of ``kb`` KiB or more afresh and unmaps it when
-  freed (glibc's ``mallopt``: mmap threshold ``kb`` KiB, trim threshold as low), so the kernel faults in
+  freed (glibc's ``mallopt``: mmap threshold ``kb`` KiB, trim threshold as low; the heap's free chunks
+  of that size, which glibc would serve first, are held for good), so the kernel faults in
   and zeroes new pages for each such tensor, at every step: the same work at a higher CPU time, all of it
   in the kernel. glibc's default, self-adjusting thresholds leave some processes in this state by
   chance for their whole life (docs/detection.md, "Kind"). Only where the process runs on glibc; elsewhere
@@ -159,10 +160,39 @@ def _churn_pages(threshold: int) -> bool:
     (one log line) where the process's allocator is not glibc."""
     from hyperacc.stabilize import memory  # only for this fault: the rest of chaos does without it
 
-    if memory.glibc_thresholds(memory.detect_host_allocator(), threshold, threshold):
+    alloc = memory.detect_host_allocator()
+    if memory.glibc_thresholds(alloc, threshold, threshold):
+        _hold_free_heap(alloc.lib, threshold)
         return True
     log.warning("hyperacc.chaos: page_churn needs glibc's mallopt; not applied")
     return False
+
+
+def _hold_free_heap(libc: Any, size: int, most: int = 4096) -> int:
+    """Take the heap's free chunks of ``size`` bytes and more for good, so that blocks of that size are
+    mapped afresh from now on: glibc serves a block from a free chunk of its heap before it maps one,
+    whatever its mmap threshold, and a process whose start left such chunks (numpy's modules compiled
+    at import, where their bytecode was not written) never paged at all. Blocks of ``size`` are taken
+    until one is mapped (outside ``[heap]``), at most ``most``, untouched (the kernel gives them no page
+    until written); the number held."""
+    import ctypes
+
+    try:
+        heap = next(line.split()[0] for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith("[heap]"))
+    except (OSError, StopIteration):
+        return 0
+    lo, hi = (int(x, 16) for x in heap.split("-"))
+    malloc, free = libc.malloc, libc.free
+    malloc.argtypes, malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    free.argtypes, free.restype = [ctypes.c_void_p], None
+    held = 0
+    while held < most:
+        block = malloc(size)
+        if not block or not lo <= block < hi:
+            free(block)  # mapped: the heap has no free chunk of this size left
+            break
+        held += 1
+    return held
 
 
 def burn_ns(duration_ns: int) -> None:
