@@ -33,7 +33,14 @@ from _machine import describe as machine  # noqa: E402
 
 from hyperacc import records, store  # noqa: E402
 from hyperacc.analysis.windows import SUMMARY_COLUMNS  # noqa: E402
-from hyperacc.schema import RESOURCE_SCHEMA, STEP_SCHEMA, RankMeta, live_events_dir, live_windows_dir  # noqa: E402
+from hyperacc.schema import (  # noqa: E402
+    RESOURCE_SCHEMA,
+    STEP_SCHEMA,
+    RankMeta,
+    live_events_dir,
+    live_windows_dir,
+    window_gathered_detail,
+)
 
 HOUR = 3600
 
@@ -123,8 +130,7 @@ def jobwide(root: Path, ranks: int, rounds: int = 3) -> dict:
         vals = rng.random((ranks, len(cols))) * 1e7
         vals[:, cols.index("rank")], vals[:, cols.index("window")] = np.arange(ranks), w
         windows.write_json(vals.tolist(), cols)
-        detail = json.dumps({"received": list(range(ranks)), "missing": []})
-        events.write_json([[0, w * 50, (k + steps) * 10**8, "window_gathered", None, float(ranks), detail]])
+        events.write_json([[0, w * 50, (k + steps) * 10**8, "window_gathered", None, float(ranks), window_gathered_detail([])]])
 
     flush(0, 200)
     out: dict = {}

@@ -41,7 +41,7 @@ from typing import Any
 
 from hyperacc import records
 from hyperacc.analysis.window_store import STORE_ERRORS, connect_store
-from hyperacc.schema import live_events_dir, live_windows_dir, rank_name
+from hyperacc.schema import live_events_dir, live_windows_dir, rank_name, window_gathered_detail
 from hyperacc.trace.failsafe import one_line
 
 log = logging.getLogger("hyperacc.agent")
@@ -526,8 +526,7 @@ class LiveNode(_Periodic):
         return dict(getattr(detector, "confirmed", {}))
 
     def _window_event(self, w: int, received: list[int], missing: list[int]) -> None:
-        detail = json.dumps({"received": received, "missing": missing})
-        self._event("window_gathered", w * self.window, float(len(received)), detail)
+        self._event("window_gathered", w * self.window, float(len(received)), window_gathered_detail(missing))
 
     def _event(self, kind: str, step: int, value: float | None, detail: str | None) -> None:
         """A row of ``RUN_DIR/live/events`` (EVENT_SCHEMA; rank 0, whose verdicts these are)."""

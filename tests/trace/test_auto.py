@@ -107,7 +107,7 @@ def test_hyperacc_run_traces_an_unmodified_ddp_script_on_two_nodes(tmp_path: Pat
     assert not [e for e in store.read_events(run).to_pylist() if e["kind"] == "window_gathered"]  # no rank did
     gathered = [e for e in store.read_live_events(run).to_pylist() if e["kind"] == "window_gathered"]
     assert gathered and all(e["rank"] == 0 for e in gathered), output
-    assert any(json.loads(e["detail"])["received"] == [0, 1, 2, 3] for e in gathered), (gathered, output)
+    assert any(e["value"] == 4 and json.loads(e["detail"])["missing"] == [] for e in gathered), (gathered, output)
     # rank 0 kept every rank's window summaries for the live view; every rank sampled its resources
     live = store.read_live_windows(run)
     assert set(live.column("rank").to_pylist()) == {0, 1, 2, 3}

@@ -103,7 +103,7 @@ class WindowFollower(RunFollower):
             cursor = self._cursors.get(folder)
             if cursor is None:
                 cursor = self._cursors[folder] = store.SegmentCursor(folder)
-            for table in cursor.read_new(("kind", "detail", "step", "t_ns"), EVENT_SCHEMA):
+            for table in cursor.read_new(("kind", "detail", "step", "t_ns", "value"), EVENT_SCHEMA):
                 for row in table.to_pylist():
                     if row.get("kind") == "window_gathered":
                         new |= self._gathered(row)
@@ -115,9 +115,8 @@ class WindowFollower(RunFollower):
         if row.get("step") is None or row.get("t_ns") is None:
             return False
         self._judged = [*self._judged, (int(row["step"]), int(row["t_ns"]))][-KEEP_JUDGED:]
-        try:
-            said = json.loads(row.get("detail") or "{}")
-            total = len(said.get("received", [])) + len(said.get("missing", []))
+        try:  # the ranks that reported (the value), and the missing ones
+            total = int(row.get("value") or 0) + len(json.loads(row.get("detail") or "{}").get("missing", []))
         except (ValueError, TypeError, AttributeError):
             return True
         self.world_size = max(self.world_size, total)

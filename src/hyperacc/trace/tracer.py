@@ -20,7 +20,6 @@ both, so that one step can be read in one sitting; the parts it drives live in t
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import signal
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from hyperacc import process, records
-from hyperacc.schema import PHASES, RankMeta, events_dir, resources_dir, steps_dir
+from hyperacc.schema import PHASES, RankMeta, events_dir, resources_dir, steps_dir, window_gathered_detail
 from hyperacc.trace.collectives import CollectiveClock
 from hyperacc.trace.columns import (
     DEV_COMM_WAIT_NS,
@@ -502,8 +501,8 @@ class Tracer:
         self.record_event("live_finding", step, detail=message)
 
     def window_gathered(self, window: int, received: list[int], missing: list[int]) -> None:
-        """Rank 0 processed a window: who reported and who did not (``window_gathered`` event)."""
-        detail = json.dumps({"received": received, "missing": missing})
+        """Rank 0 processed a window: how many reported and who did not (``window_gathered`` event)."""
+        detail = window_gathered_detail(missing)
         self.record_event("window_gathered", window * self.options.window, value=len(received), detail=detail)
 
     def _install_sigterm(self) -> None:
