@@ -359,7 +359,8 @@ class LiveNode(_Periodic):
                 self._inbox = BlockInbox(self.grace_s)  # the other nodes' blocks (a multi-node job)
 
                 confirmed = lambda rank: rank in getattr(self._gatherer._detector, "confirmed", {})  # noqa: E731
-                self._episodes = LiveEpisodes(DetectionOptions(window_steps=self.window), straggler=confirmed)
+                self._episodes = LiveEpisodes(DetectionOptions(window_steps=self.window), straggler=confirmed,
+                                              silent_s=self.grace_s)  # fmt: skip
             if store is not None:
                 blocks += self._inbox.take(store, final)
             self._episodes.add(blocks)

@@ -840,6 +840,26 @@ def test_a_rank_that_went_silent_does_not_stop_the_live_episodes_of_the_others()
     assert len(started) == 1 and started[0].startswith("rank 2 (node 1) is slow since step 2"), said
 
 
+def test_a_rank_gone_silent_early_does_not_hold_the_live_episodes_of_the_others():
+    """Rank 0's blocks stop at step 60 (it died, or its node's agent did); rank 2 is 2x slow over steps
+    300-359. Blocks come every 5 s (10 steps): rank 0 is silent after 30 s, and rank 2's episode is said
+    and ended while the job runs. Before, the common history waited for rank 0's, 60 steps long, to reach
+    the spike window (101 steps) until rank 0 left the history (1,000 steps later): nothing was said."""
+    opts = DetectionOptions()
+    cols = _step_columns(6, 600, {2: (300, 360, 2.0)})
+    streams = [BlockStream(r, r // 2, opts) for r in range(6)]
+    now = [0.0]
+    live, said = LiveEpisodes(opts, clock=lambda: now[0]), []
+    for start in range(0, 600, 10):
+        now[0] += 5.0
+        said += live.update([s.add({k: v[start : start + 10] for k, v in c.items()})
+                             for s, c in zip(streams, cols, strict=True) if s.rank or start < 60])  # fmt: skip
+    started = [(step, text) for step, text in said if "is slow since step" in text]
+    ended = [(step, text) for step, text in said if "was slow from step" in text]
+    assert len(started) == 1 and started[0][1].startswith("rank 2 (node 1) is slow since step 3"), said
+    assert len(ended) == 1 and ended[0][1].startswith("rank 2 ") and 355 <= ended[0][0] <= 380, said
+
+
 def test_a_one_node_job_missing_a_ranks_metadata_is_gathered_without_a_store(tmp_path: Path) -> None:
     """A rank of a one-node job that failed before it wrote its metadata leaves the agent 3 of 4 ranks:
     the agent still gathers them itself (the missing rank is missing in its windows) and never

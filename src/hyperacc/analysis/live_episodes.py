@@ -27,6 +27,7 @@ from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
 
 KEEP_BLOCKS = 200  # blocks of history per rank the live rule judges (1,000 steps at 5 steps a block)
+SILENT_S = 30.0  # a rank that sent no block for this long is not waited for (the windows' grace, grace_s)
 
 
 class BlockStream:
@@ -76,9 +77,12 @@ class LiveEpisodes:
     """Confirms episodes from streaming blocks; says each once when confirmed and once when it ends."""
 
     def __init__(self, opts: DetectionOptions, keep_blocks: int = KEEP_BLOCKS,
-                 straggler: Callable[[int], bool] | None = None) -> None:  # fmt: skip
+                 straggler: Callable[[int], bool] | None = None, silent_s: float = SILENT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.opts = opts
         self.keep_blocks = keep_blocks
+        self.silent_s, self.clock = silent_s, clock
+        self._heard: dict[int, float] = {}  # rank -> when its last new blocks came (``clock``)
         self.straggler = straggler or (lambda rank: False)  # the window rules' call on a rank
         self._history: dict[int, RankBlocks] = {}
         self._open: dict[int, Episode] = {}  # rank -> the episode said to be going on
@@ -97,9 +101,11 @@ class LiveEpisodes:
         if not fresh:
             return False
         self._fresh = True
+        now = self.clock()
         for b in fresh:
             self._history[b.rank] = _joined(self._history.get(b.rank), b)
             self._first.setdefault(b.rank, int(b.block[0]))
+            self._heard[b.rank] = now
         newest = max(int(h.block[-1]) for h in self._history.values() if h.block.size)
         # a rank silent for longer than the history (its node's agent stopped sending) leaves it: its empty
         # history would make every rank's common span nothing, and nothing would be judged again
@@ -119,7 +125,13 @@ class LiveEpisodes:
         # with the whole run, was not.
         # Every rank's: the blocks are judged only where min_ranks ranks have them, so one rank whose
         # records arrived ahead of the others' does not make a short common history look long enough.
-        span = min(int(h.block[-1] - h.block[0] + 1) if h.block.size else 0 for h in self._history.values())
+        # A rank that has sent nothing for ``silent_s`` (it died, or its node's agent stopped) keeps its
+        # blocks in the history, where they count in the others' medians, but neither the common span nor
+        # the frontier waits for it: they would until it left the history (``keep_blocks``, 1,000 steps),
+        # and no episode of the others would end meanwhile.
+        heard = [h for r, h in self._history.items() if self.clock() - self._heard.get(r, -math.inf) <= self.silent_s]
+        heard = heard or list(self._history.values())
+        span = min(int(h.block[-1] - h.block[0] + 1) if h.block.size else 0 for h in heard)
         if span * self.opts.episode_block_steps < self.opts.spike_window:
             return []
         # An episode that was over before that much history existed was judged against a floor learnt
@@ -134,7 +146,7 @@ class LiveEpisodes:
         found = [e for e in detect_episodes(list(self._history.values()), self.opts, floor_effect=1.0)
                  if e.metric == "cpu_ns" or _blocked(e)]  # fmt: skip
         missing = [r for r, going in self._open.items() if not any(_overlap(going, e) for e in found)]
-        frontier = min(int(h.block[-1]) for h in self._history.values() if h.block.size)  # judged by all ranks
+        frontier = min(int(h.block[-1]) for h in heard if h.block.size)  # judged by every rank still heard
         self._missing = {r: self._missing.get(r, frontier) for r in missing}
         for rank in missing:
             # no longer judged an episode (its history moved on): ended by the rank's newest block, once the
