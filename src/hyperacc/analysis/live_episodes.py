@@ -129,7 +129,8 @@ class LiveEpisodes:
         # blocks in the history, where they count in the others' medians, but neither the common span nor
         # the frontier waits for it: they would until it left the history (``keep_blocks``, 1,000 steps),
         # and no episode of the others would end meanwhile.
-        heard = [h for r, h in self._history.items() if self.clock() - self._heard.get(r, -math.inf) <= self.silent_s]
+        since = self.clock() - self.silent_s
+        heard = [h for r, h in self._history.items() if self._heard.get(r, -math.inf) >= since]
         heard = heard or list(self._history.values())
         span = min(int(h.block[-1] - h.block[0] + 1) if h.block.size else 0 for h in heard)
         if span * self.opts.episode_block_steps < self.opts.spike_window:

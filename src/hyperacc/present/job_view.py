@@ -29,7 +29,7 @@ import pyarrow as pa
 from hyperacc import store
 from hyperacc.analysis.windows import RANK_CAUSES
 from hyperacc.present.live_view import RankView, RunFollower, Snapshot
-from hyperacc.schema import EVENT_SCHEMA, live_events_dir, live_windows_dir
+from hyperacc.schema import live_windows_dir
 from hyperacc.stats import nan_median
 
 KEEP_WINDOWS = 4  # gathered windows kept (the latest one is shown)
@@ -57,7 +57,6 @@ class WindowFollower(RunFollower):
         super().__init__(run_dirs, keep=0)
         self._windows: dict[int, dict[str, np.ndarray]] = {}  # window -> its rows' columns
         self._judged: list[tuple[int, int]] = []  # (first step, t_ns) of the latest judged windows
-        self._reported: dict[int, int] = {}  # window -> ranks that reported and were missing
 
     def poll(self) -> bool:
         new = False
@@ -97,18 +96,10 @@ class WindowFollower(RunFollower):
     def _read_leader_events(self, run_dir: Path) -> bool:
         """The leader's findings and who reported each window (``window_gathered``), and what
         ``--remediate`` did."""
-        folder = live_events_dir(run_dir)
         new = False
-        if folder.is_dir():
-            cursor = self._cursors.get(folder)
-            if cursor is None:
-                cursor = self._cursors[folder] = store.SegmentCursor(folder)
-            for table in cursor.read_new(("kind", "detail", "step", "t_ns", "value"), EVENT_SCHEMA):
-                for row in table.to_pylist():
-                    if row.get("kind") == "window_gathered":
-                        new |= self._gathered(row)
-                    else:
-                        new |= self._finding(row)
+        for _rank, table in self._new_live_events(run_dir, ("kind", "detail", "step", "t_ns", "value")):
+            for row in table.to_pylist():
+                new |= self._gathered(row) if row.get("kind") == "window_gathered" else self._finding(row)
         return self._read_remediation(run_dir) or new
 
     def _gathered(self, row: dict) -> bool:
@@ -133,8 +124,7 @@ class WindowFollower(RunFollower):
         step_ns, self_ns, cpu_ns = (cols.get(c, nan) for c in ("step_ns_median", "self_ns_median", "cpu_ns_median"))
         dev = cols.get("dev_comm_wait_ns_median", nan)
         wait = dev if not np.isnan(dev).all() else cols.get("comm_wait_ns_median", nan)
-        spikes = sum((cols.get(f"spikes_{c}", np.zeros(n)) for c in RANK_CAUSES), np.zeros(n))
-        spikes = np.nan_to_num(spikes)
+        spikes = np.nansum([cols.get(f"spikes_{c}", np.zeros(n)) for c in RANK_CAUSES], axis=0)
         judged = np.nansum(cols.get("judged_steps", nan))
         last = cols.get("last_step", nan)
         first = cols.get("first_step", nan)

@@ -157,7 +157,7 @@ class RunFollower:
             out += [(rank, t) for t in cursor.read_new(columns, schema)]
         return out
 
-    def _new_live_events(self, run_dir: Path) -> list[tuple[int, pa.Table]]:
+    def _new_live_events(self, run_dir: Path, columns: Sequence[str] = ("kind", "detail", "rank")) -> list[tuple[int, pa.Table]]:
         """The node agent's live verdicts (``RUN_DIR/live/events``) not read yet."""
         folder = live_events_dir(run_dir)
         if not folder.is_dir():
@@ -165,7 +165,7 @@ class RunFollower:
         cursor = self._cursors.get(folder)
         if cursor is None:
             cursor = self._cursors[folder] = store.SegmentCursor(folder)
-        return [(0, t) for t in cursor.read_new(("kind", "detail", "rank"), EVENT_SCHEMA)]
+        return [(0, t) for t in cursor.read_new(columns, EVENT_SCHEMA)]
 
     def _add(self, rank: int, table: pa.Table) -> None:
         cols = {}
