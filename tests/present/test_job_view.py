@@ -72,6 +72,9 @@ def test_records_are_still_read_when_asked_and_below_the_threshold(led_run: Path
     assert res.returncode == 0, res.stderr
     snap = json.loads(res.stdout)
     assert snap["source"] == "records" and snap["ranks"] == RANKS and snap["p99_ms"] is not None
+    # the pace of the same rank's records, over each view's own window of steps
+    windows = json.loads(_watch(str(led_run), "--once", "--json").stdout)
+    assert windows["steps_per_s"] == pytest.approx(snap["steps_per_s"], rel=0.2)
     small = write_run(tmp_path / "small", SyntheticRun(ranks=4, steps=120, ranks_per_node=4, seed=1))
     res = _watch(str(small), "--once", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["source"] == "records", res.stderr

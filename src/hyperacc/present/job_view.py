@@ -6,11 +6,12 @@ refresh, so its cost grows with the job: 1.2 s of CPU a refresh at 256 ranks her
 core at thousands. The node agent that holds rank 0 (the leader) already gathers one summary row per
 rank and window from every node (docs/tracing.md, "Live aggregation") and keeps them under
 ``RUN_DIR/live/windows``, with who reported each window under ``RUN_DIR/live/events``; ``WindowFollower``
-reads those two folders alone, so a refresh reads the new windows' rows (one row per rank a window)
-and never a rank's folder. What it shows is the latest gathered window: each rank's median self-time,
-wait and CPU time and its spikes, the median step across ranks, the waiting share, the spread of the
-ranks' median waits and the rank that waited least (the one the others waited for), the pace from
-when the leader judged the windows, and the live findings. Figures that need every step of every rank
+reads those two folders, and one rank's step records for the pace (the lowest rank there, as the
+records view takes it), so a refresh reads the new windows' rows (one row per rank a window) and one
+rank's new steps whatever the size of the job. What it shows is the latest gathered window: each
+rank's median self-time, wait and CPU time and its spikes, the median step across ranks, the waiting
+share, the spread of the ranks' median waits and the rank that waited least (the one the others
+waited for), the steps per second over the window, and the live findings. Figures that need every step of every rank
 (the step's p99 and CV, the share of steps that spiked on any rank, the coordination view) are not
 there: ``--source records`` shows them at any size. docs/presentation.md, "Watching a job".
 """
@@ -29,11 +30,11 @@ import pyarrow as pa
 from hyperacc import store
 from hyperacc.analysis.windows import RANK_CAUSES
 from hyperacc.present.live_view import RankView, RunFollower, Snapshot
-from hyperacc.schema import live_windows_dir
+from hyperacc.schema import STEP_SCHEMA, live_windows_dir, steps_dir
 from hyperacc.stats import nan_median
 
 KEEP_WINDOWS = 4  # gathered windows kept (the latest one is shown)
-KEEP_JUDGED = 16  # (step, time) of the latest judged windows: the pace
+PACE_STEPS = 1000  # the pace rank's newest (step, start time) kept: a window of steps, and more
 
 _WANTED = (
     "rank", "node", "window", "first_step", "last_step", "step_ns_median", "self_ns_median",
@@ -56,7 +57,8 @@ class WindowFollower(RunFollower):
     def __init__(self, run_dirs: Sequence[str | Path]) -> None:
         super().__init__(run_dirs, keep=0)
         self._windows: dict[int, dict[str, np.ndarray]] = {}  # window -> its rows' columns
-        self._judged: list[tuple[int, int]] = []  # (first step, t_ns) of the latest judged windows
+        self._pace_dir: Path | None = None  # the step records of the rank whose pace is shown
+        self._pace = (np.zeros(0), np.zeros(0))  # its newest (steps, start times in ns)
 
     def poll(self) -> bool:
         new = False
@@ -64,6 +66,7 @@ class WindowFollower(RunFollower):
             self._read_meta(run_dir)
             new |= self._read_windows(run_dir)
             new |= self._read_leader_events(run_dir)
+        self._read_pace()
         if new:
             self._last_new = time.monotonic()
         return new
@@ -97,15 +100,27 @@ class WindowFollower(RunFollower):
         """The leader's findings and who reported each window (``window_gathered``), and what
         ``--remediate`` did."""
         new = False
-        for _rank, table in self._new_live_events(run_dir, ("kind", "detail", "step", "t_ns", "value")):
+        for _rank, table in self._new_live_events(run_dir, ("kind", "detail", "value")):
             for row in table.to_pylist():
                 new |= self._gathered(row) if row.get("kind") == "window_gathered" else self._finding(row)
         return self._read_remediation(run_dir) or new
 
+    def _read_pace(self) -> None:
+        """The new steps of the lowest rank that has step records (read from its newest records on)."""
+        if self._pace_dir is None:
+            found = (steps_dir(d, r) for r in sorted(self._node) for d in self.run_dirs)
+            self._pace_dir = next((d for d in found if d.is_dir()), None)
+            if self._pace_dir is None:
+                return
+            self._cursors[self._pace_dir] = store.SegmentCursor(self._pace_dir)
+            self._cursors[self._pace_dir].start_at_tail(PACE_STEPS)
+        for t in self._cursors[self._pace_dir].read_new(("step", "t_start_ns"), STEP_SCHEMA):
+            steps, starts = (t.column(c).cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
+                             for c in ("step", "t_start_ns"))  # fmt: skip
+            self._pace = (np.concatenate([self._pace[0], steps])[-PACE_STEPS:],
+                          np.concatenate([self._pace[1], starts])[-PACE_STEPS:])  # fmt: skip
+
     def _gathered(self, row: dict) -> bool:
-        if row.get("step") is None or row.get("t_ns") is None:
-            return False
-        self._judged = [*self._judged, (int(row["step"]), int(row["t_ns"]))][-KEEP_JUDGED:]
         try:  # the ranks that reported (the value), and the missing ones
             total = int(row.get("value") or 0) + len(json.loads(row.get("detail") or "{}").get("missing", []))
         except (ValueError, TypeError, AttributeError):
@@ -143,7 +158,7 @@ class WindowFollower(RunFollower):
             world_size=max(self.world_size, n),
             step=int(np.nanmax(last)) if not np.isnan(last).all() else -1,
             window=int(np.nanmax(last) - np.nanmin(first) + 1) if not np.isnan(last).all() else 0,
-            steps_per_s=self._pace(),
+            steps_per_s=self._steps_per_s(np.nanmin(first), np.nanmax(last)) if not np.isnan(last).all() else math.nan,
             p50_ms=float(nan_median(step_ns)) / 1e6,
             p99_ms=math.nan,
             cv=math.nan,
@@ -158,12 +173,12 @@ class WindowFollower(RunFollower):
             rank_spike_rate=float(spikes.sum() / judged) if judged > 0 else math.nan,
         )
 
-    def _pace(self) -> float:
-        """Steps per second from when the leader judged the windows kept (their first steps, wall clock)."""
-        if len(self._judged) < 2:
-            return math.nan
-        (s0, t0), (s1, t1) = self._judged[0], self._judged[-1]
-        return (s1 - s0) / ((t1 - t0) / 1e9) if t1 > t0 and s1 > s0 else math.nan
+    def _steps_per_s(self, first: float, last: float) -> float:
+        """Steps per second of the pace rank over the window's steps (its wall-clock step starts), as the
+        records view measures it over its window."""
+        steps, starts = self._pace
+        ts = starts[(steps >= first) & (steps <= last) & ~np.isnan(starts)]
+        return (ts.size - 1) / ((ts[-1] - ts[0]) / 1e9) if ts.size >= 2 and ts[-1] > ts[0] else math.nan
 
 
 def follower(run_dirs: Sequence[str | Path], *, keep: int, source: str, records_max_ranks: int) -> RunFollower:
