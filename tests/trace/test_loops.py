@@ -163,15 +163,23 @@ def test_an_update_written_by_hand_ends_each_accumulated_step(tmp_path: Path) ->
 
 @pytest.mark.multirank
 def test_unused_parameters_checkpointing_and_two_optimizers_train_as_without_tracing(tmp_path: Path) -> None:
-    # DDP(find_unused_parameters=True) with a branch left out every third iteration, a checkpointed block
-    # (its forward runs again inside the backward), two optimizers stepped one after the other
+    # DDP(find_unused_parameters=True) with a branch left out every third iteration, a batch norm, a
+    # checkpointed block (its forward runs again inside the backward), two optimizers stepped one after the
+    # other; rank 0 sleeps 300 ms before the forward of iterations 1, 4 and 7
     steps = 9
-    job, rows, reference = run(tmp_path, "ddp_options", ["--steps", str(steps)], plain=True)
+    args = ["--steps", str(steps), "--late-rank", "0", "--late-ms", "300"]
+    job, rows, reference = run(tmp_path, "ddp_options", args, plain=True)
     for r in range(2):
-        # one record per iteration, not per optimizer; the one gradient all-reduce is the step's wait
+        # one record per iteration, not per optimizer; two collectives a step: DDP's broadcast of the batch
+        # norm's buffers at the forward's start and the gradient all-reduce
         assert [row["step"] for row in rows[r]] == list(range(steps))
-        assert all(row["micro_steps"] == 1 and row["collectives"] == 1 and row["comm_wait_ns"] > 0 for row in rows[r])
+        assert all(row["micro_steps"] == 1 and row["collectives"] == 2 and row["comm_wait_ns"] > 0 for row in rows[r])
         assert all(row["forward_ns"] > 0 and row["backward_ns"] > 0 and row["optimizer_ns"] > 0 for row in rows[r])
         check_nesting(rows[r])
+    # rank 1 waited for the late rank inside its forward, in the buffers' broadcast: a wait, not compute
+    # (untimed, it was rank 1's forward and self-time, and the late rank looked the fast one)
+    late = [rows[1][s] for s in range(1, steps, 3)]
+    assert all(row["comm_wait_ns"] > 250e6 and row["forward_ns"] < 150e6 for row in late), late
+    assert all(rows[0][s]["self_ns"] > rows[1][s]["self_ns"] for s in range(1, steps, 3))
     assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
     assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]

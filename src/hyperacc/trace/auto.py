@@ -52,7 +52,7 @@ from torch.compiler import is_compiling
 
 from hyperacc.trace.ddp_wait import DDPWait
 from hyperacc.trace.failsafe import switch_off
-from hyperacc.trace.step_clock import BACKWARD, DATA, EVAL, FORWARD, OPTIMIZER
+from hyperacc.trace.step_clock import BACKWARD, COMM, DATA, EVAL, FORWARD, OPTIMIZER
 from hyperacc.trace.tracer import Tracer
 
 _MAX_OUTERMOST = 8
@@ -192,6 +192,24 @@ class AutoTrace:
 
         __init__.__wrapped__ = orig_init  # type: ignore[attr-defined]
         self._patch(DDP, "__init__", __init__)
+
+        # DDP broadcasts its buffers (BatchNorm statistics, a transformer's position ids) from rank 0 at
+        # the start of every synchronised forward: a blocking collective inside the forward, where a
+        # rank waits for a late one. Timed as a collective, the wait leaves the forward's self-time.
+        orig_sync_buffers = getattr(DDP, "_sync_buffers", None)
+        if orig_sync_buffers is not None:
+
+            @functools.wraps(orig_sync_buffers)
+            def sync_buffers(ddp: Any, *args: Any, **kwargs: Any) -> Any:
+                if is_compiling() or not auto._on or get_ident() != auto.thread_id:
+                    return orig_sync_buffers(ddp, *args, **kwargs)
+                auto._enter(COMM)
+                try:
+                    return orig_sync_buffers(ddp, *args, **kwargs)
+                finally:
+                    auto._exit(COMM)
+
+            self._patch(DDP, "_sync_buffers", sync_buffers)
 
         orig_compile = torch.compile
 

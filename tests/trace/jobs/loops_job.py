@@ -16,8 +16,9 @@
   ``--compiled-updates`` iterations an optimizer step compiled too (``aot_eager``: no C++ compiler needed);
 - ``manual``: gradient accumulation and an update written by hand (no ``torch.optim``);
 - ``ddp_options``: DDP with ``find_unused_parameters=True`` and a branch of the model left out every
-  third iteration, a block run under activation checkpointing (``torch.utils.checkpoint``, not
-  reentrant), and two optimizers (SGD and AdamW on disjoint parameters) stepped one after the other.
+  third iteration, a batch norm, a block run under activation checkpointing (``torch.utils.checkpoint``,
+  not reentrant), two optimizers (SGD and AdamW on disjoint parameters) stepped one after the other, and
+  ``--late-rank`` sleeping before the forward of every third iteration (1, 4, ...).
 
 Each rank reports its final parameters' checksum and losses; under the harness, ``--plain-check``
 trains an untouched copy beside it where that makes sense.
@@ -209,17 +210,19 @@ def manual(args: argparse.Namespace, rank: int, world: int) -> dict:
 
 
 class _Branchy(nn.Module):
-    """An input layer, a checkpointed block, a branch used on two iterations of three, an output layer."""
+    """An input layer, a batch norm (buffers DDP broadcasts at each forward), a checkpointed block, a branch
+    used on two iterations of three, an output layer."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp, self.block, self.branch, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8)
+        self.norm = nn.BatchNorm1d(64)
 
     def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
         from torch.utils.checkpoint import checkpoint
 
-        h = torch.relu(self.inp(x))
+        h = torch.relu(self.norm(self.inp(x)))
         h = checkpoint(lambda t: torch.relu(self.block(t)), h, use_reentrant=False)
         if use_branch:
             h = h + torch.relu(self.branch(h))
@@ -235,6 +238,8 @@ def ddp_options(args: argparse.Namespace, rank: int, world: int) -> dict:
     losses = []
     for i in range(args.steps):
         x, y = batch(g)
+        if rank == args.late_rank and i % 3 == 1:
+            time.sleep(args.late_ms / 1e3)  # the other rank waits in DDP's broadcast of the buffers
         loss = nn.functional.cross_entropy(model(x, i % 3 != 0), y)
         loss.backward()
         for opt in opts:
@@ -255,7 +260,8 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--skip-steps", default="")
     p.add_argument("--eval-every", type=int, default=0)
-    p.add_argument("--late-rank", type=int, default=-1, help="nanogpt: this rank sleeps before the synchronised")
+    p.add_argument("--late-rank", type=int, default=-1, help="nanogpt: this rank sleeps before the synchronised;"
+                   " ddp_options: before the forward")
     p.add_argument("--late-ms", type=float, default=300.0, help="backward of every third iteration (1, 4, ...)")
     p.add_argument("--compiled-updates", type=int, default=0, help="compiled: iterations whose optimizer step is compiled")
     args = p.parse_args()
