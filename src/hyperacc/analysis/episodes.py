@@ -507,17 +507,26 @@ def recovered_stragglers(
 
 
 def merge_episodes(
-    found: Sequence[Episode], stragglers: Sequence[Mapping[str, Any]], recovered: Sequence[Mapping[str, Any]]
+    found: Sequence[Episode], stragglers: Sequence[Mapping[str, Any]], recovered: Sequence[Mapping[str, Any]],
+    window_steps: int,
 ) -> list[dict[str, Any]]:
     """The ``episodes`` of the diagnosis: change-point episodes, less those of a rank that is a straggler
-    over the same steps (it stays a straggler), and the stragglers that recovered (window rules) that no
-    change-point episode already covers, with the job time they lost (their excess over their steps)."""
+    over the same steps (it stays a straggler) unless the episode began later than the straggler (more
+    than one window after its ``since_step``) and ended: a further shift on top of the straggler's own,
+    and the stragglers that recovered (window rules) that no change-point episode already covers, with
+    the job time they lost (their excess over their steps)."""
 
     def overlaps(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return a["rank"] == b["rank"] and a["since_step"] <= b["until_step"] and b["since_step"] <= a["until_step"]
 
+    def covered(e: Mapping[str, Any], s: Mapping[str, Any]) -> bool:
+        if e["rank"] != s["rank"]:
+            return False
+        on_top = not e["active"] and e["since_step"] > s["since_step"] + window_steps
+        return e["active"] or (overlaps(e, s) and not on_top)
+
     out = [e.to_dict() for e in found]
-    out = [e for e in out if not any(overlaps(e, s) or (e["active"] and e["rank"] == s["rank"]) for s in stragglers)]
+    out = [e for e in out if not any(covered(e, s) for s in stragglers)]
     for s in recovered:
         if not any(overlaps(s, e) for e in out):
             lost = max(float(s.get("excess_ns") or 0.0), 0.0) * (s["until_step"] - s["since_step"] + 1)
@@ -576,17 +585,33 @@ def segment_shift(row: np.ndarray, seg: np.ndarray) -> float:
     return float(nan_median(row[seg]) - outside_level(row, seg))
 
 
+_TRIM_ROUNDS = 20
+
+
 def edges_trimmed(row: np.ndarray, seg: np.ndarray, shift: float, keep_end: bool = False) -> np.ndarray:
     """Blocks ``seg`` of ``row`` (a rank's log ratios) less the leading and trailing blocks whose value is
-    nearer the rank's level outside ``seg`` than ``shift`` above it (under half of it, or not judged);
-    ``keep_end``: keep the trailing ones. Unchanged when no block is nearer the shifted level."""
+    nearer the rank's level outside ``seg`` than the level inside (under half of its shift, or not
+    judged); ``keep_end``: keep the trailing ones. Unchanged when no block is nearer the shifted level.
+
+    The level inside starts at ``shift`` (the median over all of ``seg``) and is measured again on the
+    blocks nearer it than the level outside, until it stays the same (at most ``_TRIM_ROUNDS`` times): a
+    long tail of blocks near the outside level pulls the median over ``seg`` down, and with it the bar
+    that should cut that tail (a 5x fault of 12 blocks whose CUSUM range ran 11 blocks past it, over
+    blocks of 1.0-1.8x, kept them all against the first bar)."""
     if not shift > 0:
         return seg
-    y = row[seg] - outside_level(row, seg)  # the blocks against the level outside
-    inside = np.flatnonzero(np.nan_to_num(y, nan=-np.inf) >= shift / 2)
-    if not inside.size:
-        return seg
-    return seg[inside[0] : (seg.size if keep_end else inside[-1] + 1)]
+    y = np.nan_to_num(row[seg] - outside_level(row, seg), nan=-np.inf)  # the blocks against the level outside
+    lo, hi, level = 0, seg.size, shift
+    for _ in range(_TRIM_ROUNDS):
+        inside = np.flatnonzero(y[lo:hi] >= level / 2) + lo
+        if not inside.size:
+            break
+        lo, hi = int(inside[0]), hi if keep_end else int(inside[-1]) + 1
+        again = float(np.median(y[inside]))  # the level of the blocks nearer the shifted one
+        if again == level:
+            break
+        level = again
+    return seg[lo:hi]
 
 
 def _measured(vol: np.ndarray | None, r: int, seg: np.ndarray) -> bool:

@@ -133,7 +133,7 @@ def diagnose(
     changes = detect_episodes(blocks.blocks, opts)
     back = recovered_stragglers(stragglers, changes, opts.window_steps)
     stragglers = [s for s in stragglers if s["rank"] not in back]
-    episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active])
+    episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active], opts.window_steps)
     del blocks
     working = working_gap_ranks(stragglers + episodes)
     for f in findings:
