@@ -342,6 +342,16 @@ class LiveNode(_Periodic):
             log.warning("hyperacc run: live episodes switched off (%s)", one_line(exc))
         self._new_blocks = []
 
+    def _recovered(self, rank: int, since_step: int) -> bool:
+        """The live episodes saw ``rank`` back from a slowdown that began with a straggler the windows
+        confirm since ``since_step`` (the windows reach the leader later than the blocks: a Lightning
+        job's 60-step fault was said a straggler 70 steps after its end was said)."""
+        episodes = self._episodes
+        try:
+            return bool(episodes) and episodes.recovered(rank, since_step, self.window)
+        except Exception:  # noqa: BLE001 - the windows' verdicts go on as they were
+            return False
+
     def _judge_episodes(self, final: bool, store: Any = None) -> None:
         """Live episodes (``analysis.live_episodes``) over the blocks read this pass, and those the other
         nodes' agents published to ``store`` (a multi-node job), as live findings. Judged at most once
@@ -510,7 +520,7 @@ class LiveNode(_Periodic):
                 meta0.world_size, window=self.window, grace_s=self.grace_s,
                 nodes=lambda: max(len({m.node for m in self._metas.values()}), 1),
                 on_finding=lambda step, text: self._event("live_finding", step, None, text),
-                on_window=self._window_event, run_dir=self.run_dir, compacts=False,
+                on_window=self._window_event, run_dir=self.run_dir, compacts=False, recovered=self._recovered,
             )  # fmt: skip
             self._remediation = self._remediation_of(meta0)
             if self._remediation is not None:

@@ -688,6 +688,9 @@ def test_live_episodes_say_the_onset_within_the_minimum_length_and_the_end_once(
     (confirmed, started), (ended_at, ended) = said
     assert started.startswith("rank 2 (node 1) is slow since step 12") and 120 <= confirmed <= 140, said
     assert "then recovered" in ended and abs(ended_at - 179) <= 10, said
+    # what the window rules ask of it (``LiveDetector``'s ``recovered``): a straggler whose onset the episode
+    # began with is back; one confirmed since long before it, or another rank, is not
+    assert live.recovered(2, 100, 50) and not live.recovered(2, 0, 50) and not live.recovered(1, 100, 50)
     # a clean stream says nothing; the history kept is bounded
     quiet = LiveEpisodes(opts, keep_blocks=30)
     streams = [BlockStream(r, 0, opts) for r in range(4)]

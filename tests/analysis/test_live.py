@@ -35,6 +35,20 @@ def test_one_line_when_the_slow_rank_is_confirmed_and_no_repeats(faulty_run):
     assert live.confirmed == {SLOW_RANK: "compute"}
 
 
+def test_a_straggler_the_live_episodes_saw_recover_is_not_said(faulty_run):
+    # the windows reach the leader after the blocks: a rank whose slowdown the live episodes already saw
+    # end is not said a straggler from its windows (offline: episodes.recovered_stragglers)
+    asked = []
+
+    def recovered(rank: int, since_step: int) -> bool:
+        asked.append((rank, since_step))
+        return rank == SLOW_RANK
+
+    live = LiveDetector(world_size=8, nodes=2, recovered=recovered)
+    assert [line for _, t in window_stream(faulty_run) for line in live.update(t)] == []
+    assert live.confirmed == {} and {r for r, _ in asked} == {SLOW_RANK}
+
+
 def test_a_clean_run_says_nothing(clean_run):
     live = LiveDetector(world_size=8, nodes=2)
     assert [line for _, t in window_stream(clean_run) for line in live.update(t)] == []

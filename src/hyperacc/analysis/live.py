@@ -12,7 +12,7 @@ windows, so memory does not grow with the length of the run.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,11 +35,15 @@ _REQUIRED = ("rank", "node", "window", "first_step", "last_step", "steps")
 class LiveDetector:
     """Confirms stragglers from streaming window summaries; remembers what it already said."""
 
-    def __init__(self, world_size: int, nodes: int, **options: Any) -> None:
+    def __init__(self, world_size: int, nodes: int, *, recovered: Callable[[int, int], bool] | None = None,
+                 **options: Any) -> None:  # fmt: skip
         if world_size < 1 or nodes < 1:
             raise ValueError(f"world_size and nodes must be >= 1 (got {world_size}, {nodes})")
         self.world_size = int(world_size)
         self.nodes = int(nodes)
+        # ``recovered(rank, since_step)``: the live episodes saw that rank back from a slowdown that began
+        # with the straggler (offline: ``episodes.recovered_stragglers``); not said, as offline
+        self.recovered = recovered or (lambda rank, since_step: False)
         self.opts = DetectionOptions.from_mapping(options)
         self.keep_windows = max(2 * self.opts.persist_n, 10)
         self._history: dict[str, np.ndarray] = {}
@@ -71,7 +75,8 @@ class LiveDetector:
             return []
         self._append(cols)
         messages: list[str] = []
-        active = {s.rank: s for s in detect_stragglers(self._history, self.opts) if s.active}
+        active = {s.rank: s for s in detect_stragglers(self._history, self.opts)
+                  if s.active and not self.recovered(s.rank, s.since_step)}  # fmt: skip
         self._active = [active[r] for r in sorted(active)]
         for rank in sorted(active):
             s = active[rank]

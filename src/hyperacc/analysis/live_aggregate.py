@@ -49,12 +49,12 @@ def _prefix() -> str:
     return f"hyperacc/windows/{here.run_id}/{here.restart_count}/"
 
 
-def _default_detector(world_size: int, nodes: int, window: int) -> Any:
+def _default_detector(world_size: int, nodes: int, window: int, recovered: Callable[[int, int], bool] | None) -> Any:
     try:
         from hyperacc.analysis.live import LiveDetector
     except ImportError:
         return None
-    return LiveDetector(world_size, nodes, window_steps=window)
+    return LiveDetector(world_size, nodes, recovered=recovered, window_steps=window)
 
 
 
@@ -88,11 +88,13 @@ class WindowGatherer:
         run_dir: str | os.PathLike | None = None,
         compaction: tuple[int, float, int] = (0, 0.0, 0),
         compacts: bool = True,
+        recovered: Callable[[int, int], bool] | None = None,
     ) -> None:
         self.world_size = world_size
         self.window = window
         self.grace_s = grace_s
         self.nodes = nodes
+        self.recovered = recovered  # the default detector's (``LiveDetector``)
         self.on_finding = on_finding
         self.on_window = on_window
         self.on_judged = on_judged
@@ -216,7 +218,7 @@ class WindowGatherer:
         if not self._detector_made:
             self._detector_made = True
             nodes = self.nodes() if callable(self.nodes) else self.nodes
-            self._detector = _default_detector(self.world_size, nodes, self.window)
+            self._detector = _default_detector(self.world_size, nodes, self.window, self.recovered)
         if self._detector is None:
             return
         first_step = int(cols["first_step"].min())

@@ -87,6 +87,7 @@ class LiveEpisodes:
         self._history: dict[int, RankBlocks] = {}
         self._open: dict[int, Episode] = {}  # rank -> the episode said to be going on
         self._said: dict[int, int] = {}  # rank -> last step of the episodes already said
+        self._ended: dict[int, tuple[int, int]] = {}  # rank -> (since, until) of its latest episode said ended
         self._missing: dict[int, int] = {}  # rank -> the newest block when its open episode was first not found
         self._first: dict[int, int] = {}  # rank -> the first block it was seen with
         self._fresh = False  # blocks added since the last judgement
@@ -164,6 +165,7 @@ class LiveEpisodes:
             out.append((last, f"rank {rank} (node {going.node}) was slow from step {going.since_step}; "
                               f"no longer by step {last}"))  # fmt: skip
             self._said[rank] = last
+            self._ended[rank] = (going.since_step, last)
         for e in found:
             if self.straggler(e.rank) or e.until_step <= self._said.get(e.rank, -1):
                 continue
@@ -175,7 +177,16 @@ class LiveEpisodes:
                 out.append((e.until_step, _ended(going, e)))
                 del self._open[e.rank]
                 self._said[e.rank] = e.until_step
+                self._ended[e.rank] = (going.since_step, e.until_step)
         return out
+
+    def recovered(self, rank: int, since_step: int, window_steps: int) -> bool:
+        """``rank`` was said back from an episode that began with a straggler confirmed since ``since_step``
+        (no later than one window after it, and ending after it) and none of its episodes is going on:
+        ``episodes.recovered_stragglers``' rule, on what was said live."""
+        span = self._ended.get(rank)
+        return (rank not in self._open and span is not None and span[0] <= since_step + window_steps
+                and span[1] >= since_step)  # fmt: skip
 
     def close(self) -> list[tuple[int, str]]:
         """Episodes still going on at the end of what was seen."""
