@@ -104,7 +104,10 @@ def test_gc_and_host_work_after_optimizer_step_are_never_input_a_blocking_read_i
     assert job.ok, job.explain()
     d = diagnose(run_dir).to_dict()
     found = d["stragglers"] + d["episodes"]
-    assert [s["rank"] for s in found] == [0], d["verdict"]
+    # one finding of rank 0 (a straggler, or an episode of it); an episode that began later on top of its
+    # straggler (a burst of its collections) is rank 0's too
+    assert found and {s["rank"] for s in found} == {0}, d["verdict"]
+    assert len(d["stragglers"]) + len([e for e in d["episodes"] if e["since_step"] <= 60]) == 1, d["verdict"]
     s = found[0]
     assert s["kind"] in ("gc", "host_work") and s["between_steps"], d["verdict"]
     assert s["gc_ns"] > s["cluster_gc_ns"] + 1e6
