@@ -24,7 +24,8 @@ untraced with that interval. Jobs: the nanoGPT-shaped loop of bench/workers/nano
 (accumulation over 4 micro-steps with ``require_backward_grad_sync``, memmap-style batches, GradScaler,
 ``clip_grad_norm_``) and the loop of examples/train_ddp.py (DataLoader, DDP, an MLP); and, where they are
 installed, examples/train_hf.py's HF Trainer job and examples/train_lightning.py's Lightning job (a
-tiny GPT-2, DDP). A trainer owns its loop, so there the blocks alternate inside ``train()``/``fit()``,
+tiny GPT-2, DDP); ``--job cnn_bn``, a small CNN with batch norms (DDP broadcasts their buffers at every
+forward, which the tracer times as a collective). A trainer owns its loop, so there the blocks alternate inside ``train()``/``fit()``,
 switched from the trainer's own step callback, on the one model the trainer built (``_Alternation``).
 One rank (the tracer's per-iteration work does not grow with the world size; the gradient all-reduce
 is gloo's, on one rank).
@@ -116,7 +117,35 @@ def _train_ddp(device: str) -> tuple:
     return build, iterate
 
 
-JOBS = {"nanogpt": _nanogpt, "train_ddp": _train_ddp}
+def _cnn_bn(device: str) -> tuple:
+    """A small CNN with batch norms (a ResNet's shape): DDP broadcasts their buffers at every forward."""
+    import torch
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 3, 32, 32, generator=g).to(device), torch.randint(0, 10, (32,), generator=g).to(device)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def build() -> list:
+        net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+        )  # fmt: skip
+        model = DDP(net.to(device))
+        return [model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)]
+
+    def iterate(arm: list) -> None:
+        model, opt = arm
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return build, iterate
+
+
+JOBS = {"nanogpt": _nanogpt, "train_ddp": _train_ddp, "cnn_bn": _cnn_bn}
 
 
 class _Alternation:
