@@ -16,7 +16,7 @@ import pytest
 
 from hyperacc import harness, store
 from hyperacc.analysis import diagnose
-from hyperacc.analysis.diagnosis import kind_word
+from hyperacc.analysis.diagnosis import episode_phrase, kind_word
 from hyperacc.analysis.episodes import (
     BlockBudget,
     Episode,
@@ -189,16 +189,18 @@ def test_fail_slows_on_other_ranks_or_earlier_on_the_same_rank_do_not_hide_each_
 def _gap_ranks(seed: int, work: str, n_ranks: int = 4, steps: int = 300) -> list:
     """A loop without a DataLoader (``data_gap`` 1): self-time 10 ms of which the gap is 1 ms, CPU time
     6 ms, one voluntary context switch a step; rank 1's gap grows by 10 ms for steps 120-179, either as
-    CPU work (``work="cpu"``: its own code between ``optimizer.step()`` and the next forward) or off the
-    CPU (``"wait"``: a blocking read, one more switch a step)."""
+    CPU work (``work="cpu"``: its own code between ``optimizer.step()`` and the next forward; ``"gc"``: the
+    same, 6 ms of it in the collector) or off the CPU (``"wait"``: a blocking read, one more switch a
+    step)."""
 
     def columns(step: np.ndarray, extra: np.ndarray, noise: Callable[[], np.ndarray]) -> dict[str, np.ndarray]:
         gap = 1 * MS * noise() + extra
         self_ns = 9 * MS * noise() + gap
-        cpu_ns = 6 * MS * noise() + (extra if work == "cpu" else 0.0)
+        cpu_ns = 6 * MS * noise() + (extra if work in ("cpu", "gc") else 0.0)
         vol = 1.0 + (extra > 0) * (work == "wait")
+        gc_ns = 0.6 * extra if work == "gc" else np.zeros(steps)
         return {"step": step, "self_ns": self_ns, "cpu_ns": cpu_ns, "data_ns": gap, "data_gap": np.ones(steps),
-                "vol_ctx_switches": vol * np.ones(steps)}  # fmt: skip
+                "vol_ctx_switches": vol * np.ones(steps), "gc_ns": gc_ns}  # fmt: skip
 
     return _rank1_shifted(seed, columns, n_ranks, steps)
 
@@ -230,6 +232,12 @@ def test_work_between_steps_for_60_steps_is_a_host_work_episode_a_wait_there_a_d
         e = found[0]
         assert abs(e.since_step - 120) <= 10 and abs(e.until_step - 179) <= 10, e
         assert e.cpu_share == pytest.approx(1.0, rel=0.2) and e.slowdown == pytest.approx(2.0, rel=0.15)
+        assert e.gc_ns is None  # the collector did not run more: not named
+        # the same work, 6 ms of it in the collector: the collector is named, with the others' level
+        (e,) = detect_episodes(_gap_ranks(seed, "gc"), opts)
+        assert (e.rank, e.kind) == (1, "host_work") and e.gc_ns == pytest.approx(6 * MS, rel=0.05), e
+        assert e.cluster_gc_ns == 0
+        assert "6 ms of GC per step" in episode_phrase(e.to_dict()), e
         # the same shift off the CPU (a read that blocks) is a wait for its input, named as the straggler
         # rule names a rank that stays so; until 2026-12-04 it was left to the data rules, whose spikes
         # (a 101-step rolling median) and stragglers (150 steps) cannot see 60 steps: it was missed

@@ -184,7 +184,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"({percent(chance)} by chance)."
             )
     if d.episodes:
-        sentences.append(_sentence("; ".join(_episode_phrase(e) for e in d.episodes[:3])))
+        sentences.append(_sentence("; ".join(episode_phrase(e) for e in d.episodes[:3])))
         if len(d.episodes) > 3:
             sentences.append(f"{len(d.episodes) - 3} more episodes are in the evidence.")
     too_short = (
@@ -374,12 +374,14 @@ def _culprit_words(c: dict[str, Any]) -> str:
     return f"rank {c['rank']}'s steps {c['since_step']}-{c['until_step']}"
 
 
-def _episode_phrase(e: dict[str, Any]) -> str:
+def episode_phrase(e: dict[str, Any]) -> str:
     """"Rank 2 (node 0) was slow from step 120 to 179 (...), then recovered" (docs/detection.md, "Episodes")."""
     kind = _KIND_WORD.get(e["kind"], e["kind"])
     what = f"{_metric(e['metric']) if e['metric'] != 'cpu_ns' else 'self-time'} {_ratio(e['slowdown'])} the cluster median"
     lost = e.get("job_time_lost_ns")
     cost = f", {lost / 1e9:.3g} s of job time lost" if lost else ""
+    if e.get("gc_ns") is not None:
+        what += f", {_ms(e['gc_ns'])} of GC per step"
     if e["active"]:
         return f"rank {e['rank']} (node {e['node']}) is slow since step {e['since_step']} ({kind}: {what}{cost}), still at the end"
     return (
@@ -397,6 +399,8 @@ def _episode_evidence(e: dict[str, Any]) -> str:
         f"change-point rule; {_ms(e['excess_ns'])} over the median per step, {_ms(e['job_time_lost_ns'])} of job time"
     )
     basis = basis_phrase(e)
+    if e.get("gc_ns") is not None:  # the collector ran more over it: named (docs/detection.md, "Episodes")
+        basis += f"{'; ' if basis else ''}{_ms(e['gc_ns'])} of GC per step against {_ms(e['cluster_gc_ns'])} on the median rank"
     return line + (f"; {basis}" if basis else "")
 
 

@@ -82,6 +82,9 @@ class RankBlocks:
     # between the phases, such as a trainer's callbacks, its logging, the loss, clipping); None or NaN:
     # not measured
     other: np.ndarray | None = None
+    # (n,) float32 mean time per step in the garbage collector (``gc_ns``: pauses are rare and long, so a
+    # mean, not a median); None or NaN: not measured
+    gc: np.ndarray | None = None
 
     def mapped(self, fn: Callable[[np.ndarray], np.ndarray], **fields: Any) -> RankBlocks:
         """These blocks with ``fn`` applied to every per-block column (``fields`` set as given)."""
@@ -91,7 +94,7 @@ class RankBlocks:
 
 # RankBlocks' per-block columns (besides ``block`` and ``steps``); the optional ones are None where the
 # records did not measure them
-PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay", "other")
+PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay", "other", "gc")
 
 
 class BlockBudget:
@@ -161,6 +164,10 @@ class Episode:
     # the shift was in the input gap of a loop without a DataLoader, and the rank's CPU time grew with it:
     # its own work between ``optimizer.step()`` and the next forward (kind ``host_work``)
     between_steps: bool = False
+    # its mean GC time per step over the episode, and the other ranks' median of the same, where it grew by
+    # ``floor_ns`` over both its own level outside the episode and the others' (the collector named)
+    gc_ns: float | None = None
+    cluster_gc_ns: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -215,8 +222,9 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     # slower device lengthens
     on_device = "dev_self_ns" in cols and bool(np.isfinite(np.asarray(cols["dev_self_ns"], dtype=float)).any())
     other = medians("other_ns") if "other_ns" in cols and not on_device and np.isfinite(cols["other_ns"]).any() else None
+    gc = _block_means(cols["gc_ns"], row, uniq.size) if "gc_ns" in cols and np.isfinite(cols["gc_ns"]).any() else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
-                      sys_time, faults, delay, other)  # fmt: skip
+                      sys_time, faults, delay, other, gc)  # fmt: skip
 
 
 def _block_means(values: np.ndarray, row: np.ndarray, blocks: int) -> np.ndarray:
@@ -257,6 +265,27 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
         medians (made for a candidate segment only: no rank x block matrix of it is kept)."""
         b = ranks[r]
         return None if b.other is None else (np.searchsorted(cols, b.block), b.other)
+
+    def collected(r: int, seg: np.ndarray) -> tuple[float, float] | None:
+        """Row ``r``'s GC time per step over blocks ``seg`` and the other ranks' median of the same, where it
+        grew by ``floor_ns`` over its own level outside them and stands that far above the others' (made for
+        an episode only: no rank x block matrix of it is kept)."""
+        def row_of(b: RankBlocks) -> np.ndarray:
+            out = np.full(cols.size, np.nan, dtype=np.float32)
+            if b.gc is not None:
+                out[np.searchsorted(cols, b.block)] = b.gc
+            return out
+
+        own = row_of(ranks[r])
+        with np.errstate(all="ignore"):
+            level = float(np.nanmean(own[seg])) if np.isfinite(own[seg]).any() else math.nan
+            others = [float(np.nanmean(v)) for i, b in enumerate(ranks) if i != r
+                      for v in [row_of(b)[seg]] if np.isfinite(v).any()]  # fmt: skip
+        if not others or not math.isfinite(level):
+            return None
+        typical = float(np.median(others))
+        grown = level - outside_level(own, seg)
+        return (level, typical) if grown >= opts.floor_ns and level - typical >= opts.floor_ns else None
 
     for i, b in enumerate(ranks):
         pos = np.searchsorted(cols, b.block)
@@ -449,6 +478,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                     continue
             with np.errstate(all="ignore"):
                 slowdown = float(nan_median(wall[r, seg] / wall_ref[r, seg]))
+            gc_ns, cluster_gc_ns = collected(r, seg) or (None, None)
             pending.append((Episode(
                 rank=ranks[r].rank, node=ranks[r].node, kind=kind, metric=channel,
                 slowdown=_finite_or_none(slowdown),
@@ -458,7 +488,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 between_steps=between is not None or gap_wait,
                 job_time_lost_ns=float(np.nansum(np.maximum(excess, 0) * count[r, seg])),
                 shift=float(np.exp(shift)), noise=float(sigma), kind_basis=basis, cpu_share=share,
-                blocked_per_step=rise if kind == "host" else None,
+                blocked_per_step=rise if kind == "host" else None, gc_ns=gc_ns, cluster_gc_ns=cluster_gc_ns,
             ), r, b0, b1, own, margin))  # fmt: skip
         # Every fail-slow of the run is judged against the host's wander without the others' clear ones.
         floor = WanderFloor(stretches, span, [(r, b0, b1, _peak(own)) for _, r, b0, b1, own, _ in pending],
