@@ -267,24 +267,32 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
         return None if b.other is None else (np.searchsorted(cols, b.block), b.other)
 
     def collected(r: int, seg: np.ndarray) -> tuple[float, float] | None:
-        """Row ``r``'s GC time per step over blocks ``seg`` and the other ranks' median of the same, where it
-        grew by ``floor_ns`` over its own level outside them and stands that far above the others' (made for
-        an episode only: no rank x block matrix of it is kept)."""
-        def row_of(b: RankBlocks) -> np.ndarray:
-            out = np.full(cols.size, np.nan, dtype=np.float32)
-            if b.gc is not None:
-                out[np.searchsorted(cols, b.block)] = b.gc
-            return out
+        """Row ``r``'s GC time per step over blocks ``seg`` (a contiguous range) and the other ranks' median
+        of the same, where it grew by ``floor_ns`` over its own level outside them and stands that far above
+        the others' (read from each rank's blocks for an episode only: no rank x block matrix of it)."""
+        first, last = cols[seg[0]], cols[seg[-1]]
 
-        own = row_of(ranks[r])
-        with np.errstate(all="ignore"):
-            level = float(np.nanmean(own[seg])) if np.isfinite(own[seg]).any() else math.nan
-            others = [float(np.nanmean(v)) for i, b in enumerate(ranks) if i != r
-                      for v in [row_of(b)[seg]] if np.isfinite(v).any()]  # fmt: skip
-        if not others or not math.isfinite(level):
+        def within(b: RankBlocks) -> slice:
+            """Where the range lies in ``b``'s blocks."""
+            i, j = np.searchsorted(b.block, [first, last + 1])
+            return slice(int(i), int(j))
+
+        def mean(v: np.ndarray) -> float:
+            v = v[np.isfinite(v)]
+            return float(v.mean()) if v.size else math.nan
+
+        mine = ranks[r]
+        if mine.gc is None:
+            return None
+        at = within(mine)
+        level = mean(mine.gc[at])
+        others = [m for i, b in enumerate(ranks) if i != r and b.gc is not None and math.isfinite(m := mean(b.gc[within(b)]))]
+        rest = np.concatenate([mine.gc[: at.start], mine.gc[at.stop :]])
+        rest = rest[np.isfinite(rest)]
+        if not others or not math.isfinite(level) or not rest.size:
             return None
         typical = float(np.median(others))
-        grown = level - outside_level(own, seg)
+        grown = level - float(np.median(rest))
         return (level, typical) if grown >= opts.floor_ns and level - typical >= opts.floor_ns else None
 
     for i, b in enumerate(ranks):
@@ -530,10 +538,15 @@ def recovered_stragglers(
     out = []
     for s in stragglers:
         mine = [e for e in found if e.rank == s["rank"] and e.until_step >= s["since_step"]]
-        began = [e for e in mine if e.since_step <= s["since_step"] + window_steps]
-        if began and not any(e.active for e in mine):
+        if any(began_with(e.since_step, s["since_step"], window_steps) for e in mine) and not any(e.active for e in mine):
             out.append(int(s["rank"]))
     return out
+
+
+def began_with(since_step: int, straggler_since: int, window_steps: int) -> bool:
+    """An episode from ``since_step`` began with a straggler confirmed since ``straggler_since``: no later
+    than one window after it (the windows place an onset to within a window)."""
+    return since_step <= straggler_since + window_steps
 
 
 def merge_episodes(
@@ -552,8 +565,7 @@ def merge_episodes(
     def covered(e: Mapping[str, Any], s: Mapping[str, Any]) -> bool:
         if e["rank"] != s["rank"]:
             return False
-        on_top = not e["active"] and e["since_step"] > s["since_step"] + window_steps
-        return e["active"] or (overlaps(e, s) and not on_top)
+        return e["active"] or (overlaps(e, s) and began_with(e["since_step"], s["since_step"], window_steps))
 
     out = [e.to_dict() for e in found]
     out = [e for e in out if not any(covered(e, s) for s in stragglers)]

@@ -22,7 +22,14 @@ import numpy as np
 
 from hyperacc.analysis.change_points import log_ratio
 from hyperacc.analysis.diagnosis import kind_word
-from hyperacc.analysis.episodes import PER_BLOCK, Episode, RankBlocks, detect_episodes, rank_blocks
+from hyperacc.analysis.episodes import (
+    PER_BLOCK,
+    Episode,
+    RankBlocks,
+    began_with,
+    detect_episodes,
+    rank_blocks,
+)
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
 
@@ -185,8 +192,8 @@ class LiveEpisodes:
         (no later than one window after it, and ending after it) and none of its episodes is going on:
         ``episodes.recovered_stragglers``' rule, on what was said live."""
         span = self._ended.get(rank)
-        return (rank not in self._open and span is not None and span[0] <= since_step + window_steps
-                and span[1] >= since_step)  # fmt: skip
+        return (rank not in self._open and span is not None and span[1] >= since_step
+                and began_with(span[0], since_step, window_steps))  # fmt: skip
 
     def close(self) -> list[tuple[int, str]]:
         """Episodes still going on at the end of what was seen."""
