@@ -591,10 +591,17 @@ def faulty_and_clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, di
     return out[0], out[1]
 
 
+FAULTS = (SLOW, BLOCKED, BETWEEN)
+
+
+def _overlaps(first: int, last: int, fault: tuple[int, int, int, str]) -> bool:
+    return first <= fault[2] - 1 and last >= fault[1]
+
+
 def _episode(d: dict, fault: tuple[int, int, int, str], within: int) -> dict:
-    """The faulty job's one episode of ``fault``'s rank, over the fault's steps give or take ``within``."""
+    """The faulty job's one episode of ``fault``'s rank over the fault's steps, its range within ``within``."""
     rank, first, end, _ = fault
-    eps = [e for e in d["episodes"] if e["rank"] == rank]
+    eps = [e for e in d["episodes"] if e["rank"] == rank and _overlaps(e["since_step"], e["until_step"], fault)]
     assert len(eps) == 1, (fault, d["episodes"])
     e = eps[0]
     assert abs(e["since_step"] - first) <= within and abs(e["until_step"] - (end - 1)) <= within, (fault, e)
@@ -608,8 +615,18 @@ def _episode(d: dict, fault: tuple[int, int, int, str], within: int) -> dict:
 @pytest.mark.alone
 def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clean):
     d, _ = faulty_and_clean
-    # each fail-slow is one episode of its own rank, and no other rank has one or is a straggler
-    assert sorted(e["rank"] for e in d["episodes"]) == [1, 2, 3] and not d["stragglers"], d["verdict"]
+    # each fail-slow is one episode of its own rank, and no rank is a straggler. Each fault is a busy loop
+    # or a sleep on a 2-core host that 4 ranks and the suite's other worker share, so the host answers it:
+    # another rank's CPU time may shift while it lasts (rank 2 once 1.5x for steps 250-269, as rank 3's
+    # busy loop ended: 0.03 s of job time against the faults' 0.9-1.0 s). Such an episode must lie over
+    # another rank's fault and cost the job less than any fault did; none lies where no fault was.
+    found = [e for e in d["episodes"] if any(e["rank"] == f[0] and _overlaps(e["since_step"], e["until_step"], f) for f in FAULTS)]
+    assert sorted(e["rank"] for e in found) == [1, 2, 3] and not d["stragglers"], d["verdict"]
+    least = min(e["job_time_lost_ns"] for e in found)
+    for e in d["episodes"]:
+        if e not in found:
+            assert any(_overlaps(e["since_step"], e["until_step"], f) for f in FAULTS), (e, d["verdict"])
+            assert e["job_time_lost_ns"] < least / 4, (e, d["verdict"])
     e = _episode(d, SLOW, within=10)
     assert e["kind"] == "compute", e
     # what it cost, replayed without it: in the verdict and the what-if, the same figure as the episode's
@@ -625,6 +642,7 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
     for rank, first, _, _ in (SLOW, BETWEEN):
         lines = [(step, text) for step, text in said if f"rank {rank} " in text]
         started = [(step, int(re.search(r"since step (\d+)", text)[1])) for step, text in lines if "is slow since step" in text]
+        started = [(step, since) for step, since in started if abs(since - first) <= 30]  # this fault's, as above
         assert len(started) == 1, (rank, said)
         (confirmed, since), = started
         assert abs(since - first) <= 10 and since <= confirmed <= first + 20 + 10, (rank, said)

@@ -184,9 +184,10 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"({percent(chance)} by chance)."
             )
     if d.episodes:
-        sentences.append(_sentence("; ".join(episode_phrase(e) for e in d.episodes[:3])))
+        sentences.append(_sentence("; ".join(episode_phrase(e) for e in costliest(d.episodes, 3))))
         if len(d.episodes) > 3:
-            sentences.append(f"{len(d.episodes) - 3} more episodes are in the evidence.")
+            more = len(d.episodes) - 3
+            sentences.append(f"{more} more episode{'s are' if more > 1 else ' is'} in the evidence.")
     too_short = (
         not d.stragglers and not d.episodes and d.ranks_analyzed >= min_ranks
         and d.windows_judged < opts.get("persist_k", 3)
@@ -324,7 +325,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         steps.append(f"rank {s['rank']}: {ADVICE[key]}")
         if key == "host_work" and _gc_excess(s) >= opts.get("floor_ns", 200_000):
             steps.append(f"rank {s['rank']}: its GC between steps: {ADVICE['gc']}")
-    for e in d.episodes[:3]:
+    for e in costliest(d.episodes, 3):
         key = _advice_key(e)
         if not any(s["rank"] == e["rank"] for s in ranks_bad[:5]):
             steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
@@ -372,6 +373,12 @@ def _culprit_words(c: dict[str, Any]) -> str:
     if c["what"] == "straggler":
         return f"rank {c['rank']}'s slowness since step {c['since_step']}"
     return f"rank {c['rank']}'s steps {c['since_step']}-{c['until_step']}"
+
+
+def costliest(episodes: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The ``n`` episodes that cost the job most (``job_time_lost_ns``), costliest first: the verdict and
+    the next steps name these, so a short one the host made never pushes out a fault that cost seconds."""
+    return sorted(episodes, key=lambda e: -(e.get("job_time_lost_ns") or 0.0))[:n]
 
 
 def episode_phrase(e: dict[str, Any]) -> str:
