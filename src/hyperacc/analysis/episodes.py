@@ -408,7 +408,13 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # wall time need only have moved the minimum effect beyond the other ranks' median shift: at
             # 4 ranks the spread of 3 other shifts is no measure, and the host's answer to a rank leaving
             # its core (the others' levels moving 2x over the fault's own steps) widened it past a 2x wait.
-            if not stands_out(x, r, seg, opts, blocked=blocked is not None, shifted=shifted):
+            # So has a rank whose growth lies outside its timed phases with no more run-queue delay
+            # (``waited_outside``: its own code between them waited off the CPU), where a DataLoader's
+            # tens of queue waits a step hide the one switch of a sleep: preemption spreads over the
+            # phases by their length, and the time outside them is about 1 % of a step.
+            own_wait = blocked is None and channel == "self_ns" and waited_outside(outside(r), delay, wall[r], r, seg,
+                                                                                    cols.size, opts)  # fmt: skip
+            if not stands_out(x, r, seg, opts, blocked=blocked is not None or own_wait, shifted=shifted):
                 continue
             # Beyond the host's own wander at this length: above the highest stretch of the same
             # length anywhere else in the run, any rank, by half the minimum effect. On a busy host a
