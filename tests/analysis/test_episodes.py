@@ -333,15 +333,18 @@ def test_a_sleep_outside_the_phases_stands_out_though_the_host_moves_the_other_r
     other ranks' self-times moved 0.7x and 1.2x over the same steps, so its 2x shift was no z-outlier
     among theirs, and the loader's tens of queue waits a step hid the sleep's one switch: no episode.
     A growth outside the phases with no more run-queue delay is evidence of its own, as a blocked span
-    is: it need only stand the minimum effect above the others' median shift."""
+    is: it need only stand the minimum effect above the others' median shift, over the blocks where that
+    time grew (another run of the job: its range was 85-199, where its switch counts rose with its loader's waits)."""
     opts = DetectionOptions()
 
-    def answered(seed: int, where: str) -> list:
+    def answered(seed: int, where: str, waits: float = 0.0) -> list:
         made = []
 
         def columns(step: np.ndarray, extra: np.ndarray, noise: Callable[[], np.ndarray]) -> dict[str, np.ndarray]:
             cols = base(step, extra, noise)
             move = {0: 1.4, 2: 1.2, 3: 0.6}.get(len(made), 1.0)  # this rank's level over the fault's steps
+            if len(made) == 1:  # the slept rank: its loader's queue waits ``waits`` more a step, steps 85-199
+                cols["vol_ctx_switches"] = np.where((step >= 85) & (step < 200), 20.0 + waits, 20.0)
             made.append(None)
             fault = (step >= 120) & (step < 180)
             cols["self_ns"] = np.where(fault, cols["self_ns"] * move, cols["self_ns"])
@@ -356,6 +359,10 @@ def test_a_sleep_outside_the_phases_stands_out_though_the_host_moves_the_other_r
         assert abs(found[0].since_step - 120) <= 10 and abs(found[0].until_step - 179) <= 10, found
         # preempted there (its run-queue delay grew as much): the host's, as before
         assert detect_episodes(answered(seed, "preempted"), opts) == [], seed
+        # its switch counts rose for 35 steps before and 20 after too (its loader's queue waits): the
+        # episode is where it waited outside the phases (``outside_span``), not the counts' wider span
+        found = detect_episodes(answered(seed, "sleep", waits=6.0), opts)
+        assert [(e.rank, e.since_step, e.until_step) for e in found] == [(1, 120, 179)], (seed, found)
 
 
 def test_noise_alone_and_a_slowdown_of_every_rank_are_no_episode():

@@ -397,6 +397,19 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 shift = segment_shift(x[r], seg)
                 if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps:
                     continue
+            # Grown outside its timed phases with no more run-queue delay (``waited_outside``): its own code
+            # between the phases waited off the CPU, which the switch counts cannot show on a DataLoader job
+            # (the loader's queue waits are tens a step, a sleep's one is lost among them). It waited over
+            # the blocks whose time outside the phases grew (``outside_span``), as a blocked span does; where
+            # the counts showed a span too, that one, the loader's waits wandering around it, is narrowed so.
+            own_wait = channel == "self_ns" and waited_outside(outside(r), delay, wall[r], r, seg, cols.size, opts)
+            if own_wait:
+                seg = outside_span(outside(r), seg, cols.size)
+                b0, b1 = int(seg[0]), int(seg[-1])
+                confirm = max(confirm, b0)
+                shift = segment_shift(x[r], seg)
+                if (cols[b1] - cols[b0] + 1) * width < opts.episode_min_steps:
+                    continue
             # A change point needs a "before": a rank slow from its first judged steps has no baseline
             # to shift from (warm-up that lasts longer on one rank looks the same); it is the straggler
             # rules' business, which report one that recovers as an episode of their own.
@@ -408,12 +421,8 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             # wall time need only have moved the minimum effect beyond the other ranks' median shift: at
             # 4 ranks the spread of 3 other shifts is no measure, and the host's answer to a rank leaving
             # its core (the others' levels moving 2x over the fault's own steps) widened it past a 2x wait.
-            # So has a rank whose growth lies outside its timed phases with no more run-queue delay
-            # (``waited_outside``: its own code between them waited off the CPU), where a DataLoader's
-            # tens of queue waits a step hide the one switch of a sleep: preemption spreads over the
-            # phases by their length, and the time outside them is about 1 % of a step.
-            own_wait = blocked is None and channel == "self_ns" and waited_outside(outside(r), delay, wall[r], r, seg,
-                                                                                    cols.size, opts)  # fmt: skip
+            # So has a rank that waited outside its timed phases (``own_wait``, above): preemption spreads
+            # over the phases by their length, and the time outside them is about 1 % of a step.
             if not stands_out(x, r, seg, opts, blocked=blocked is not None or own_wait, shifted=shifted):
                 continue
             # Beyond the host's own wander at this length: above the highest stretch of the same
@@ -785,6 +794,32 @@ def worked_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray
     with np.errstate(all="ignore"):
         cpu_grown = nan_median(cpu[seg]) - outside_level(cpu, seg)
     return float(cpu_grown / grew[0]) if np.isfinite(cpu_grown) else None
+
+
+def outside_span(other: tuple[np.ndarray, np.ndarray] | None, seg: np.ndarray, blocks: int) -> np.ndarray:
+    """The blocks over which a rank's time outside its timed phases (``other``, as for ``grew_outside``)
+    grew: from the first to the last block of ``seg`` at least half the segment's growth (median, over the
+    rank's own level outside ``seg``) above that level, widened over the blocks next to them that are too
+    (the change points' range may start or end a block off). ``seg`` itself where nothing grew."""
+    if other is None:
+        return seg
+    row = np.full(blocks, np.nan, dtype=np.float32)
+    row[other[0]] = other[1]
+    with np.errstate(all="ignore"):
+        level = outside_level(row, seg)
+        grown = nan_median(row[seg]) - level
+    if not (np.isfinite(grown) and grown > 0):
+        return seg
+    more = np.nan_to_num(row - level, nan=0.0) >= grown / 2
+    up = np.flatnonzero(more[seg])
+    if not up.size:
+        return seg
+    first, last = int(seg[up[0]]), int(seg[up[-1]])
+    while first > 0 and more[first - 1]:
+        first -= 1
+    while last + 1 < blocks and more[last + 1]:
+        last += 1
+    return np.arange(first, last + 1)
 
 
 def waited_outside(other: tuple[np.ndarray, np.ndarray] | None, delay: np.ndarray | None, wall: np.ndarray,
