@@ -16,7 +16,7 @@ import pytest
 
 from hyperacc import harness, store
 from hyperacc.analysis import diagnose
-from hyperacc.analysis.diagnosis import episode_phrase, kind_word
+from hyperacc.analysis.diagnosis import costliest, episode_phrase, kind_word
 from hyperacc.analysis.episodes import (
     BlockBudget,
     Episode,
@@ -328,7 +328,7 @@ def test_cpu_work_outside_the_timed_phases_of_a_dataloader_loop_is_host_work_not
 
 def test_a_sleep_outside_the_phases_stands_out_though_the_host_moves_the_other_ranks():
     """A CNN job with a DataLoader of 2 workers per rank beside three busy loops (written outside the
-    repository, 2026-12-06): rank 2 slept about one step before its first forward for steps 120-179, its
+    repository, 2026-12-06): rank 2 slept about one step before fetching its first batch for steps 120-179, its
     time outside the timed phases 80 ms against 0.9, its run-queue delay down. The host answered: the
     other ranks' self-times moved 0.7x and 1.2x over the same steps, so its 2x shift was no z-outlier
     among theirs, and the loader's tens of queue waits a step hid the sleep's one switch: no episode.
@@ -363,6 +363,13 @@ def test_a_sleep_outside_the_phases_stands_out_though_the_host_moves_the_other_r
         # episode is where it waited outside the phases (``outside_span``), not the counts' wider span
         found = detect_episodes(answered(seed, "sleep", waits=6.0), opts)
         assert [(e.rank, e.since_step, e.until_step) for e in found] == [(1, 120, 179)], (seed, found)
+
+
+def test_the_verdict_names_the_costliest_episodes_first():
+    lost = [0.9e9, 0.03e9, 1.1e9, 1.0e9, None]
+    eps = [{"rank": r, "job_time_lost_ns": ns} for r, ns in enumerate(lost)]
+    assert [e["rank"] for e in costliest(eps, 3)] == [2, 3, 0]  # rank 1's 0.03 s and rank 4's unknown left out
+    assert [e["rank"] for e in costliest(eps, 10)] == [2, 3, 0, 1, 4]
 
 
 def test_noise_alone_and_a_slowdown_of_every_rank_are_no_episode():
@@ -663,7 +670,8 @@ def test_a_60_step_fail_slow_is_reported_with_its_range_and_rank(faulty_and_clea
     # or a sleep on a 2-core host that 4 ranks and the suite's other worker share, so the host answers it:
     # another rank's CPU time may shift while it lasts (rank 2 once 1.5x for steps 250-269, as rank 3's
     # busy loop ended: 0.03 s of job time against the faults' 0.9-1.0 s). Such an episode must lie over
-    # another rank's fault and cost the job less than any fault did; none lies where no fault was.
+    # another rank's fault and cost the job under a quarter of the least costly fault; none lies where no
+    # fault was. The verdict names the three costliest (``costliest``), so every fault is in it.
     found = [e for e in d["episodes"] if any(e["rank"] == f[0] and _overlaps(e["since_step"], e["until_step"], f) for f in FAULTS)]
     assert sorted(e["rank"] for e in found) == [1, 2, 3] and not d["stragglers"], d["verdict"]
     least = min(e["job_time_lost_ns"] for e in found)

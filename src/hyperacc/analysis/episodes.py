@@ -766,6 +766,14 @@ def worked_between(data: np.ndarray, gap: np.ndarray | None, cpu: np.ndarray, r:
     return float(grown[r] / fetched) if cause == "host_work" else None
 
 
+def _placed(other: tuple[np.ndarray, np.ndarray], blocks: int) -> np.ndarray:
+    """A rank's medians of ``other_ns`` (``other``: their positions among the ``blocks`` judged, and the
+    values) as a row of ``blocks``, NaN where the rank has no block."""
+    row = np.full(blocks, np.nan, dtype=np.float32)
+    row[other[0]] = other[1]
+    return row
+
+
 def grew_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, seg: np.ndarray, blocks: int,
                  opts: DetectionOptions) -> tuple[float, float] | None:  # fmt: skip
     """A rank's time outside every timed phase (``other``: the positions of its blocks among the
@@ -775,8 +783,7 @@ def grew_outside(other: tuple[np.ndarray, np.ndarray] | None, wall: np.ndarray, 
     code between them did. Returns (that time's growth, the self-time's), or None."""
     if other is None:
         return None
-    row = np.full(blocks, np.nan, dtype=np.float32)
-    row[other[0]] = other[1]
+    row = _placed(other, blocks)
     with np.errstate(all="ignore"):
         grown = nan_median(row[seg]) - outside_level(row, seg)
         wall_grown = nan_median(wall[seg]) - outside_level(wall, seg)
@@ -803,8 +810,7 @@ def outside_span(other: tuple[np.ndarray, np.ndarray] | None, seg: np.ndarray, b
     (the change points' range may start or end a block off). ``seg`` itself where nothing grew."""
     if other is None:
         return seg
-    row = np.full(blocks, np.nan, dtype=np.float32)
-    row[other[0]] = other[1]
+    row = _placed(other, blocks)
     with np.errstate(all="ignore"):
         level = outside_level(row, seg)
         grown = nan_median(row[seg]) - level
