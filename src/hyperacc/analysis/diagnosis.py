@@ -172,7 +172,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         for s in ranks_bad[:3]:
             parts.append(_straggler_phrase(s))
         if len(ranks_bad) > 3:
-            parts.append(f"{len(ranks_bad) - 3} more ranks are stragglers")
+            more = len(ranks_bad) - 3
+            parts.append(f"{more} more rank{'s are stragglers' if more > 1 else ' is a straggler'}")
         sentences.append(_sentence("; ".join(parts)))
         waited = [s for s in d.stragglers if s["active"] and _culprit_share(s) is not None]
         if waited and len(waited) == len([s for s in d.stragglers if s["active"]]):
