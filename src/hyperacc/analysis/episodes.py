@@ -694,16 +694,9 @@ def blocked_span(vol: np.ndarray, r: int, seg: np.ndarray, span_blocks: int,
     too, but a slow rank arrives last and waits less, so the collective can only lower a slow rank's
     count, never raise it; preemption switches a thread involuntarily, never voluntarily."""
     level = outside_level(vol[r], seg)
-    more = np.nan_to_num(vol[r] - level, nan=0.0) >= 0.5
-    up = np.flatnonzero(more[seg])
-    if not up.size:
+    span = _widened(np.nan_to_num(vol[r] - level, nan=0.0) >= 0.5, seg)
+    if span is None:
         return None
-    first, last = int(seg[up[0]]), int(seg[up[-1]])
-    while first > 0 and more[first - 1]:  # the change points' range may start or end a block off
-        first -= 1
-    while last + 1 < more.size and more[last + 1]:
-        last += 1
-    span = np.arange(first, last + 1)
     with np.errstate(all="ignore"):
         rise = nan_median(vol[:, span], axis=1) - np.array([outside_level(row, span) for row in vol])
     others = np.delete(rise, r)
@@ -816,14 +809,21 @@ def outside_span(other: tuple[np.ndarray, np.ndarray] | None, seg: np.ndarray, b
         grown = nan_median(row[seg]) - level
     if not (np.isfinite(grown) and grown > 0):
         return seg
-    more = np.nan_to_num(row - level, nan=0.0) >= grown / 2
+    span = _widened(np.nan_to_num(row - level, nan=0.0) >= grown / 2, seg)
+    return seg if span is None else span
+
+
+def _widened(more: np.ndarray, seg: np.ndarray) -> np.ndarray | None:
+    """The blocks from the first to the last of ``seg`` where ``more`` (a row of booleans) holds, widened
+    over the blocks next to them where it holds too (the change points' range may start or end a block
+    off); None where it holds in none of ``seg``."""
     up = np.flatnonzero(more[seg])
     if not up.size:
-        return seg
+        return None
     first, last = int(seg[up[0]]), int(seg[up[-1]])
     while first > 0 and more[first - 1]:
         first -= 1
-    while last + 1 < blocks and more[last + 1]:
+    while last + 1 < more.size and more[last + 1]:
         last += 1
     return np.arange(first, last + 1)
 
