@@ -352,6 +352,15 @@ class LiveNode(_Periodic):
         except Exception:  # noqa: BLE001 - the windows' verdicts go on as they were
             return False
 
+    def _beside(self) -> list[dict[str, Any]]:
+        """The episodes the live episodes said ended (each rank's latest): a straggler is judged without
+        their windows (``episodes.stragglers_beside_episodes``)."""
+        episodes = self._episodes
+        try:
+            return episodes.ended() if episodes else []
+        except Exception:  # noqa: BLE001 - the windows' verdicts go on as they were
+            return []
+
     def _judge_episodes(self, final: bool, store: Any = None) -> None:
         """Live episodes (``analysis.live_episodes``) over the blocks read this pass, and those the other
         nodes' agents published to ``store`` (a multi-node job), as live findings. Judged at most once
@@ -520,7 +529,7 @@ class LiveNode(_Periodic):
                 meta0.world_size, window=self.window, grace_s=self.grace_s,
                 nodes=lambda: max(len({m.node for m in self._metas.values()}), 1),
                 on_finding=lambda step, text: self._event("live_finding", step, None, text),
-                on_window=self._window_event, run_dir=self.run_dir, compacts=False, recovered=self._recovered,
+                on_window=self._window_event, run_dir=self.run_dir, compacts=False, recovered=self._recovered, beside=self._beside,
             )  # fmt: skip
             self._remediation = self._remediation_of(meta0)
             if self._remediation is not None:

@@ -27,10 +27,13 @@ from hyperacc.analysis.episodes import (
     merge_episodes,
     rank_blocks,
     recovered_stragglers,
+    stragglers_beside_episodes,
 )
+from hyperacc.analysis.live import LiveDetector
 from hyperacc.analysis.live_episodes import BlockStream, LiveEpisodes
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.stragglers import compute_or_host
+from hyperacc.analysis.outliers import window_grid
+from hyperacc.analysis.stragglers import compute_or_host, detect_stragglers
 
 MS = 1_000_000
 JOB = Path(__file__).parent / "jobs" / "nanogpt_faults.py"
@@ -432,6 +435,77 @@ def test_a_straggler_is_back_only_when_an_episode_that_began_with_it_has_ended()
     assert [(e["since_step"], e["until_step"]) for e in kept] == [(90, 114)]
 
 
+def _window_rows(levels: list[float], seed: int = 0) -> dict[str, np.ndarray]:
+    """Window summaries of 4 ranks, 50-step windows: rank 0's self-time ``levels`` x 10 ms window by window,
+    the others' 10 ms, each with 2 % noise."""
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {k: [] for k in ("rank", "node", "window", "first_step", "last_step", "steps", "self_ns_median")}
+    for r in range(4):
+        for w, level in enumerate(levels if r == 0 else [1.0] * len(levels)):
+            for k, v in (("rank", r), ("node", 0), ("window", w), ("first_step", 50 * w), ("last_step", 50 * w + 49),
+                         ("steps", 50), ("self_ns_median", 10 * MS * level * np.exp(rng.normal(0, 0.02)))):  # fmt: skip
+                rows[k].append(v)
+    return {k: np.asarray(v) for k, v in rows.items()}
+
+
+@pytest.mark.parametrize(
+    ("levels", "episode", "after"),
+    [
+        # 1.3x now and then (a rank the host preempts more) and a 2.4x fault for steps 110-179: the fault's
+        # windows made it persistent (Matrix L: "a persistent host straggler, 1.54x since step 50")
+        ([1.0, 1.3, 2.4, 2.4, 1.0, 1.3], (110, 179), None),
+        # 1.5x throughout and 3x for steps 160-229: a straggler still, at its own 1.5x
+        ([1.5, 1.5, 1.5, 3.0, 3.0, 1.5], (160, 229), 1.5),
+    ],
+)
+def test_a_straggler_is_judged_without_the_windows_of_an_episode_beside_it(levels, episode, after):
+    opts = DetectionOptions()
+    grid = window_grid(_window_rows(levels), opts)
+    found = detect_stragglers(grid, opts)
+    assert [(s.rank, s.active) for s in found] == [(0, True)]  # the rules alone count the fault's windows
+    beside = {"rank": 0, "since_step": episode[0], "until_step": episode[1], "active": False}
+    again = stragglers_beside_episodes(found, [beside], grid, opts)
+    if after is None:
+        assert again == []
+    else:
+        assert [(s.rank, s.active, s.since_step) for s in again] == [(0, True, 0)]
+        assert again[0].slowdown == pytest.approx(after, rel=0.03)
+    # an episode that began with the straggler, or one still open, is its own: nothing is judged again
+    own = [{**beside, "since_step": found[0].since_step}, {**beside, "active": True}]
+    assert stragglers_beside_episodes(found, own, window_grid(_window_rows(levels), opts), opts) == found
+
+
+def test_live_judges_a_straggler_without_the_windows_of_an_episode_said_ended():
+    """The same rule live: the window rules' detector, fed window by window, asks the live episodes what
+    they said ended (``beside``); a rank slow now and then plus a fault is no straggler there either."""
+    rows = _window_rows([1.0, 1.3, 2.4, 2.4, 1.0, 1.3])
+    ended = [{"rank": 0, "since_step": 110, "until_step": 179, "active": False}]
+
+    def said(beside: Callable | None) -> list[str]:
+        live = LiveDetector(4, 1, beside=beside)
+        out = []
+        for w in range(6):
+            out += live.update({k: v[rows["window"] == w] for k, v in rows.items()})
+        return out
+
+    assert any(line.startswith("rank 0 (node 0) is a") for line in said(None))
+    assert said(lambda: ended) == []
+
+
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "recorded" / "cnn_sleep_beside_busy_loops"
+
+
+def test_a_recorded_fault_on_a_rank_the_host_slows_now_and_then_is_an_episode_not_a_straggler():
+    """A job written outside this repository (tests/fixtures/recorded/cnn_sleep_beside_busy_loops: a CNN with
+    a DataLoader, 4 ranks, three busy loops beside it): rank 0 slept 2.4x its step for steps 120-179 and
+    was 1.1-1.4x the others now and then outside it. Counting the fault's windows, the window rules
+    called it "a persistent host straggler, 1.54x since step 50"."""
+    d = diagnose(RECORDED).to_dict()
+    assert d["stragglers"] == [], d["verdict"]
+    assert [(e["rank"], e["since_step"], e["until_step"], e["kind"]) for e in d["episodes"]] == [(0, 120, 179, "host")]
+    assert d["verdict"].startswith("No straggler at the end of the run. Rank 0 (node 0) was slow from step 120 to 179")
+
+
 def test_ranks_moving_together_are_no_episode():
     """A busy loop moving between cores moves several ranks' CPU time at once (one up, another down,
     observed under load here: 1.6x, 1.5x and 0.6x over the same 20 steps): not one rank's episode. The
@@ -769,6 +843,10 @@ def test_live_episodes_say_the_onset_within_the_minimum_length_and_the_end_once(
     # what the window rules ask of it (``LiveDetector``'s ``recovered``): a straggler whose onset the episode
     # began with is back; one confirmed since long before it, or another rank, is not
     assert live.recovered(2, 100, 50) and not live.recovered(2, 0, 50) and not live.recovered(1, 100, 50)
+    # and what they leave out of a straggler beside it: the episode said ended, with its range
+    (ended_episode,) = live.ended()
+    assert ended_episode["rank"] == 2 and not ended_episode["active"], ended_episode
+    assert abs(ended_episode["since_step"] - 120) <= 10 and ended_episode["until_step"] == ended_at, ended_episode
     # a clean stream says nothing; the history kept is bounded
     quiet = LiveEpisodes(opts, keep_blocks=30)
     streams = [BlockStream(r, 0, opts) for r in range(4)]

@@ -45,8 +45,16 @@ from hyperacc.analysis.change_points import (
     stretch_levels,
 )
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.outliers import WindowGrid
 from hyperacc.analysis.robust import MAD_TO_SIGMA, group_starts, loo_median, nan_median, run_slice
-from hyperacc.analysis.stragglers import blocked_rise, compute_or_host, held_outside, kernel_paging
+from hyperacc.analysis.stragglers import (
+    Straggler,
+    blocked_rise,
+    compute_or_host,
+    detect_stragglers,
+    held_outside,
+    kernel_paging,
+)
 from hyperacc.stats import last_axis_nan_median
 
 
@@ -574,21 +582,50 @@ def merge_episodes(
     and the stragglers that recovered (window rules) that no change-point episode already covers, with
     the job time they lost (their excess over their steps)."""
 
-    def overlaps(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-        return a["rank"] == b["rank"] and a["since_step"] <= b["until_step"] and b["since_step"] <= a["until_step"]
-
-    def covered(e: Mapping[str, Any], s: Mapping[str, Any]) -> bool:
-        if e["rank"] != s["rank"]:
-            return False
-        return e["active"] or (overlaps(e, s) and began_with(e["since_step"], s["since_step"], window_steps))
-
     out = [e.to_dict() for e in found]
-    out = [e for e in out if not any(covered(e, s) for s in stragglers)]
+    out = [e for e in out if not any(_covered(e, s, window_steps) for s in stragglers)]
     for s in recovered:
-        if not any(overlaps(s, e) for e in out):
+        if not any(_overlaps(s, e) for e in out):
             lost = max(float(s.get("excess_ns") or 0.0), 0.0) * (s["until_step"] - s["since_step"] + 1)
             out.append({**s, "steps": s["until_step"] - s["since_step"] + 1, "job_time_lost_ns": lost})
     return sorted(out, key=lambda e: (e["rank"], e["since_step"]))
+
+
+def _overlaps(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return a["rank"] == b["rank"] and a["since_step"] <= b["until_step"] and b["since_step"] <= a["until_step"]
+
+
+def _covered(e: Mapping[str, Any], s: Mapping[str, Any], window_steps: int) -> bool:
+    """Episode ``e`` is straggler ``s``'s own: of its rank, and still open, or over its steps and begun with
+    it. Any other episode of the rank is listed beside the straggler."""
+    if e["rank"] != s["rank"]:
+        return False
+    return e["active"] or (_overlaps(e, s) and began_with(e["since_step"], s["since_step"], window_steps))
+
+
+def stragglers_beside_episodes(
+    found: Sequence[Straggler], episodes: Sequence[Mapping[str, Any]], grid: WindowGrid, opts: DetectionOptions
+) -> list[Straggler]:
+    """The window rules judged again for each active straggler that has an episode listed beside it (a
+    further shift on top of its own, or one apart from it): without the windows that overlap that
+    episode, as if its rank had not summarised them. A fault of 60 steps on a rank slightly slow
+    otherwise must not make it a persistent straggler, nor set its slowdown. The other ranks keep their
+    verdicts. ``episodes`` are dicts with ``rank``, ``since_step``, ``until_step`` and ``active``; the
+    grid is changed in place (docs/detection.md, "A straggler beside an episode")."""
+    rows = {int(r): i for i, r in enumerate(grid.ranks)}
+    again: set[int] = set()
+    for s in found:
+        if not s.active:
+            continue
+        mine = s.to_dict()
+        for e in episodes:
+            if e["rank"] == s.rank and not _covered(e, mine, opts.window_steps):
+                grid.leave_out(rows[s.rank], e["since_step"], e["until_step"])
+                again.add(s.rank)
+    if not again:
+        return list(found)
+    judged = {s.rank: s for s in detect_stragglers(grid, opts) if s.rank in again}
+    return sorted([s for s in found if s.rank not in again] + list(judged.values()), key=lambda s: s.rank)
 
 
 def _merged(found: list[Episode]) -> list[Episode]:

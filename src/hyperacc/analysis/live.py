@@ -12,7 +12,7 @@ windows, so memory does not grow with the length of the run.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,6 +20,7 @@ import numpy as np
 from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase, kind_word
 from hyperacc.analysis.excess import RankExcess, excess_from_windows
 from hyperacc.analysis.options import METRIC_WORD, DetectionOptions
+from hyperacc.analysis.outliers import window_grid
 from hyperacc.analysis.stragglers import Straggler, detect_stragglers
 from hyperacc.analysis.windows import EXTRA_WINDOW_COLUMNS, RANK_CAUSES
 from hyperacc.schema import fields
@@ -36,7 +37,7 @@ class LiveDetector:
     """Confirms stragglers from streaming window summaries; remembers what it already said."""
 
     def __init__(self, world_size: int, nodes: int, *, recovered: Callable[[int, int], bool] | None = None,
-                 **options: Any) -> None:  # fmt: skip
+                 beside: Callable[[], Sequence[Mapping[str, Any]]] | None = None, **options: Any) -> None:  # fmt: skip
         if world_size < 1 or nodes < 1:
             raise ValueError(f"world_size and nodes must be >= 1 (got {world_size}, {nodes})")
         self.world_size = int(world_size)
@@ -44,6 +45,10 @@ class LiveDetector:
         # ``recovered(rank, since_step)``: the live episodes saw that rank back from a slowdown that began
         # with the straggler (offline: ``episodes.recovered_stragglers``); not said, as offline
         self.recovered = recovered or (lambda rank, since_step: False)
+        # ``beside()``: the episodes the live episodes said ended, each rank's latest (``rank``,
+        # ``since_step``, ``until_step``, ``active``); a straggler is judged without the windows of one
+        # listed beside it (offline: ``episodes.stragglers_beside_episodes``)
+        self.beside = beside
         self.opts = DetectionOptions.from_mapping(options)
         self.keep_windows = max(2 * self.opts.persist_n, 10)
         self._history: dict[str, np.ndarray] = {}
@@ -75,8 +80,13 @@ class LiveDetector:
             return []
         self._append(cols)
         messages: list[str] = []
-        active = {s.rank: s for s in detect_stragglers(self._history, self.opts)
-                  if s.active and not self.recovered(s.rank, s.since_step)}  # fmt: skip
+        grid = window_grid(self._history, self.opts)
+        found = detect_stragglers(grid, self.opts)
+        if self.beside is not None and any(s.active for s in found):
+            from hyperacc.analysis.episodes import stragglers_beside_episodes
+
+            found = stragglers_beside_episodes(found, self.beside(), grid, self.opts)
+        active = {s.rank: s for s in found if s.active and not self.recovered(s.rank, s.since_step)}
         self._active = [active[r] for r in sorted(active)]
         for rank in sorted(active):
             s = active[rank]

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,12 +49,13 @@ def _prefix() -> str:
     return f"hyperacc/windows/{here.run_id}/{here.restart_count}/"
 
 
-def _default_detector(world_size: int, nodes: int, window: int, recovered: Callable[[int, int], bool] | None) -> Any:
+def _default_detector(world_size: int, nodes: int, window: int, recovered: Callable[[int, int], bool] | None,
+                      beside: Callable[[], Sequence[Mapping[str, Any]]] | None) -> Any:  # fmt: skip
     try:
         from hyperacc.analysis.live import LiveDetector
     except ImportError:
         return None
-    return LiveDetector(world_size, nodes, recovered=recovered, window_steps=window)
+    return LiveDetector(world_size, nodes, recovered=recovered, beside=beside, window_steps=window)
 
 
 
@@ -89,12 +90,13 @@ class WindowGatherer:
         compaction: tuple[int, float, int] = (0, 0.0, 0),
         compacts: bool = True,
         recovered: Callable[[int, int], bool] | None = None,
+        beside: Callable[[], Sequence[Mapping[str, Any]]] | None = None,
     ) -> None:
         self.world_size = world_size
         self.window = window
         self.grace_s = grace_s
         self.nodes = nodes
-        self.recovered = recovered  # the default detector's (``LiveDetector``)
+        self.recovered, self.beside = recovered, beside  # the default detector's (``LiveDetector``)
         self.on_finding = on_finding
         self.on_window = on_window
         self.on_judged = on_judged
@@ -218,7 +220,7 @@ class WindowGatherer:
         if not self._detector_made:
             self._detector_made = True
             nodes = self.nodes() if callable(self.nodes) else self.nodes
-            self._detector = _default_detector(self.world_size, nodes, self.window, self.recovered)
+            self._detector = _default_detector(self.world_size, nodes, self.window, self.recovered, self.beside)
         if self._detector is None:
             return
         first_step = int(cols["first_step"].min())

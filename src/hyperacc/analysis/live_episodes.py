@@ -195,6 +195,11 @@ class LiveEpisodes:
         return (rank not in self._open and span is not None and span[1] >= since_step
                 and began_with(span[0], since_step, window_steps))  # fmt: skip
 
+    def ended(self) -> list[dict[str, Any]]:
+        """Each rank's latest episode said ended, as ``rank``, ``since_step``, ``until_step`` and ``active``
+        (False): what the window rules leave out of a straggler beside it."""
+        return [{"rank": r, "since_step": a, "until_step": b, "active": False} for r, (a, b) in self._ended.items()]
+
     def close(self) -> list[tuple[int, str]]:
         """Episodes still going on at the end of what was seen."""
         out = []

@@ -73,6 +73,15 @@ class WindowGrid:
     culprit_known: np.ndarray  # (R, W) steps of the window with a known culprit (offline)
     data_gap: np.ndarray | None = None  # (R, W) share of steps whose data wait is the input gap
 
+    def leave_out(self, row: int, first_step: int, last_step: int) -> None:
+        """Every window of rank row ``row`` that overlaps steps ``first_step``-``last_step``, left out of the
+        rules as if the rank had not summarised it (NaN in every matrix), in place."""
+        cols = (self.first_step <= last_step) & (self.last_step >= first_step)
+        for m in (*self.metrics.values(), self.comm_wait, self.busy, self.self_host, self.cpu,
+                  *self.host.values(), self.culprit, self.culprit_known, self.data_gap):  # fmt: skip
+            if m is not None:
+                m[row, cols] = np.nan
+
 
 def window_grid(windows: pa.Table | Mapping[str, Any] | WindowGrid, opts: DetectionOptions) -> WindowGrid:
     """The window summaries pivoted to rank x window matrices (returned as they are when already

@@ -25,7 +25,13 @@ import numpy as np
 from hyperacc import store, theory
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
 from hyperacc.analysis.diagnosis import Diagnosis, explain
-from hyperacc.analysis.episodes import BlockBudget, detect_episodes, merge_episodes, recovered_stragglers
+from hyperacc.analysis.episodes import (
+    BlockBudget,
+    detect_episodes,
+    merge_episodes,
+    recovered_stragglers,
+    stragglers_beside_episodes,
+)
 from hyperacc.analysis.excess import (
     CAUSE_TIME,
     cause_groups,
@@ -125,12 +131,17 @@ def diagnose(
     del summaries
     found = detect_stragglers(grid, opts)
     windows_judged = judged_windows(grid, opts)
-    del grid
-    # A straggler is what is still slow at the end; one that recovered is an episode of the run.
-    stragglers = [s.to_dict() for s in found if s.active]
+    if not any(s.active for s in found):
+        del grid  # kept only to judge a straggler again without an episode beside it (below)
+        grid = None
     # Change points per rank: transient fail-slows too short for the window rules, and the precise
     # range of a straggler that recovered (docs/detection.md, "Episodes").
     changes = detect_episodes(blocks.blocks, opts)
+    if grid is not None:
+        found = stragglers_beside_episodes(found, [e.to_dict() for e in changes], grid, opts)
+        del grid
+    # A straggler is what is still slow at the end; one that recovered is an episode of the run.
+    stragglers = [s.to_dict() for s in found if s.active]
     back = recovered_stragglers(stragglers, changes, opts.window_steps)
     stragglers = [s for s in stragglers if s["rank"] not in back]
     episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active], opts.window_steps)
