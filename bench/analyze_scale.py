@@ -18,8 +18,9 @@ A baseline whose estimated memory exceeds half of this machine's RAM is skipped 
     .venv/bin/python bench/analyze_scale.py --ranks 10000 --keep /tmp/big --no-segments   # the big run only
 
 First, the segment-count case: the same records written as one segment per rank and as ``--segments``
-(2,000) per rank, analysed by ``diagnose`` and by DuckDB in the same run (quick: 2 ranks x 20,000
-steps; full: 32 x 100,000, issue 21's figures), printed as ratios.
+(2,000) per rank, in Parquet and as the plain record segments ranks write between compactions,
+analysed by ``diagnose`` and (Parquet only) by DuckDB in the same run (quick: 2 ranks x 20,000 steps;
+full: 32 x 100,000, issue 21's figures), printed as ratios.
 """
 
 from __future__ import annotations
@@ -143,30 +144,65 @@ def run_child(label: str, run_dir: Path) -> dict:
     return {"error": f"exit {proc.returncode}: {tail[0][:120]}"}
 
 
+def as_records(parquet_run: Path, run_dir: Path, segment_steps: int) -> None:
+    """The run at ``parquet_run`` written again as the tracer writes it before compaction: one plain
+    record segment (``seg-N.rec``, int64 rows, -1 where not measured) per ``segment_steps`` steps."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from hyperacc import records, store
+    from hyperacc.schema import STEP_SCHEMA
+
+    stamp = run_dir / "bench-spec.json"
+    if stamp.is_file() and stamp.read_text() == str(segment_steps):
+        return
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.copytree(parquet_run, run_dir, ignore=shutil.ignore_patterns("steps"))
+    for folder in sorted((parquet_run / "steps").iterdir()):
+        table = pa.concat_tables([store.read_segment(p, STEP_SCHEMA) for p in store.live_segments(folder)])
+        cols = []
+        for f in STEP_SCHEMA:
+            c = table.column(f.name)
+            c = c.cast(pa.int8()) if pa.types.is_boolean(c.type) else c
+            cols.append(pc.fill_null(c.cast(pa.int64()), -1).to_numpy())
+        rows = np.stack(cols, axis=1)
+        writer = records.RecordWriter(run_dir / "steps" / folder.name, "STEP_SCHEMA")
+        for i in range(0, len(rows), segment_steps):
+            writer.write_int64(rows[i : i + segment_steps])
+    stamp.write_text(str(segment_steps))
+
+
 def segment_count(root: Path, ranks: int, steps: int, segments: int) -> None:
-    """The same records as one segment per rank and as ``segments`` per rank: diagnose and DuckDB."""
-    times: dict[tuple[str, int], float] = {}
+    """The same records as one segment per rank and as ``segments`` per rank, in Parquet (a run written
+    before compaction existed) and as plain record segments (what ranks write between compactions):
+    diagnose and DuckDB (which reads Parquet only)."""
+    times: dict[tuple[str, str], float] = {}
     verdicts = set()
-    for n in (1, segments):
-        run_dir = root / f"seg-{n}"
-        generate(run_dir, ranks, steps, segment_steps=-(-steps // n))
+    per = -(-steps // segments)
+    layouts = {"1": root / "seg-1", "n": root / f"seg-{segments}", "rec": root / f"rec-{segments}"}
+    generate(layouts["1"], ranks, steps, segment_steps=steps)
+    generate(layouts["n"], ranks, steps, segment_steps=per)
+    as_records(layouts["1"], layouts["rec"], per)
+    for key, run_dir in layouts.items():
         for label in ("hyperacc diagnose()", "duckdb (window medians in SQL)"):
+            if key == "rec" and label.startswith("duckdb"):
+                continue
             r = run_child(label, run_dir)
             if "error" in r:
                 print(f"{label}: {r['error']}")
                 return
-            times[(label, n)] = r["seconds"]
+            times[(label, key)] = r["seconds"]
             if "verdict" in r:
                 verdicts.add(json.dumps([r["verdict"], r["stragglers"]]))
-    d1, dn = times[("hyperacc diagnose()", 1)], times[("hyperacc diagnose()", segments)]
-    q1, qn = times[("duckdb (window medians in SQL)", 1)], times[("duckdb (window medians in SQL)", segments)]
+    d1, dn, dr = (times[("hyperacc diagnose()", k)] for k in ("1", "n", "rec"))
+    q1, qn = times[("duckdb (window medians in SQL)", "1")], times[("duckdb (window medians in SQL)", "n")]
     print(f"\nsegment count: {ranks} ranks x {steps} steps, 1 vs {segments} segments per rank "
           f"({ranks * segments:,} files)")  # fmt: skip
-    print(f"{'':28s} {'1 segment':>10s} {f'{segments} segments':>14s} {'ratio':>7s}")
-    print(f"{'hyperacc diagnose() s':28s} {d1:10.2f} {dn:14.2f} {dn / d1:6.2f}x")
-    print(f"{'duckdb window medians s':28s} {q1:10.2f} {qn:14.2f} {qn / q1:6.2f}x")
+    print(f"{'':28s} {'1 segment':>10s} {f'{segments} Parquet':>14s} {'ratio':>7s} {f'{segments} records':>14s} {'ratio':>7s}")
+    print(f"{'hyperacc diagnose() s':28s} {d1:10.2f} {dn:14.2f} {dn / d1:6.2f}x {dr:14.2f} {dr / d1:6.2f}x")
+    print(f"{'duckdb window medians s':28s} {q1:10.2f} {qn:14.2f} {qn / q1:6.2f}x {'-':>14s}")
     print(f"{'diagnose / duckdb':28s} {d1 / q1:9.2f}x {dn / qn:13.2f}x")
-    print(f"same verdict and stragglers for both layouts: {len(verdicts) == 1}")
+    print(f"same verdict and stragglers for the three layouts: {len(verdicts) == 1}")
 
 
 def main() -> None:

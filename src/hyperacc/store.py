@@ -120,15 +120,20 @@ def _is_compacted(path: Path) -> bool:
 
 def _listing(directory: Path) -> list[tuple[int, int, Path]]:
     try:
-        paths = list(directory.iterdir()) if directory.is_dir() else []
+        with os.scandir(directory) as entries:
+            # names, not paths, and the kind of each from the listing itself (no stat a file): a rank may
+            # hold thousands of segments
+            names = [e.name for e in entries if e.is_file()]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
     except OSError as exc:
         log.warning("cannot list %s (%s); its segments are not read", directory, exc)
         return []
     out = []
-    for p in paths:
-        r = segment_range(p)
+    for name in names:
+        r = segment_range(name)
         if r is not None and r[0] <= r[1]:
-            out.append((r[0], r[1], p))
+            out.append((r[0], r[1], directory / name))
     return sorted(out, key=lambda t: (t[0], -t[1]))
 
 
@@ -153,7 +158,7 @@ def live_segments(directory: str | os.PathLike) -> list[Path]:
     A compaction writes ``seg-lo-hi`` before it removes the segments ``lo``..``hi``, so for an instant
     both exist: a segment whose numbers lie inside a compacted file's range is left out here.
     """
-    return [p for _, _, p in _split_live(_listing(Path(directory)))[0] if p.is_file()]
+    return [p for _, _, p in _split_live(_listing(Path(directory)))[0]]
 
 
 def compact(

@@ -89,11 +89,14 @@ def test_events_and_resources_round_trip(tmp_path: Path) -> None:
     assert res.column("cuda_peak_bytes").to_pylist() == [None]
 
 
+# 3 segments are read file by file; 8 at once (``columns._read_records``), which on a damaged one goes
+# back to the file-by-file reading
+@pytest.mark.parametrize("segments", [3, 8])
 @pytest.mark.parametrize("damage", ["truncated", "no header", "extra bytes", "foreign format"])
 def test_a_damaged_record_segment_is_skipped_with_a_warning_naming_it(
-    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, damage: str, segments: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    writer = _writer(tmp_path, 3)
+    writer = _writer(tmp_path, segments)
     bad = writer.directory / "seg-000002.rec"
     data = bad.read_bytes()
     bad.write_bytes({"truncated": data[: len(data) - 12], "no header": data[data.index(b"\n") + 1:],
@@ -101,10 +104,37 @@ def test_a_damaged_record_segment_is_skipped_with_a_warning_naming_it(
                      "foreign format": b'{"format": "other"}\n' + data[data.index(b"\n") + 1:]}[damage])  # fmt: skip
     with caplog.at_level(logging.WARNING):
         steps = _read_all(tmp_path)
-    assert steps == list(range(ROWS)) + list(range(2 * ROWS, 3 * ROWS))
+    assert steps == list(range(ROWS)) + list(range(2 * ROWS, segments * ROWS))
     assert any("seg-000002.rec" in r.message for r in caplog.records)
     with pytest.raises(records.RecordError, match="seg-000002.rec"):
         records.read(bad)
+
+
+def test_many_record_segments_read_at_once_give_the_rows_of_the_file_by_file_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's plain record segments (what it wrote since its last compaction, thousands after a long
+    run without one) are read at once; every column is what reading them one by one gives, beside a
+    compacted Parquet file of the same rank, with values not measured (-1), booleans and ``gc_max_gen``."""
+    from hyperacc.analysis import columns
+
+    rng = np.random.default_rng(0)
+    writer = records.RecordWriter(steps_dir(tmp_path, 0), "STEP_SCHEMA")
+    for i in range(12):
+        rows = _rows(i * ROWS)
+        rows[:, 3:] = np.where(rng.random((ROWS, rows.shape[1] - 3)) < 0.2, -1, rng.integers(0, 2, (ROWS, rows.shape[1] - 3)) * rng.integers(1, 10**9, (ROWS, rows.shape[1] - 3)))
+        writer.write_int64(rows)
+        if i == 4:
+            store.compact(writer.directory, STEP_SCHEMA, every=1)  # segments 1-5 as one Parquet file
+    segments = discover(tmp_path).sources[0].segments
+    assert sum(store.is_record_segment(p) for p in segments) == 7
+    at_once = read_rank(segments, STEP_COLUMNS)
+    monkeypatch.setattr(columns, "_read_records", lambda paths, cols: None)
+    one_by_one = read_rank(segments, STEP_COLUMNS)
+    assert at_once["step"].tolist() == list(range(12 * ROWS))
+    for name in STEP_COLUMNS:
+        assert at_once[name].dtype == one_by_one[name].dtype, name
+        assert np.array_equal(at_once[name], one_by_one[name], equal_nan=True), name
 
 
 def test_rows_of_the_wrong_width_are_refused_before_writing(tmp_path: Path) -> None:

@@ -118,6 +118,12 @@ def diagnose(
             f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
         )
 
+    # Change points per rank: transient fail-slows too short for the window rules, and the precise
+    # range of a straggler that recovered (docs/detection.md, "Episodes"). Judged first, so that the
+    # blocks go before the window rules' matrices are made, and those matrices are still there to judge
+    # a straggler again without an episode beside it (each pair was a peak of memory).
+    changes = detect_episodes(blocks.blocks, opts)
+    del blocks
     summaries = concat_windows(windows)
     windows.clear()
     # The per-step comparisons of waits (culprit record, communication spikes) never mix clocks: with
@@ -126,26 +132,18 @@ def diagnose(
     if one_clock:
         _add_culprits(summaries, cluster, opts.window_steps)
     # pivoted once for the window rules and their count; the summaries go before the rules' own
-    # matrices are made, the pivot before the episodes' are (each pair was a peak of memory)
+    # matrices are made
     grid = window_grid(summaries, opts)
     del summaries
     found = detect_stragglers(grid, opts)
     windows_judged = judged_windows(grid, opts)
-    if not any(s.active for s in found):
-        del grid  # kept only to judge a straggler again without an episode beside it (below)
-        grid = None
-    # Change points per rank: transient fail-slows too short for the window rules, and the precise
-    # range of a straggler that recovered (docs/detection.md, "Episodes").
-    changes = detect_episodes(blocks.blocks, opts)
-    if grid is not None:
-        found = stragglers_beside_episodes(found, [e.to_dict() for e in changes], grid, opts)
-        del grid
+    found = stragglers_beside_episodes(found, [e.to_dict() for e in changes], grid, opts)
+    del grid
     # A straggler is what is still slow at the end; one that recovered is an episode of the run.
     stragglers = [s.to_dict() for s in found if s.active]
     back = recovered_stragglers(stragglers, changes, opts.window_steps)
     stragglers = [s for s in stragglers if s["rank"] not in back]
     episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active], opts.window_steps)
-    del blocks
     working = working_gap_ranks(stragglers + episodes)
     for f in findings:
         if f.rank in working:
