@@ -529,7 +529,8 @@ class LiveNode(_Periodic):
                 meta0.world_size, window=self.window, grace_s=self.grace_s,
                 nodes=lambda: max(len({m.node for m in self._metas.values()}), 1),
                 on_finding=lambda step, text: self._event("live_finding", step, None, text),
-                on_window=self._window_event, run_dir=self.run_dir, compacts=False, recovered=self._recovered, beside=self._beside,
+                on_window=self._window_event, run_dir=self.run_dir, compacts=False,
+                recovered=self._recovered, beside=self._beside,
             )  # fmt: skip
             self._remediation = self._remediation_of(meta0)
             if self._remediation is not None:

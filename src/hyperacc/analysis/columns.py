@@ -269,17 +269,24 @@ def _read_fast(paths: Sequence[Path], columns: Sequence[str]) -> list[pa.Table] 
         raise store.SegmentGone("a segment was compacted while it was being read") from None
     except (OSError, pa.ArrowException, ValueError):
         return None
-    if any(table.column(c).null_count for c in _IDENTITY):
+    if not _kept_whole(table):
         return None
     step = table.column("step")
     if len(step) > 1:
-        mm = pc.min_max(step)
-        if not (-store.MAX_STEP <= mm["min"].as_py() and mm["max"].as_py() <= store.MAX_STEP):
-            return None
         values = step.to_numpy()
         if not bool(np.all(values[1:] > values[:-1])):
             return None  # out of order or written twice: the file-by-file path keeps the last record
     return [table] if table.num_rows else None
+
+
+def _kept_whole(table: pa.Table) -> bool:
+    """Whether ``store.conform`` keeps every row of ``table`` (it drops, with a warning naming the file,
+    rows whose identity is null or whose step lies beyond +-2**53)."""
+    if any(c in table.column_names and table.column(c).null_count for c in _IDENTITY):
+        return False
+    mm = pc.min_max(table.column("step"))
+    lo, hi = mm["min"].as_py(), mm["max"].as_py()
+    return lo is None or (-store.MAX_STEP <= lo and hi <= store.MAX_STEP)
 
 
 def _read_segments(paths: Sequence[Path], columns: Sequence[str]) -> list[pa.Table]:
@@ -317,14 +324,11 @@ def _read_records(paths: Sequence[Path], columns: Sequence[str]) -> list[pa.Tabl
     table = records.rows_table("STEP_SCHEMA", first["columns"], np.concatenate(blocks))
     if store.segment_problem(table.schema, STEP_SCHEMA, store.REQUIRED["steps"]) is not None:
         return None
-    if any(c in table.column_names and table.column(c).null_count for c in _IDENTITY):
-        return None  # rows ``store.conform`` drops, with a warning naming their file
-    step = table.column("step").to_numpy()
-    if step.size and not (-store.MAX_STEP <= step.min() and step.max() <= store.MAX_STEP):
+    if not _kept_whole(table):
         return None
     want = list(dict.fromkeys([*_IDENTITY, *columns]))
     table = table.select([c for c in want if c in table.column_names])
-    return [store.conform(table, pa.schema([STEP_SCHEMA.field(c) for c in want]), paths[0])] if step.size else []
+    return [store.conform(table, pa.schema([STEP_SCHEMA.field(c) for c in want]), paths[0])] if table.num_rows else []
 
 
 def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) -> dict[str, np.ndarray]:
