@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,12 @@ def write_meta(run_dir: str | os.PathLike, meta: RankMeta) -> None:
 def segment_range(path: str | os.PathLike) -> tuple[int, int] | None:
     """The segment numbers a segment file holds: (n, n) for ``seg-n``, (lo, hi) for a compacted
     ``seg-lo-hi``; None for any other name."""
-    m = SEGMENT_NAME.match(os.path.basename(path))  # not ``Path(path).name``: 9 us a file of thousands
+    return name_range(os.path.basename(path))  # not ``Path(path).name``: 9 us a file of thousands
+
+
+def name_range(name: str) -> tuple[int, int] | None:
+    """``segment_range`` of a file name."""
+    m = SEGMENT_NAME.match(name)
     if m is None:
         return None
     lo = int(m.group(1))
@@ -158,8 +163,8 @@ def read_many(paths: Sequence[str | os.PathLike]) -> list[tuple[dict[str, Any], 
     seen: dict[bytes, dict[str, Any]] = {}
     out = []
     for path in paths:
-        with open(path, "rb") as f:
-            out.append(_decode(f.read(), path, seen))
+        with open(path, "rb", buffering=0) as f:  # one read of the whole file, no buffer object
+            out.append(_decode(f.readall(), path, seen))
     return out
 
 
@@ -201,11 +206,12 @@ def to_table(path: str | os.PathLike) -> Any:
     return rows_table(head["schema"], head["columns"], rows)
 
 
-def rows_table(schema: str, columns: Sequence[str], rows: Any) -> Any:
+def rows_table(schema: str, columns: Sequence[str], rows: Any, keep: Collection[str] | None = None) -> Any:
     """Rows (an int64 matrix, or JSON lists) of ``schema`` as a ``pyarrow.Table`` with its types.
 
     Columns the rows lack are left out (``store.conform`` fills them as not measured); -1 in int64 rows
-    is null, except where -1 is a value (``gc_max_gen``); booleans are values above 0.
+    is null, except where -1 is a value (``gc_max_gen``); booleans are values above 0. ``keep``: only
+    these columns (readers that need a few of them skip converting the rest).
     """
     import pyarrow as pa
 
@@ -216,6 +222,8 @@ def rows_table(schema: str, columns: Sequence[str], rows: Any) -> Any:
     int64 = isinstance(rows, np.ndarray)
     arrays, schema = [], []
     for j, name in enumerate(columns):
+        if keep is not None and name not in keep:
+            continue
         kind, nullable = types.get(name, ("int64" if int64 else "", True))
         if not kind:  # a column no schema types: what its values are
             arrays.append(pa.array([r[j] for r in rows]))

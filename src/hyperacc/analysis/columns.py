@@ -320,13 +320,14 @@ def _read_records(paths: Sequence[Path], columns: Sequence[str]) -> list[pa.Tabl
     heads = {id(h): h for h, _ in read}.values()  # the distinct headers (``read_many`` shares them)
     if any(h["schema"] != "STEP_SCHEMA" or h["encoding"] != "int64" or h["columns"] != first["columns"] for h in heads):
         return None
-    blocks = [rows for _, rows in read]
-    table = records.rows_table("STEP_SCHEMA", first["columns"], np.concatenate(blocks))
-    if store.segment_problem(table.schema, STEP_SCHEMA, store.REQUIRED["steps"]) is not None:
-        return None
-    if not _kept_whole(table):
+    names = first["columns"]
+    if store.segment_problem(records.rows_table("STEP_SCHEMA", names, read[0][1][:0]).schema, STEP_SCHEMA,
+                             store.REQUIRED["steps"]) is not None:  # fmt: skip
         return None
     want = list(dict.fromkeys([*_IDENTITY, *columns]))
+    table = records.rows_table("STEP_SCHEMA", names, np.concatenate([rows for _, rows in read]), keep=set(want))
+    if not _kept_whole(table):
+        return None
     table = table.select([c for c in want if c in table.column_names])
     return [store.conform(table, pa.schema([STEP_SCHEMA.field(c) for c in want]), paths[0])] if table.num_rows else []
 
