@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc import store, theory
-from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank
+from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank, release_freed
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import (
     BlockBudget,
@@ -98,7 +98,9 @@ def diagnose(
         reduced = reduced_on_cluster(order, opts, scheduler)
     else:
         reduced = _reduced(order, opts, workers)
-    for (node, src), f in zip(order, reduced, strict=True):
+    for i, ((node, src), f) in enumerate(zip(order, reduced, strict=True)):
+        if i % _RELEASE_EVERY == _RELEASE_EVERY - 1:
+            release_freed()  # what reading the last ranks freed, before it adds up
         if f is None:
             unread.append(src.rank)
             continue
@@ -122,8 +124,10 @@ def diagnose(
     # range of a straggler that recovered (docs/detection.md, "Episodes"). Judged first, so that the
     # blocks go before the window rules' matrices are made, and those matrices are still there to judge
     # a straggler again without an episode beside it (each pair was a peak of memory).
+    release_freed()
     changes = detect_episodes(blocks.blocks, opts)
     del blocks
+    release_freed()
     summaries = concat_windows(windows)
     windows.clear()
     # The per-step comparisons of waits (culprit record, communication spikes) never mix clocks: with
@@ -235,6 +239,9 @@ def diagnose(
     return d
 
 
+
+
+_RELEASE_EVERY = 64  # ranks read between two ``release_freed``
 
 
 def _reduced(
