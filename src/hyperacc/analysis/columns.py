@@ -347,7 +347,7 @@ def release_freed() -> None:
 def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS), or no C library to load
         return None
 
 
