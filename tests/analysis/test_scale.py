@@ -55,3 +55,25 @@ def test_many_ranks_are_streamed_not_loaded(tmp_path, monkeypatch):
     # The whole run as float64 columns would be 200 x 3000 x 18 x 8 B = 86 MB.
     assert peak < 40e6, f"peak traced memory {peak / 1e6:.0f} MB"
     assert np.isclose(d["spikes"]["cluster"]["rate"], d["projection"]["current"]["measured"])
+
+
+def test_windows_widen_until_ranks_times_windows_fit_the_budget():
+    from hyperacc.analysis.options import DetectionOptions
+    from hyperacc.analysis.windows import within_budget
+
+    opts = DetectionOptions()
+    assert within_budget(opts, 1_000, 100_000) is opts  # 2e6 windows: within 4e6
+    assert within_budget(opts, 10_000, 100_000).window_steps == 400  # 2.5e6 windows of 400 steps
+    assert within_budget(opts, 1_024, 6_048_000).window_steps == 1_600  # a week at 10 steps/s: 3.9e6
+    assert within_budget(DetectionOptions(window_max_cells=1), 4, 1_000).window_steps == 1_600  # one window
+
+
+def test_a_run_past_the_window_budget_is_judged_in_wider_windows_with_the_same_verdict(faulty_run, caplog):
+    """8 ranks x 2,000 steps are 320 windows of 50 steps; with room for 100, windows of 200 steps (80)."""
+    from analysis_runs import DATA_RANK, SLOW_RANK
+
+    wide = diagnose(faulty_run, window_max_cells=100).to_dict()
+    assert wide["options"]["window_steps"] == 200
+    assert "judge windows of 200 steps" in caplog.text
+    assert [(s["rank"], s["kind"]) for s in wide["stragglers"]] == [(SLOW_RANK, "compute")]
+    assert {r["rank"]: r["cause"] for r in wide["spikes"]["per_rank"]}[DATA_RANK] == "data"

@@ -65,6 +65,7 @@ class DetectionOptions:
     # -- eligibility
     warmup_steps: int = 10  # first steps of every rank are left out (compilation, allocation, caches)
     window_steps: int = 50  # straggler windows: steps [w*window_steps, (w+1)*window_steps)
+    window_max_cells: int = 4_000_000  # ranks x windows judged offline; past it windows widen x2 (memory bound)
     min_window_samples: int = 10  # a rank's window needs this many measured steps to be judged
     min_ranks: int = 4  # a window is judged only when this many ranks reported it
     # -- outlier ranks (per window, per metric): docs/detection.md, "The cross-rank outlier rule"
@@ -145,6 +146,7 @@ class DetectionOptions:
 _INT_BOUNDS: dict[str, int] = {
     "warmup_steps": 0,
     "window_steps": 1,
+    "window_max_cells": 1,
     "min_window_samples": 1,
     "min_ranks": 3,
     "floor_ns": 0,

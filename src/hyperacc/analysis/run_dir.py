@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import logging
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc import store, theory
-from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank, release_freed
+from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank, release_freed, step_bounds
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import (
     BlockBudget,
@@ -55,7 +56,9 @@ from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, 
 from hyperacc.analysis.spikes import communication_spikes
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
 from hyperacc.analysis.whatif import Culprit, what_if
-from hyperacc.analysis.windows import RANK_CAUSES, concat_windows
+from hyperacc.analysis.windows import RANK_CAUSES, concat_windows, within_budget
+
+log = logging.getLogger(__name__)
 
 
 def diagnose(
@@ -81,6 +84,7 @@ def diagnose(
             f"{layout.run_dir} holds no step records (steps/rank-*/seg-*.parquet); was the job traced "
             "(`hyperacc run --run-dir ...`) and did it run at least one step?"
         )
+    opts = _windows_within_budget(opts, layout)
     workers = workers if workers is not None else max(1, min(2, os.cpu_count() or 1))
     groups = _by_node(layout.sources)
     order = [(node, src) for node, sources in groups.items() for src in sources]
@@ -239,6 +243,25 @@ def diagnose(
     return d
 
 
+
+
+def _windows_within_budget(opts: DetectionOptions, layout: RunLayout) -> DetectionOptions:
+    """``windows.within_budget`` for this run: its ranks, and the steps of its first and last rank (read
+    from their first and last segments: Parquet statistics, or two small record files)."""
+    sources = list(layout.sources.values())
+    spans = []
+    for src in (sources[0], sources[-1]):
+        first, last = step_bounds(src.segments[:1]), step_bounds(src.segments[-1:])
+        if first and last:
+            spans.append(last[1] - first[0] + 1)
+    wide = within_budget(opts, len(sources), max(spans, default=0))
+    if wide is not opts:
+        log.warning(
+            "%d ranks x %d steps make more than window_max_cells (%d) windows of %d steps: the straggler rules "
+            "judge windows of %d steps (docs/detection.md, \"Windows\")",
+            len(sources), max(spans), opts.window_max_cells, opts.window_steps, wide.window_steps,
+        )  # fmt: skip
+    return wide
 
 
 _RELEASE_EVERY = 64  # ranks read between two ``release_freed``

@@ -11,6 +11,7 @@ A summary is made of a rank's *typical* steps: warm-up and spike steps are left 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -77,6 +78,16 @@ SUMMARY_COLUMNS: tuple[str, ...] = (*(f[0] for f in fields("WINDOW_SCHEMA")), *E
 
 
 _ROW_INDEX = {name: STEP_COLUMNS.index(name) for name in ANALYSIS_COLUMNS}
+
+
+def within_budget(opts: DetectionOptions, ranks: int, steps: int) -> DetectionOptions:
+    """``opts`` with ``window_steps`` doubled, as many times as needed, until ``ranks`` x the windows of
+    ``steps`` steps fit ``window_max_cells``: what the offline straggler rules hold grows with ranks x
+    windows, and a run of a week has 10^5 windows a rank (docs/detection.md, "Windows")."""
+    width = opts.window_steps
+    while ranks * -(-steps // width) > opts.window_max_cells and width < steps:
+        width *= 2
+    return opts if width == opts.window_steps else dataclasses.replace(opts, window_steps=width)
 
 
 def row_columns(rows: np.ndarray) -> dict[str, np.ndarray]:
