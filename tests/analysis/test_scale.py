@@ -62,10 +62,14 @@ def test_windows_widen_until_ranks_times_windows_fit_the_budget():
     from hyperacc.analysis.windows import within_budget
 
     opts = DetectionOptions()
-    assert within_budget(opts, 1_000, 100_000) is opts  # 2e6 windows: within 4e6
-    assert within_budget(opts, 10_000, 100_000).window_steps == 400  # 2.5e6 windows of 400 steps
-    assert within_budget(opts, 1_024, 6_048_000).window_steps == 1_600  # a week at 10 steps/s: 3.9e6
-    assert within_budget(DetectionOptions(window_max_cells=1), 4, 1_000).window_steps == 1_600  # one window
+    steps = [np.arange(100_000)]
+    assert within_budget(opts, 1_000, steps) is opts  # 2e6 windows: within 4e6
+    assert within_budget(opts, 10_000, steps).window_steps == 400  # 2.5e6 windows of 400 steps
+    assert within_budget(opts, 1_024, [np.arange(6_048_000)]).window_steps == 1_600  # a week at 10 steps/s: 3.9e6
+    assert within_budget(DetectionOptions(window_max_cells=1), 4, [np.arange(1_000)]).window_steps == 1_600  # one window
+    # Windows that hold steps count, not the span: two steps 2**53 apart are two windows.
+    assert within_budget(opts, 10_000, [np.array([0, 2**53])]) is opts
+    assert within_budget(opts, 10_000, [np.arange(1_000), np.arange(100_000)]).window_steps == 400  # the most
 
 
 def test_a_run_past_the_window_budget_is_judged_in_wider_windows_with_the_same_verdict(faulty_run, caplog):

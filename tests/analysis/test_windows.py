@@ -78,3 +78,20 @@ def test_warm_up_and_spikes_are_left_out_of_the_medians_and_counted():
     assert w["spikes_data"].tolist() == [0, 0, 1, 0, 1, 0]
     assert np.all(np.abs(w["self_ns_median"] - 10e6) < 0.05 * 10e6)
     assert np.isnan(w["cpu_ns_median"]).all()  # not measured is not zero
+
+
+def test_windows_wider_than_the_run_or_sparse_steps_give_the_same_medians_in_little_memory():
+    """A step's place in the medians' grid is its place among its window's steps where no window is full:
+    windows of 10**12 steps cost what the run's steps cost, and give what windows of 300 give."""
+    n = 300
+    rng = np.random.default_rng(1)
+    self_ns = 10e6 * (1 + 0.05 * rng.standard_normal(n))
+    cols = {"rank": np.zeros(n, int), "node": np.zeros(n, int), "step": np.arange(n), "step_ns": self_ns + 2e6,
+            "self_ns": self_ns, "data_ns": np.full(n, 1e6), "comm_wait_ns": np.full(n, 2e6)}  # fmt: skip
+    exact = summarize_windows(cols, DetectionOptions(window_steps=300))
+    huge = summarize_windows(cols, DetectionOptions(window_steps=10**12))
+    for name in SUMMARY_COLUMNS:
+        if name not in ("first_step", "last_step", "window"):
+            assert np.array_equal(exact[name], huge[name], equal_nan=True), name
+    sparse = {**cols, "step": np.arange(n) * 10**9}  # one step a window of 50 (step 0 is the warm-up's)
+    assert summarize_windows(sparse, DetectionOptions())["window"].size == n - 1

@@ -246,20 +246,25 @@ def diagnose(
 
 
 def _windows_within_budget(opts: DetectionOptions, layout: RunLayout) -> DetectionOptions:
-    """``windows.within_budget`` for this run: its ranks, and the steps of its first and last rank (read
-    from their first and last segments: Parquet statistics, or two small record files)."""
+    """``windows.within_budget`` for this run: its ranks, and the steps of its first and last rank. Read
+    only where the steps their first and last segments span (Parquet statistics, or two small record
+    files) could make more windows than the budget holds: not for most runs."""
     sources = list(layout.sources.values())
-    spans = []
-    for src in (sources[0], sources[-1]):
-        first, last = step_bounds(src.segments[:1]), step_bounds(src.segments[-1:])
-        if first and last:
-            spans.append(last[1] - first[0] + 1)
-    wide = within_budget(opts, len(sources), max(spans, default=0))
+    ends = (sources[0], sources[-1])
+    span = 0
+    for src in ends:
+        bounds = [b for b in (step_bounds(src.segments[:1]), step_bounds(src.segments[-1:])) if b]
+        if bounds:
+            span = max(span, max(b[1] for b in bounds) - min(b[0] for b in bounds) + 1)
+    if len(sources) * (-(-span // opts.window_steps) + 1) <= opts.window_max_cells:
+        return opts
+    steps = [read_rank(src.segments, ("step",))["step"] for src in ends]
+    wide = within_budget(opts, len(sources), steps)
     if wide is not opts:
         log.warning(
-            "%d ranks x %d steps make more than window_max_cells (%d) windows of %d steps: the straggler rules "
-            "judge windows of %d steps (docs/detection.md, \"Windows\")",
-            len(sources), max(spans), opts.window_max_cells, opts.window_steps, wide.window_steps,
+            "%d ranks x up to %d steps make more than window_max_cells (%d) windows of %d steps: the straggler "
+            "rules judge windows of %d steps (docs/detection.md, \"Windows\")",
+            len(sources), max(s.size for s in steps), opts.window_max_cells, opts.window_steps, wide.window_steps,
         )  # fmt: skip
     return wide
 

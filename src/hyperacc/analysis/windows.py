@@ -80,12 +80,17 @@ SUMMARY_COLUMNS: tuple[str, ...] = (*(f[0] for f in fields("WINDOW_SCHEMA")), *E
 _ROW_INDEX = {name: STEP_COLUMNS.index(name) for name in ANALYSIS_COLUMNS}
 
 
-def within_budget(opts: DetectionOptions, ranks: int, steps: int) -> DetectionOptions:
-    """``opts`` with ``window_steps`` doubled, as many times as needed, until ``ranks`` x the windows of
-    ``steps`` steps fit ``window_max_cells``: what the offline straggler rules hold grows with ranks x
-    windows, and a run of a week has 10^5 windows a rank (docs/detection.md, "Windows")."""
+def within_budget(opts: DetectionOptions, ranks: int, steps: Sequence[np.ndarray]) -> DetectionOptions:
+    """``opts`` with ``window_steps`` doubled, as many times as needed, until ``ranks`` x the windows
+    that hold steps fit ``window_max_cells``: what the offline straggler rules hold grows with ranks x
+    windows, and a run of a week has 10^5 windows a rank (docs/detection.md, "Windows"). ``steps``: the
+    sorted steps of a few ranks (the most windows among them counts for every rank)."""
+
+    def windows(width: int) -> int:
+        return max((int(np.count_nonzero(np.diff(s // width))) + 1 for s in steps if s.size), default=0)
+
     width = opts.window_steps
-    while ranks * -(-steps // width) > opts.window_max_cells and width < steps:
+    while ranks * (n := windows(width)) > opts.window_max_cells and n > 1:
         width *= 2
     return opts if width == opts.window_steps else dataclasses.replace(opts, window_steps=width)
 
@@ -195,7 +200,15 @@ def summarize_windows(
     else:
         wanted = np.ones(uniq.size, dtype=bool)
     row = np.repeat(np.arange(uniq.size), counts)  # steps are sorted, so windows are contiguous
-    offset = steps - win * width
+    # A step's cell in its window's row of the medians' grid: its offset in the window; where no window
+    # is full (sparse steps, or windows wider than the run), its place among the window's steps, so the
+    # grid is as wide as the fullest window, not as ``window_steps`` (a median does not care where).
+    longest = int(counts.max()) if counts.size else 0
+    cells_per_row = width if longest >= width else longest
+    if longest < width:
+        offset = np.arange(n) - np.repeat(first_idx, counts)
+    else:
+        offset = steps - win * width
     typical = ~spike_at
     out: dict[str, np.ndarray] = {
         "rank": np.full(uniq.size, rank, dtype=np.int32),
@@ -205,9 +218,9 @@ def summarize_windows(
         "last_step": steps[first_idx + counts - 1],
         "steps": np.bincount(row[typical], minlength=uniq.size).astype(np.int64),
     }
-    grid = np.full((uniq.size, width), np.nan)
-    cells = grid.reshape(-1)  # the same memory: a step's cell is row * width + offset
-    at = row * width + offset
+    grid = np.full((uniq.size, cells_per_row), np.nan)
+    cells = grid.reshape(-1)  # the same memory: a step's cell is row * cells_per_row + offset
+    at = row * cells_per_row + offset
     at_typical = at[typical]
     # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
     run = run_slice(at)
