@@ -354,6 +354,9 @@ def _malloc_trim() -> Callable[[int], int] | None:
 _TRIM = _malloc_trim()
 
 
+_RELEASE_ROWS = 1_000_000  # a rank read with this many rows gives Arrow's freed memory back
+
+
 def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) -> dict[str, np.ndarray]:
     """One rank's step records as numpy columns, sorted by step, one row per step (the last wins).
 
@@ -369,6 +372,7 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
     if not tables:
         return {c: np.empty(0, dtype=np.int64 if c in _IDENTITY else np.float64) for c in columns}
     table = pa.concat_tables(tables)
+    del tables  # each column's buffers go once it is converted (below): a rank of a week is 6e6 rows
     steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     order: np.ndarray | None = None
     if steps.size > 1 and not bool(np.all(steps[1:] > steps[:-1])):
@@ -379,8 +383,9 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
         keep[:-1] = ordered[1:] != ordered[:-1]
         order = order[keep]
     out: dict[str, np.ndarray] = {}
-    for name in columns:
+    for name in dict.fromkeys(columns):
         col = table.column(name)
+        table = table.drop_columns([name])
         if name in _IDENTITY:
             arr = pc.fill_null(col, -1).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         elif col.null_count == len(col):
@@ -391,4 +396,8 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
             # safe=False: wall-clock ns exceed 2**53 and lose their last digits as float64, which is fine here
             arr = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)
         out[name] = arr if order is None else arr[order]
+    if steps.size >= _RELEASE_ROWS:
+        # Arrow's pool keeps what the Parquet decoding and the table freed (twice the columns of a rank
+        # of 6e6 steps: 2 GB), and a thread reading the next rank adds to it
+        pa.default_memory_pool().release_unused()
     return out
