@@ -336,7 +336,7 @@ def _read_records(paths: Sequence[Path], columns: Sequence[str]) -> list[pa.Tabl
 def release_freed() -> None:
     """Give what reading freed back to the system. Arrow's memory pool keeps the buffers of every table
     read, and the C allocator the freed blocks of the reading threads' heaps, in case they are needed
-    again; after all ranks were read they are not, and they were a third of ``diagnose``'s resident
+    again; after all ranks were read they are not, and they were 40 % of ``diagnose``'s resident
     memory at 1,000 x 1e5 (docs/detection.md, "Scale"). Where the C library has no
     ``malloc_trim`` (it is glibc's), only Arrow's pool is released."""
     pa.default_memory_pool().release_unused()

@@ -204,11 +204,10 @@ def summarize_windows(
     # is full (sparse steps, or windows wider than the run), its place among the window's steps, so the
     # grid is as wide as the fullest window, not as ``window_steps`` (a median does not care where).
     longest = int(counts.max()) if counts.size else 0
-    cells_per_row = width if longest >= width else longest
     if longest < width:
-        offset = np.arange(n) - np.repeat(first_idx, counts)
+        cells_per_row, offset = longest, np.arange(n) - np.repeat(first_idx, counts)
     else:
-        offset = steps - win * width
+        cells_per_row, offset = width, steps - win * width
     typical = ~spike_at
     out: dict[str, np.ndarray] = {
         "rank": np.full(uniq.size, rank, dtype=np.int32),
