@@ -5,7 +5,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from hyperacc.analysis import diagnose, run_dir
+from hyperacc.analysis import cluster, diagnose
 from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
 
 RANKS, STEPS = 200, 3000
@@ -20,7 +20,7 @@ def test_many_ranks_are_streamed_not_loaded(tmp_path, monkeypatch):
 
     in_flight = peak_in_flight = 0
     rows_per_read = []
-    real_read, real_reduce = run_dir.read_rank, run_dir.reduce_rank
+    real_read, real_reduce = cluster.read_rank, cluster.reduce_rank
 
     def counting_read(segments, *args):
         nonlocal in_flight, peak_in_flight
@@ -37,8 +37,8 @@ def test_many_ranks_are_streamed_not_loaded(tmp_path, monkeypatch):
         finally:
             in_flight -= 1
 
-    monkeypatch.setattr(run_dir, "read_rank", counting_read)
-    monkeypatch.setattr(run_dir, "reduce_rank", counting_reduce)
+    monkeypatch.setattr(cluster, "read_rank", counting_read)
+    monkeypatch.setattr(cluster, "reduce_rank", counting_reduce)
     tracemalloc.start()
     try:
         d = diagnose(run, workers=2).to_dict()

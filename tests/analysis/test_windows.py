@@ -9,7 +9,7 @@ from analysis_runs import SLOW_RANK
 from hyperacc.analysis import LiveDetector, diagnose
 from hyperacc.analysis.columns import discover, read_rank
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.run_dir import reduce_rank
+from hyperacc.analysis.run_reduce import reduce_rank
 from hyperacc.analysis.windows import (
     SUMMARY_COLUMNS,
     WindowStream,

@@ -22,9 +22,9 @@ import collections
 from collections.abc import Iterator
 from typing import Any
 
-from hyperacc.analysis.columns import RankSource, read_rank
+from hyperacc.analysis.columns import NotInChunks, RankSource, read_rank, read_rank_chunks, step_bounds
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.run_reduce import RankFindings, reduce_rank
+from hyperacc.analysis.run_reduce import RankFindings, reduce_rank, reduce_rank_chunks
 
 
 class ClusterError(ValueError):
@@ -35,7 +35,19 @@ IN_FLIGHT_PER_WORKER = 4  # ranks submitted ahead per worker: enough to keep wor
 
 
 def reduce_source(node: int, src: RankSource, opts: DetectionOptions) -> RankFindings | None:
-    """One rank's findings (``None`` when it recorded no step): what every worker runs."""
+    """One rank's findings (``None`` when it recorded no step): what every worker runs, and ``diagnose``
+    on one machine. A rank whose segments span more than ``rank_chunk_steps`` steps is read and reduced
+    in chunks of that many (``run_reduce.reduce_rank_chunks``: the same findings, never the whole rank
+    in memory), unless its segments overlap or are out of order; then it is read whole."""
+    if len(src.segments) >= 2:
+        first, last = step_bounds(src.segments[:1]), step_bounds(src.segments[-1:])
+        if first and last and last[1] - first[0] + 1 > opts.rank_chunk_steps:
+            try:
+                return reduce_rank_chunks(
+                    src.rank, node, lambda: read_rank_chunks(src.segments, opts.rank_chunk_steps), opts
+                )
+            except NotInChunks:
+                pass
     cols = read_rank(src.segments)
     if cols["step"].size == 0:
         return None

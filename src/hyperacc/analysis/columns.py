@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -365,14 +365,22 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
     does not have). Segments that do not fit ``STEP_SCHEMA`` are skipped (``store.open_segment``),
     as are rows without a step or with a step beyond +-2**53 (``store.conform``).
     """
+    _check_columns(columns)
+    return _as_columns(_retrying(paths, lambda ps: _read_segments(ps, columns)), columns)
+
+
+def _check_columns(columns: Sequence[str]) -> None:
     unknown = [c for c in columns if STEP_SCHEMA.get_field_index(c) < 0]
     if unknown:
         raise ValueError(f"unknown step column(s) {unknown}; see hyperacc.schema.STEP_SCHEMA")
-    tables = _retrying(paths, lambda ps: _read_segments(ps, columns))
+
+
+def _as_columns(tables: list[pa.Table], columns: Sequence[str]) -> dict[str, np.ndarray]:
+    """Tables of one rank's segments -> ``read_rank``'s columns (the tables are consumed)."""
     if not tables:
         return {c: np.empty(0, dtype=np.int64 if c in _IDENTITY else np.float64) for c in columns}
     table = pa.concat_tables(tables)
-    del tables  # each column's buffers go once it is converted (below): a rank of a week is 6e6 rows
+    tables.clear()  # each column's buffers go once it is converted (below): a rank of a week is 6e6 rows
     steps = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
     order: np.ndarray | None = None
     if steps.size > 1 and not bool(np.all(steps[1:] > steps[:-1])):
@@ -401,3 +409,52 @@ def read_rank(paths: Sequence[Path], columns: Sequence[str] = ANALYSIS_COLUMNS) 
         # of 6e6 steps: 2 GB), and a thread reading the next rank adds to it
         pa.default_memory_pool().release_unused()
     return out
+
+
+class NotInChunks(Exception):
+    """A rank's segments cannot be read in chunks of steps (``read_rank_chunks``): two of them hold the
+    same steps or are out of order (a resumed writer), or a compaction replaced one while it was read.
+    Read the rank whole (``read_rank``)."""
+
+
+_CHUNK_GROUP = 64  # the most segments ``read_rank_chunks`` reads at once
+
+
+def read_rank_chunks(
+    paths: Sequence[Path], chunk_rows: int, columns: Sequence[str] = ANALYSIS_COLUMNS
+) -> Iterator[dict[str, np.ndarray]]:
+    """One rank's columns as ``read_rank`` gives them, in consecutive chunks of about ``chunk_rows``
+    rows or more (the last one shorter), so that a rank of a week is never held whole: memory follows
+    ``chunk_rows`` and the largest segment. Segments are read in their order, which is the order of
+    their steps for a tracer's segments, as many at once as the segments read last suggest make
+    ``chunk_rows`` (at most ``_CHUNK_GROUP``). Raises ``NotInChunks`` (at the chunk that shows it) where
+    a chunk's steps do not all come after the previous chunk's."""
+    _check_columns(columns)
+    last: int | None = None
+    pending: list[pa.Table] = []
+    rows = 0
+    group = 1  # segments to read next: as many as make ``chunk_rows`` at the size of the last ones read
+    i = 0
+    while i < len(paths):
+        try:
+            tables = _read_segments(paths[i:i + group], columns)
+        except store.SegmentGone:
+            raise NotInChunks("a segment was compacted while the rank was read in chunks") from None
+        i += group
+        read = sum(t.num_rows for t in tables)
+        per_segment = max(1, read // group)
+        pending += tables
+        rows += read
+        if rows < chunk_rows and i < len(paths):
+            group = min(_CHUNK_GROUP, max(1, (chunk_rows - rows) // per_segment))
+            continue
+        group = min(_CHUNK_GROUP, max(1, chunk_rows // per_segment))
+        cols = _as_columns(pending, columns)
+        rows = 0
+        steps = cols["step"]
+        if not steps.size:
+            continue
+        if last is not None and int(steps[0]) <= last:
+            raise NotInChunks("two segments hold the same steps, or their steps are out of order")
+        last = int(steps[-1])
+        yield cols

@@ -181,8 +181,13 @@ class Episode:
         return dataclasses.asdict(self)
 
 
-def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: DetectionOptions) -> RankBlocks:
-    """Per-block medians of one rank's post-warm-up steps (``cols`` sorted by step)."""
+def rank_blocks(
+    rank: int, node: int, cols: Mapping[str, np.ndarray], opts: DetectionOptions,
+    measured: Mapping[str, bool] | None = None,
+) -> RankBlocks:  # fmt: skip
+    """Per-block medians of one rank's post-warm-up steps (``cols`` sorted by step). ``measured``: for
+    some of a rank's steps (a chunk, ``run_reduce``), whether the whole rank measured ``self_ns`` and
+    ``dev_self_ns`` at all, which decides the self-time's clock; by default, from ``cols``."""
     width = opts.episode_block_steps
     steps = np.asarray(cols["step"], dtype=np.int64)
     if steps.size == 0:
@@ -212,7 +217,12 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
         # a block judged on fewer than half its steps is not judged
         return np.where(n * 2 >= width, med, np.nan).astype(np.float32)
 
-    self_name = "self_ns" if np.isfinite(np.asarray(cols.get("self_ns", [np.nan]), dtype=float)).any() else "dev_self_ns"
+    def anywhere(name: str) -> bool:
+        if measured is not None:
+            return measured[name]
+        return name in cols and bool(np.isfinite(np.asarray(cols[name], dtype=float)).any())
+
+    self_name = "self_ns" if anywhere("self_ns") else "dev_self_ns"
     count = np.bincount(row, minlength=uniq.size).astype(np.uint16)
     vol = medians("vol_ctx_switches") if "vol_ctx_switches" in cols else None
     data = medians("data_ns") if "data_ns" in cols else None
@@ -228,7 +238,7 @@ def rank_blocks(rank: int, node: int, cols: Mapping[str, np.ndarray], opts: Dete
     # the time outside every timed phase, on the host clock only: where a device clock was recorded, a
     # rank's host waits there include its waits for the device (a `.item()`, a synchronize), which a
     # slower device lengthens
-    on_device = "dev_self_ns" in cols and bool(np.isfinite(np.asarray(cols["dev_self_ns"], dtype=float)).any())
+    on_device = anywhere("dev_self_ns")
     other = medians("other_ns") if "other_ns" in cols and not on_device and np.isfinite(cols["other_ns"]).any() else None
     gc = _block_means(cols["gc_ns"], row, uniq.size) if "gc_ns" in cols and np.isfinite(cols["gc_ns"]).any() else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from hyperacc import store, theory
+from hyperacc.analysis.cluster import reduce_source, reduced_on_cluster
 from hyperacc.analysis.columns import RankSource, RunLayout, discover, read_rank, release_freed, step_bounds
 from hyperacc.analysis.diagnosis import Diagnosis, explain
 from hyperacc.analysis.episodes import (
@@ -50,7 +51,6 @@ from hyperacc.analysis.run_reduce import (
     _EVENT,
     RankFindings,
     _Cluster,
-    reduce_rank,
 )
 from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
 from hyperacc.analysis.spikes import communication_spikes
@@ -97,12 +97,14 @@ def diagnose(
     nodes = _Nodes(opts)
     unread: list[int] = []
     if scheduler:
-        from hyperacc.analysis.cluster import reduced_on_cluster
-
         reduced = reduced_on_cluster(order, opts, scheduler)
     else:
         reduced = _reduced(order, opts, workers)
-    for i, ((node, src), f) in enumerate(zip(order, reduced, strict=True)):
+    # one rank's findings at a time: taken with ``next``, as a ``zip`` or ``enumerate`` of ``reduced``
+    # would still hold the last rank's while the next one is reduced
+    reduced = iter(reduced)
+    for i, (node, src) in enumerate(order):
+        f = next(reduced)
         if i % _RELEASE_EVERY == _RELEASE_EVERY - 1:
             release_freed()  # what reading the last ranks freed, before it adds up
         if f is None:
@@ -119,6 +121,7 @@ def diagnose(
         findings.append(dataclasses.replace(f, steps=_EMPTY, judged=_EMPTY, spikes=_EMPTY, comm_steps=_EMPTY,
                                             comm_wait=_EMPTY, windows={}, events=[], timed_steps=_EMPTY,
                                             step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F, blocks=None))  # fmt: skip
+        del f  # not held while the next rank is reduced (a rank of a week: 0.8 GB)
     if not findings:
         raise store.RunDirError(
             f"no segment under {layout.run_dir / 'steps'} could be read; see the warnings above"
@@ -278,10 +281,7 @@ def _reduced(
     """Findings of each rank in ``order``, computed ``workers`` at a time, yielded in order."""
 
     def one(node: int, src: RankSource) -> RankFindings | None:
-        cols = read_rank(src.segments)
-        if cols["step"].size == 0:
-            return None
-        return reduce_rank(src.rank, node, cols, opts)
+        return reduce_source(node, src, opts)
 
     if workers <= 1:
         for node, src in order:
@@ -388,27 +388,30 @@ class _Nodes:
         self.rows: list[tuple[int, int, int]] = []
         self.wide_steps = self.node_steps = self.in_events = 0
         self._node: int | None = None
-        self._judged: list[np.ndarray] = []
-        self._spikes: list[np.ndarray] = []
+        self._ranks = 0  # ranks of the node so far
+        self._seen = np.zeros(0, dtype=np.int64)  # steps judged on any of them, sorted
+        self._spikes: list[np.ndarray] = []  # their spikes (a few per hundred steps)
 
     def add(self, node: int, judged: np.ndarray, spikes: np.ndarray) -> None:
         if node != self._node:
             self._close()
             self._node = node
-        self._judged.append(judged)
+        self._ranks += 1
+        self._seen = _union(self._seen, judged)
         self._spikes.append(spikes)
 
     def _close(self) -> None:
-        if self._node is None or not self._judged:
+        if self._node is None or not self._ranks:
             return
-        seen, hits = _node_steps(self._judged, self._spikes)
-        self.rows.append((self._node, seen, int(np.count_nonzero(hits))))
-        if len(self._judged) >= 2:
-            wide = hits > self.opts.node_fraction * len(self._judged)
+        seen = self._seen
+        hits = np.bincount(np.searchsorted(seen, np.concatenate(self._spikes)), minlength=seen.size)
+        self.rows.append((self._node, int(seen.size), int(np.count_nonzero(hits))))
+        if self._ranks >= 2:
+            wide = hits > self.opts.node_fraction * self._ranks
             self.wide_steps += int(wide.sum())
-            self.node_steps += seen
+            self.node_steps += int(seen.size)
             self.in_events += int(hits[wide].sum())
-        self._judged, self._spikes = [], []
+        self._ranks, self._seen, self._spikes = 0, np.zeros(0, dtype=np.int64), []
 
     def finish(self) -> tuple[list[tuple[int, int, int]], float, int]:
         """(per-node rows, node-wide spike rate, rank spikes inside node-wide events)."""
@@ -417,18 +420,13 @@ class _Nodes:
         return self.rows, (self.wide_steps / self.node_steps if self.node_steps else 0.0), self.in_events
 
 
-def _node_steps(judged: list[np.ndarray], spikes: list[np.ndarray]) -> tuple[int, np.ndarray]:
-    """(steps judged on any rank of a node, ranks spiking in each of those steps), indexed sparsely."""
-    judged = [j for j in judged if j.size]
-    if not judged:
-        return 0, np.zeros(0, dtype=np.int64)
-    first = judged[0]
-    if all(np.array_equal(j, first) for j in judged[1:]) and bool((np.diff(first) > 0).all()):
-        seen = first  # the usual node: every rank judged the same steps (a hash of them all costs 60 ms)
-    else:
-        seen = np.unique(np.concatenate(judged))
-    hits = np.bincount(np.searchsorted(seen, np.concatenate(spikes)), minlength=seen.size)
-    return int(seen.size), hits
+def _union(seen: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """The sorted steps of ``seen`` or ``steps`` (sorted): held once per node, not once per rank."""
+    if not steps.size or np.array_equal(steps, seen):
+        return seen  # the usual node: every rank judged the same steps
+    if not seen.size and bool((np.diff(steps) > 0).all()):
+        return steps
+    return np.union1d(seen, steps)
 
 
 def _by_node(sources: dict[int, RankSource]) -> dict[int, list[RankSource]]:

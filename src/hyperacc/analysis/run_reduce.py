@@ -4,14 +4,17 @@ rank (``_Cluster``): what ``run_dir.diagnose`` reads the run into, one rank at a
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
-from hyperacc.analysis.episodes import RankBlocks, rank_blocks
+from hyperacc.analysis.episodes import PER_BLOCK, RankBlocks, rank_blocks
 from hyperacc.analysis.excess import cause_time, member_dispersion
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.robust import run_slice
-from hyperacc.analysis.spikes import judge_spikes
+from hyperacc.analysis.spikes import RankSpikes, SeriesSpikes, judge_spikes
 from hyperacc.analysis.windows import RANK_CAUSES, summarize_windows
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -20,6 +23,7 @@ _EMPTY_S = np.zeros(0, dtype=str)
 # Per step, the least waits kept (analysis.whatif): the culprits taken away together are exact up to
 # this many late ranks in one step (a node of 8 GPUs); about 100 bytes per step.
 WAIT_LOWEST = 8
+_SLICE = 1 << 16  # steps of a rank whose waits ``_Cluster`` inserts at once
 
 _EVENT = tuple[float, int, int, int, "str | None", str]  # (excess_ns, rank, node, step, phase, cause)
 
@@ -64,16 +68,67 @@ class RankFindings:
 def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: DetectionOptions) -> RankFindings:
     """Pure reduction of one rank's columns (``columns.read_rank``) to its findings."""
     all_steps = cols["step"]
-    if all_steps.size > 1 and bool(np.all(all_steps[1:] > all_steps[:-1])):
+    cols = _post_warmup(cols, int(all_steps[0]) if all_steps.size else 0, opts)
+    part = _reduce_part(rank, node, cols, opts, 0, cols["step"].size, measured=None)
+    return RankFindings(
+        rank, node, all_steps, part.judged, part.spikes, part.comm_steps, part.comm_wait, part.windows,
+        part.counts, part.lost, part.events, judged_count=part.judged_count, steps_seen=int(all_steps.size),
+        cpu_measured=part.cpu_measured, comm_clock=part.clock, timed_steps=part.timed_steps,
+        step_ns=part.step_ns, comm_step_ns=part.comm_step_ns, self_median_ns=_self_median(cols),
+        step_total_ns=part.step_total_ns, blocks=part.blocks, spike_causes=part.spike_causes,
+        dispersion=member_dispersion(part.windows, RANK_CAUSES), cause_time=cause_time(part.windows),
+    )  # fmt: skip
+
+
+def _post_warmup(cols: dict[str, np.ndarray], first_step: int, opts: DetectionOptions) -> dict[str, np.ndarray]:
+    """``cols`` from step ``first_step + warmup_steps`` on (the rank's first step: its warm-up)."""
+    steps = cols["step"]
+    if steps.size > 1 and bool(np.all(steps[1:] > steps[:-1])):
         # sorted (``read_rank``): the warm-up is a prefix, and the rest is a view, not a copy
-        start = int(np.searchsorted(all_steps, all_steps[0] + opts.warmup_steps))
-        cols = {k: v[start:] for k, v in cols.items()}
-    else:
-        keep = all_steps >= all_steps[0] + opts.warmup_steps if all_steps.size else np.zeros(0, dtype=bool)
-        cols = {k: v[keep] for k, v in cols.items()}
+        start = int(np.searchsorted(steps, first_step + opts.warmup_steps))
+        return {k: v[start:] for k, v in cols.items()}
+    keep = steps >= first_step + opts.warmup_steps if steps.size else np.zeros(0, dtype=bool)
+    return {k: v[keep] for k, v in cols.items()}
+
+
+@dataclasses.dataclass
+class _Part:
+    """What the rows ``[lo, hi)`` of some post-warm-up columns give (``_reduce_part``)."""
+
+    judged: np.ndarray
+    spikes: np.ndarray
+    spike_causes: np.ndarray
+    comm_steps: np.ndarray
+    comm_wait: np.ndarray
+    clock: str
+    windows: dict[str, np.ndarray]
+    counts: dict[str, int]
+    lost: dict[str, float]
+    events: list[_EVENT]
+    judged_count: int
+    cpu_measured: bool
+    timed_steps: np.ndarray
+    step_ns: np.ndarray
+    comm_step_ns: np.ndarray
+    step_total_ns: float
+    blocks: RankBlocks
+
+
+def _reduce_part(
+    rank: int, node: int, cols: dict[str, np.ndarray], opts: DetectionOptions, lo: int, hi: int,
+    measured: dict[str, bool] | None,
+) -> _Part:  # fmt: skip
+    """The findings of rows ``[lo, hi)`` of a rank's post-warm-up columns, whose spikes are judged with
+    the rows around them as their baselines' context (a chunk of a long rank, ``reduce_rank_chunks``;
+    the whole rank, ``reduce_rank``). ``measured``: whether the whole rank measured the columns whose
+    clock it chooses (``_MEASURED``); by default, from ``cols``."""
+    cols = dict(cols)
     cols["node"] = np.full(cols["step"].size, node, dtype=np.int64)
     cols["rank"] = np.full(cols["step"].size, rank, dtype=np.int64)
     judged = judge_spikes(cols, opts)
+    if lo != 0 or hi != cols["step"].size:
+        cols = {k: v[lo:hi] for k, v in cols.items()}
+        judged = _spikes_within(judged, lo, hi)
     sp, idx, causes, phases = judged.series, judged.idx, judged.causes, judged.phases
     # Stragglers are judged on typical steps: a spike is a transient, counted in the spike rates. The
     # same summary the live aggregation makes (warm-up already left out here).
@@ -89,30 +144,188 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
     steps = cols["step"]
     events = [
         (float(excess[i]), rank, node, int(steps[idx[i]]), phases[i], str(causes[i]))
-        for i in np.argsort(-excess)[: opts.top_events]
+        for i in np.argsort(-excess, kind="stable")[: opts.top_events]
     ]
     # The wait in collectives on the device clock where the rank measured it (on NCCL the host wait is
     # microseconds: the work completes when it is enqueued), else on the host clock.
     comm, clock = cols["comm_wait_ns"], "host"
     dev = cols.get("dev_comm_wait_ns")
-    if dev is not None and np.isfinite(dev).any():
+    on_device = measured["dev_comm_wait_ns"] if measured is not None else dev is not None and bool(np.isfinite(dev).any())
+    if dev is not None and on_device:
         comm, clock = dev, "device"
     ok = ~np.isnan(comm)
     step_ns = cols["step_ns"]
     timed = ~np.isnan(step_ns)
-    return RankFindings(
-        rank, node, all_steps, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
-        judged_count=int(sp.judged.sum()), steps_seen=int(all_steps.size),
-        cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()), comm_clock=clock,
-        timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
-        self_median_ns=_self_median(cols), step_total_ns=float(step_ns[timed].sum()),
-        blocks=rank_blocks(rank, node, cols, opts), spike_causes=np.asarray(causes, dtype=str),
-        dispersion=member_dispersion(windows, RANK_CAUSES), cause_time=cause_time(windows),
+    return _Part(
+        steps[sp.judged], steps[idx], np.asarray(causes, dtype=str), steps[ok], comm[ok], clock, windows, counts,
+        lost, events, int(sp.judged.sum()), bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()),
+        steps[timed], step_ns[timed], step_ns[ok], float(step_ns[timed].sum()),
+        rank_blocks(rank, node, cols, opts, measured=measured),
     )  # fmt: skip
 
 
+def _spikes_within(judged: RankSpikes, lo: int, hi: int) -> RankSpikes:
+    """``judged`` restricted to rows ``[lo, hi)`` of its columns."""
+    s = judged.series
+    sel = (judged.idx >= lo) & (judged.idx < hi)
+    return RankSpikes(
+        SeriesSpikes(s.judged[lo:hi], s.spike[lo:hi], s.baseline[lo:hi], s.excess[lo:hi]), judged.values[lo:hi],
+        judged.idx[sel] - lo, judged.causes[sel], judged.phases[sel],
+    )  # fmt: skip
+
+
+# The columns whose being measured anywhere in a rank decides which clock its findings use: ``self_ns``
+# or ``dev_self_ns`` for the self-time (``_self_median``, ``episodes.rank_blocks``), ``dev_comm_wait_ns``
+# for the waits.
+_MEASURED = ("self_ns", "dev_self_ns", "dev_comm_wait_ns")
+
+
+def _measured(cols: dict[str, np.ndarray]) -> dict[str, bool]:
+    return {n: n in cols and bool(np.isfinite(cols[n]).any()) for n in _MEASURED}
+
+
+class _Remeasure(Exception):
+    """A later chunk measured a column that the chunks before it did not: reduce again, knowing it."""
+
+    def __init__(self, measured: dict[str, bool]) -> None:
+        self.measured = measured
+
+
+def reduce_rank_chunks(
+    rank: int, node: int, chunks: Callable[[], Iterable[dict[str, np.ndarray]]], opts: DetectionOptions
+) -> RankFindings | None:
+    """``reduce_rank`` of a rank given as consecutive chunks of its columns (``columns.read_rank_chunks``),
+    never holding more than two chunks and the per-step findings: a rank of a week. ``chunks()``
+    gives the chunks again from the first (a later chunk that first measures a clock restarts the rank).
+    None where the rank has no record.
+
+    Each chunk's rows are judged with the ``4 x spike_window`` rows on each side as the context of their
+    spike baselines (a centred rolling median, then a rolling MAD of the residuals: each looks
+    ``spike_window - 1`` rows either way), and chunks end on window and episode-block boundaries, so
+    that the findings equal ``reduce_rank``'s of the whole rank where every judged series (the step's
+    metric, its phases) has a value in at least every fourth row around a boundary. Sums of floats
+    (time lost, the total step time) are added chunk by chunk: equal up to rounding.
+    """
+    measured: dict[str, bool] | None = None
+    while True:
+        try:
+            return _reduce_chunks(rank, node, chunks(), opts, measured)
+        except _Remeasure as again:
+            measured = again.measured
+
+
+def _reduce_chunks(
+    rank: int, node: int, chunks: Iterable[dict[str, np.ndarray]], opts: DetectionOptions,
+    known: dict[str, bool] | None,
+) -> RankFindings | None:  # fmt: skip
+    context = 4 * opts.spike_window
+    align = math.lcm(opts.window_steps, opts.episode_block_steps)
+    parts: list[_Part] = []
+    all_steps: list[np.ndarray] = []
+    selfs: dict[str, list[np.ndarray]] = {"self_ns": [], "dev_self_ns": []}
+    first: int | None = None
+    buf: dict[str, np.ndarray] | None = None  # post-warm-up rows not yet reduced, after ``lo`` rows of context
+    lo = 0
+    measured = known
+
+    def reduce(cols: dict[str, np.ndarray], lo: int, hi: int) -> None:
+        parts.append(_reduce_part(rank, node, cols, opts, lo, hi, measured))
+
+    for chunk in chunks:
+        if first is None:
+            first = int(chunk["step"][0])
+        all_steps.append(chunk["step"])
+        cols = _post_warmup(chunk, first, opts)
+        seen = _measured(cols)
+        if measured is None:
+            measured = seen
+        elif any(v and not measured[k] for k, v in seen.items()):
+            raise _Remeasure({k: v or measured[k] for k, v in seen.items()})
+        for name, values in selfs.items():
+            v = cols.get(name)
+            if v is not None:
+                values.append(v[np.isfinite(v)])
+        buf = cols if buf is None else {k: np.concatenate([buf[k], v]) for k, v in cols.items() if k in buf}
+        steps = buf["step"]
+        # the rows that can be reduced now: up to a boundary with ``context`` rows after it
+        if steps.size - lo <= 2 * context:
+            continue
+        upto = int(steps[steps.size - context - 1]) // align * align
+        hi = int(np.searchsorted(steps, upto))
+        if hi <= lo:
+            continue
+        start = max(0, lo - context)
+        reduce({k: v[start:hi + context] for k, v in buf.items()}, lo - start, hi - start)
+        keep = max(0, hi - context)
+        buf = {k: v[keep:] for k, v in buf.items()}
+        lo = hi - keep
+    if first is None:
+        return None
+    if buf is not None and buf["step"].size > lo:
+        start = max(0, lo - context)
+        reduce({k: v[start:] for k, v in buf.items()}, lo - start, buf["step"].size - start)
+    del buf
+    steps = np.concatenate(all_steps)
+    return _merged(rank, node, parts, steps, selfs, measured or {}, opts)
+
+
+def _merged(
+    rank: int, node: int, parts: list[_Part], all_steps: np.ndarray, selfs: dict[str, list[np.ndarray]],
+    measured: dict[str, bool], opts: DetectionOptions,
+) -> RankFindings:  # fmt: skip
+    """One rank's findings from its chunks' parts."""
+
+    def joined(name: str, dtype: Any = np.int64) -> np.ndarray:
+        arrays = [getattr(p, name) for p in parts]
+        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+
+    windows = {k: np.concatenate([p.windows[k] for p in parts]) for k in parts[0].windows} if parts else {}
+    counts: dict[str, int] = {}
+    lost: dict[str, float] = {}
+    events: list[_EVENT] = []
+    for p in parts:
+        for c, n in p.counts.items():
+            counts[c] = counts.get(c, 0) + n
+        for c, x in p.lost.items():
+            lost[c] = lost.get(c, 0.0) + x
+        events += p.events
+    # the whole rank's order: largest first, the earlier step first among equals (a stable sort)
+    events = sorted(events, key=lambda e: (-e[0], e[3]))[: opts.top_events]
+    self_values = [np.concatenate(v) for v in selfs.values() if v]
+    self_median = next((float(np.median(v)) for v in self_values if v.size), float("nan"))
+    clock = "device" if measured.get("dev_comm_wait_ns") else "host"
+    blocks = _joined_blocks([p.blocks for p in parts]) if parts else None
+    return RankFindings(
+        rank, node, all_steps, joined("judged"), joined("spikes"), joined("comm_steps"),
+        joined("comm_wait", np.float64), windows, counts, lost, events,
+        judged_count=sum(p.judged_count for p in parts), steps_seen=int(all_steps.size),
+        cpu_measured=any(p.cpu_measured for p in parts), comm_clock=clock,
+        timed_steps=joined("timed_steps"), step_ns=joined("step_ns", np.float64),
+        comm_step_ns=joined("comm_step_ns", np.float64), self_median_ns=self_median,
+        step_total_ns=sum(p.step_total_ns for p in parts), blocks=blocks,
+        spike_causes=joined("spike_causes", str), dispersion=member_dispersion(windows, RANK_CAUSES),
+        cause_time=cause_time(windows),
+    )  # fmt: skip
+
+
+def _joined_blocks(parts: list[RankBlocks]) -> RankBlocks:
+    """One rank's blocks from those of its chunks (a column some chunks did not measure is NaN there)."""
+    first = parts[0]
+    fields: dict[str, Any] = {"block": np.concatenate([b.block for b in parts]),
+                              "steps": np.concatenate([b.steps for b in parts])}  # fmt: skip
+    for name in PER_BLOCK:
+        have = [getattr(b, name) for b in parts]
+        if all(v is None for v in have):
+            fields[name] = None
+            continue
+        fields[name] = np.concatenate(
+            [v if v is not None else np.full(b.block.size, np.nan, dtype=np.float32) for v, b in zip(have, parts, strict=True)]
+        )  # fmt: skip
+    return dataclasses.replace(first, **fields)
+
+
 def _self_median(cols: dict[str, np.ndarray]) -> float:
-    """A rank's typical work per step: median self-time, else median step time less the wait."""
+    """A rank's typical work per step: median self-time (host clock, else device clock)."""
     for name in ("self_ns", "dev_self_ns"):
         v = cols.get(name)
         if v is not None and np.isfinite(v).any():
@@ -209,18 +422,10 @@ class _Cluster:
         pos, wait = pos[lower], f.comm_wait[lower]
         if not pos.size:
             return
-        low, ranks = self.wait_low[pos], self.wait_rank[pos]
-        # each new wait goes after the kept ones that are not larger (j < WAIT_LOWEST: it is below the
-        # last), and the ones after it shift right by one, the last dropped
-        j = np.count_nonzero(low <= wait[:, None], axis=1)[:, None]
-        keep = np.arange(WAIT_LOWEST)[None, :] < j
-        for table, held, new in ((self.wait_low, low, wait[:, None]), (self.wait_rank, ranks, f.rank)):
-            out = np.empty_like(held)
-            out[:, 1:] = held[:, :-1]
-            np.copyto(out, held, where=keep)
-            np.put_along_axis(out, j, new, axis=1)
-            table[pos] = out
-        at = pos[j[:, 0] == 0]  # the rank is now the last to arrive there
+        # in slices: the tables' rows at ``pos`` are copied and rewritten, 2 x WAIT_LOWEST x 8 B per step
+        # (a rank of a week, 6e6 steps, would take 1.5 GB of copies at once)
+        at = np.concatenate([self._insert_wait(pos[i:i + _SLICE], wait[i:i + _SLICE], f.rank)
+                             for i in range(0, pos.size, _SLICE)])  # fmt: skip
         if not at.size:
             return
         self.low_cause[at] = -1
@@ -229,6 +434,21 @@ class _Cluster:
             where = np.searchsorted(f.spikes, self.steps[at])
             hit = (where < f.spikes.size) & (f.spikes[np.minimum(where, f.spikes.size - 1)] == self.steps[at])
             self.low_cause[at[hit]] = codes[where[hit]]
+
+    def _insert_wait(self, pos: np.ndarray, wait: np.ndarray, rank: int) -> np.ndarray:
+        """Insert one rank's ``wait`` at the rows ``pos``; the rows where it is now the least."""
+        low, ranks = self.wait_low[pos], self.wait_rank[pos]
+        # each new wait goes after the kept ones that are not larger (j < WAIT_LOWEST: it is below the
+        # last), and the ones after it shift right by one, the last dropped
+        j = np.count_nonzero(low <= wait[:, None], axis=1)[:, None]
+        keep = np.arange(WAIT_LOWEST)[None, :] < j
+        for table, held, new in ((self.wait_low, low, wait[:, None]), (self.wait_rank, ranks, rank)):
+            out = np.empty_like(held)
+            out[:, 1:] = held[:, :-1]
+            np.copyto(out, held, where=keep)
+            np.put_along_axis(out, j, new, axis=1)
+            table[pos] = out
+        return pos[j[:, 0] == 0]  # the rank is now the last to arrive there
 
     def _cause_code(self, cause: str) -> int:
         if cause not in self.causes:
