@@ -1,11 +1,11 @@
 """Diagnose a run directory: reduce each rank to small findings, merge them, then judge.
 
 Ranks are read and reduced one at a time by a small pool of threads (pyarrow and numpy release the
-GIL), at most ``workers + 1`` ranks in flight, and merged in rank order by the calling thread. Memory is
-bounded: the ranks in flight (steps x ~21 float64 each), per-step arrays for the cluster (about 60
-bytes per step, 40 of them for the coordination view) and the window summaries (ranks x windows rows
-of ~17 float32: 140 MB for 1,000 ranks x 100,000 steps at 50-step windows, plus the rank x window
-matrices the straggler rules judge).
+GIL), at most ``workers + 1`` ranks in flight, and merged in rank order by the calling thread. Memory:
+the ranks in flight (steps x ~21 float64 each, or a chunk of ``rank_chunk_steps`` rows of a longer
+rank, and its per-step findings, about 80 bytes per step), per-step arrays for the cluster (about 180
+bytes per step of the run, 128 of them the least waits) and the window summaries and episode blocks
+(bounded by ``window_max_cells`` and ``episode_max_cells``). docs/detection.md, "Scale", has the figures.
 Rules: docs/detection.md.
 """
 
