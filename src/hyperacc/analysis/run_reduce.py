@@ -243,7 +243,7 @@ def _reduce_chunks(
             raise _Remeasure({k: v or measured[k] for k, v in seen.items()})
         for name, values in selfs.items():
             v = cols.get(name)
-            if v is not None:
+            if v is not None and not (name == "dev_self_ns" and measured["self_ns"]):  # the host clock's
                 values.append(v[np.isfinite(v)])
         buf = cols if buf is None else {k: np.concatenate([buf[k], v]) for k, v in cols.items() if k in buf}
         steps = buf["step"]
@@ -259,9 +259,9 @@ def _reduce_chunks(
         keep = max(0, hi - context)
         buf = {k: v[keep:] for k, v in buf.items()}
         lo = hi - keep
-    if first is None:
+    if first is None or buf is None:
         return None
-    if buf is not None and buf["step"].size > lo:
+    if buf["step"].size > lo or not parts:  # the rest; or no step after the warm-up: what they give
         start = max(0, lo - context)
         reduce({k: v[start:] for k, v in buf.items()}, lo - start, buf["step"].size - start)
     del buf
@@ -275,11 +275,10 @@ def _merged(
 ) -> RankFindings:  # fmt: skip
     """One rank's findings from its chunks' parts."""
 
-    def joined(name: str, dtype: Any = np.int64) -> np.ndarray:
-        arrays = [getattr(p, name) for p in parts]
-        return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+    def joined(name: str) -> np.ndarray:
+        return np.concatenate([getattr(p, name) for p in parts])
 
-    windows = {k: np.concatenate([p.windows[k] for p in parts]) for k in parts[0].windows} if parts else {}
+    windows = {k: np.concatenate([p.windows[k] for p in parts]) for k in parts[0].windows}
     counts: dict[str, int] = {}
     lost: dict[str, float] = {}
     events: list[_EVENT] = []
@@ -294,16 +293,16 @@ def _merged(
     self_values = [np.concatenate(v) for v in selfs.values() if v]
     self_median = next((float(np.median(v)) for v in self_values if v.size), float("nan"))
     clock = "device" if measured.get("dev_comm_wait_ns") else "host"
-    blocks = _joined_blocks([p.blocks for p in parts]) if parts else None
+    blocks = _joined_blocks([p.blocks for p in parts])
     return RankFindings(
         rank, node, all_steps, joined("judged"), joined("spikes"), joined("comm_steps"),
-        joined("comm_wait", np.float64), windows, counts, lost, events,
+        joined("comm_wait"), windows, counts, lost, events,
         judged_count=sum(p.judged_count for p in parts), steps_seen=int(all_steps.size),
         cpu_measured=any(p.cpu_measured for p in parts), comm_clock=clock,
-        timed_steps=joined("timed_steps"), step_ns=joined("step_ns", np.float64),
-        comm_step_ns=joined("comm_step_ns", np.float64), self_median_ns=self_median,
+        timed_steps=joined("timed_steps"), step_ns=joined("step_ns"),
+        comm_step_ns=joined("comm_step_ns"), self_median_ns=self_median,
         step_total_ns=sum(p.step_total_ns for p in parts), blocks=blocks,
-        spike_causes=joined("spike_causes", str), dispersion=member_dispersion(windows, RANK_CAUSES),
+        spike_causes=joined("spike_causes"), dispersion=member_dispersion(windows, RANK_CAUSES),
         cause_time=cause_time(windows),
     )  # fmt: skip
 
