@@ -37,7 +37,7 @@ def test_trainer_traced_without_changes(tmp_path: Path, script: str, package: st
         pytest.skip(f"{package} is not installed (pip install -e '.[dev]')")
     run_dir = tmp_path / "run"
     args = ["--steps", str(STEPS), "--accum", str(ACCUM)]
-    chaos = {"seed": 1, "faults": [{"kind": "slowdown", "ranks": [1], "factor": 2.0}]}
+    chaos = {"seed": 1, "faults": [{"kind": "slowdown", "ranks": [1], "factor": 1.0}]}
     opts = {"run-dir": str(run_dir), "trace": json.dumps({"window": 0, "probe_every": 0}), "chaos": json.dumps(chaos)}
     traced = harness.launch(EXAMPLES / script, args, nproc=RANKS, timeout=400, traced=opts)
     assert traced.ok, traced.explain()
