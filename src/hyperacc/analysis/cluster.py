@@ -1,7 +1,8 @@
 """The per-rank reduction of ``diagnose`` on a Dask distributed cluster, for runs that outgrow one machine.
 
-``diagnose`` reads and reduces one rank at a time (``columns.read_rank`` then ``run_reduce.reduce_rank``:
-a pure function of that rank's records) and keeps only each rank's small findings. That map is what
+``diagnose`` reads and reduces one rank at a time (``reduce_source``: ``columns.read_rank`` then
+``run_reduce.reduce_rank``, or both in chunks for a long rank; a pure function of that rank's records)
+and keeps only each rank's small findings. That map is what
 runs on the cluster: every worker reads its ranks' segments from the shared file system the run
 directory lives on and sends back the findings; the rest of ``diagnose`` (window summaries of all ranks,
 stragglers, spikes, projection) runs here as before, on the findings alone. The result is the same as
