@@ -70,12 +70,14 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
     all_steps = cols["step"]
     cols = _post_warmup(cols, int(all_steps[0]) if all_steps.size else 0, opts)
     part = _reduce_part(rank, node, cols, opts, 0, cols["step"].size, measured=None)
-    return RankFindings(
-        rank, node, all_steps, part.judged, part.spikes, part.comm_steps, part.comm_wait, part.windows,
-        part.counts, part.lost, part.events, judged_count=part.judged_count, steps_seen=int(all_steps.size),
-        cpu_measured=part.cpu_measured, comm_clock=part.clock, timed_steps=part.timed_steps,
-        step_ns=part.step_ns, comm_step_ns=part.comm_step_ns, self_median_ns=_self_median(cols),
-        step_total_ns=part.step_total_ns, blocks=part.blocks, spike_causes=part.spike_causes,
+    return _whole(part, all_steps, _self_median(cols))
+
+
+def _whole(part: RankFindings, all_steps: np.ndarray, self_median_ns: float) -> RankFindings:
+    """A rank's findings from those of its post-warm-up steps (``_reduce_part``): its recorded steps and
+    what is judged over the whole rank."""
+    return dataclasses.replace(
+        part, steps=all_steps, steps_seen=int(all_steps.size), self_median_ns=self_median_ns,
         dispersion=member_dispersion(part.windows, RANK_CAUSES), cause_time=cause_time(part.windows),
     )  # fmt: skip
 
@@ -91,34 +93,11 @@ def _post_warmup(cols: dict[str, np.ndarray], first_step: int, opts: DetectionOp
     return {k: v[keep] for k, v in cols.items()}
 
 
-@dataclasses.dataclass
-class _Part:
-    """What the rows ``[lo, hi)`` of some post-warm-up columns give (``_reduce_part``)."""
-
-    judged: np.ndarray
-    spikes: np.ndarray
-    spike_causes: np.ndarray
-    comm_steps: np.ndarray
-    comm_wait: np.ndarray
-    clock: str
-    windows: dict[str, np.ndarray]
-    counts: dict[str, int]
-    lost: dict[str, float]
-    events: list[_EVENT]
-    judged_count: int
-    cpu_measured: bool
-    timed_steps: np.ndarray
-    step_ns: np.ndarray
-    comm_step_ns: np.ndarray
-    step_total_ns: float
-    blocks: RankBlocks
-
-
 def _reduce_part(
     rank: int, node: int, cols: dict[str, np.ndarray], opts: DetectionOptions, lo: int, hi: int,
     measured: dict[str, bool] | None,
-) -> _Part:  # fmt: skip
-    """The findings of rows ``[lo, hi)`` of a rank's post-warm-up columns, whose spikes are judged with
+) -> RankFindings:  # fmt: skip
+    """The findings of rows ``[lo, hi)`` of a rank's post-warm-up columns (without what ``_whole`` adds), whose spikes are judged with
     the rows around them as their baselines' context (a chunk of a long rank, ``reduce_rank_chunks``;
     the whole rank, ``reduce_rank``). ``measured``: whether the whole rank measured the columns whose
     clock it chooses (``_MEASURED``); by default, from ``cols``."""
@@ -156,11 +135,12 @@ def _reduce_part(
     ok = ~np.isnan(comm)
     step_ns = cols["step_ns"]
     timed = ~np.isnan(step_ns)
-    return _Part(
-        steps[sp.judged], steps[idx], np.asarray(causes, dtype=str), steps[ok], comm[ok], clock, windows, counts,
-        lost, events, int(sp.judged.sum()), bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()),
-        steps[timed], step_ns[timed], step_ns[ok], float(step_ns[timed].sum()),
-        rank_blocks(rank, node, cols, opts, measured=measured),
+    return RankFindings(
+        rank, node, _EMPTY, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
+        judged_count=int(sp.judged.sum()), cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()),
+        comm_clock=clock, timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
+        step_total_ns=float(step_ns[timed].sum()), blocks=rank_blocks(rank, node, cols, opts, measured=measured),
+        spike_causes=np.asarray(causes, dtype=str),
     )  # fmt: skip
 
 
@@ -220,7 +200,7 @@ def _reduce_chunks(
 ) -> RankFindings | None:  # fmt: skip
     context = 4 * opts.spike_window
     align = math.lcm(opts.window_steps, opts.episode_block_steps)
-    parts: list[_Part] = []
+    parts: list[RankFindings] = []
     all_steps: list[np.ndarray] = []
     selfs: dict[str, list[np.ndarray]] = {"self_ns": [], "dev_self_ns": []}
     first: int | None = None
@@ -270,10 +250,10 @@ def _reduce_chunks(
 
 
 def _merged(
-    rank: int, node: int, parts: list[_Part], all_steps: np.ndarray, selfs: dict[str, list[np.ndarray]],
+    rank: int, node: int, parts: list[RankFindings], all_steps: np.ndarray, selfs: dict[str, list[np.ndarray]],
     measured: dict[str, bool], opts: DetectionOptions,
 ) -> RankFindings:  # fmt: skip
-    """One rank's findings from its chunks' parts."""
+    """One rank's findings from its chunks' (``_reduce_part``)."""
 
     def joined(name: str) -> np.ndarray:
         return np.concatenate([getattr(p, name) for p in parts])
@@ -285,7 +265,7 @@ def _merged(
     for p in parts:
         for c, n in p.counts.items():
             counts[c] = counts.get(c, 0) + n
-        for c, x in p.lost.items():
+        for c, x in p.time_lost.items():
             lost[c] = lost.get(c, 0.0) + x
         events += p.events
     # the whole rank's order: largest first, the earlier step first among equals (a stable sort)
@@ -293,18 +273,15 @@ def _merged(
     self_values = [np.concatenate(v) for v in selfs.values() if v]
     self_median = next((float(np.median(v)) for v in self_values if v.size), float("nan"))
     clock = "device" if measured.get("dev_comm_wait_ns") else "host"
-    blocks = _joined_blocks([p.blocks for p in parts])
-    return RankFindings(
-        rank, node, all_steps, joined("judged"), joined("spikes"), joined("comm_steps"),
-        joined("comm_wait"), windows, counts, lost, events,
-        judged_count=sum(p.judged_count for p in parts), steps_seen=int(all_steps.size),
-        cpu_measured=any(p.cpu_measured for p in parts), comm_clock=clock,
-        timed_steps=joined("timed_steps"), step_ns=joined("step_ns"),
-        comm_step_ns=joined("comm_step_ns"), self_median_ns=self_median,
-        step_total_ns=sum(p.step_total_ns for p in parts), blocks=blocks,
-        spike_causes=joined("spike_causes"), dispersion=member_dispersion(windows, RANK_CAUSES),
-        cause_time=cause_time(windows),
+    part = RankFindings(
+        rank, node, _EMPTY, joined("judged"), joined("spikes"), joined("comm_steps"), joined("comm_wait"), windows,
+        counts, lost, events, judged_count=sum(p.judged_count for p in parts),
+        cpu_measured=any(p.cpu_measured for p in parts), comm_clock=clock, timed_steps=joined("timed_steps"),
+        step_ns=joined("step_ns"), comm_step_ns=joined("comm_step_ns"),
+        step_total_ns=sum(p.step_total_ns for p in parts), blocks=_joined_blocks([p.blocks for p in parts]),
+        spike_causes=joined("spike_causes"),
     )  # fmt: skip
+    return _whole(part, all_steps, self_median)
 
 
 def _joined_blocks(parts: list[RankBlocks]) -> RankBlocks:
