@@ -208,8 +208,11 @@ def _reduce_chunks(
     lo = 0
     measured = known
 
-    def reduce(cols: dict[str, np.ndarray], lo: int, hi: int) -> None:
-        parts.append(_reduce_part(rank, node, cols, opts, lo, hi, measured))
+    def reduce(buf: dict[str, np.ndarray], lo: int, hi: int) -> None:
+        """Rows ``[lo, hi)`` of ``buf``, with up to ``context`` rows around them."""
+        start = max(0, lo - context)
+        parts.append(_reduce_part(rank, node, {k: v[start:hi + context] for k, v in buf.items()}, opts,
+                                  lo - start, hi - start, measured))  # fmt: skip
 
     for chunk in chunks:
         if first is None:
@@ -234,19 +237,17 @@ def _reduce_chunks(
         hi = int(np.searchsorted(steps, upto))
         if hi <= lo:
             continue
-        start = max(0, lo - context)
-        reduce({k: v[start:hi + context] for k, v in buf.items()}, lo - start, hi - start)
+        reduce(buf, lo, hi)
         keep = max(0, hi - context)
         buf = {k: v[keep:] for k, v in buf.items()}
         lo = hi - keep
-    if first is None or buf is None:
-        return None
+    if buf is None or measured is None:
+        return None  # no record
     if buf["step"].size > lo or not parts:  # the rest; or no step after the warm-up: what they give
-        start = max(0, lo - context)
-        reduce({k: v[start:] for k, v in buf.items()}, lo - start, buf["step"].size - start)
+        reduce(buf, lo, buf["step"].size)
     del buf
     steps = np.concatenate(all_steps)
-    return _merged(rank, node, parts, steps, selfs, measured or {}, opts)
+    return _merged(rank, node, parts, steps, selfs, measured, opts)
 
 
 def _merged(
