@@ -22,8 +22,27 @@ JOB = Path(__file__).parent / "jobs" / "loops_job.py"
 PHASES = ("data_ns", "h2d_ns", "forward_ns", "backward_ns", "comm_wait_ns", "optimizer_ns")
 
 
-def run(tmp_path: Path, loop: str, args: list[str], *, chaos_cfg: dict | None = None, plain: bool = False,
-        nproc: int = 2) -> tuple[Any, dict[int, list[dict]], Any]:  # fmt: skip
+# the arguments of the loops whose traced run is compared with the same loop under plain torchrun
+NANOGPT = ["--steps", "12", "--accum", "4", "--skip-steps", "5", "--eval-every", "4", "--late-rank", "1",
+           "--late-ms", "300"]  # fmt: skip
+FSDP2 = ["--steps", "8"]
+COMPILED = ["--steps", "8", "--compiled-updates", "3"]
+DDP_OPTIONS = ["--steps", "9", "--late-rank", "0", "--late-ms", "300"]
+COMPARED = {"nanogpt": NANOGPT, "fsdp2": FSDP2, "compiled": COMPILED, "ddp_options": DDP_OPTIONS}
+
+
+@pytest.fixture(scope="module")
+def plain() -> dict[str, list[dict]]:
+    """Each compared loop's rank results under plain torchrun: one job runs them one after the other
+    (``--then``; each loop seeds what it draws), not a job each."""
+    argv = [a for i, (loop, args) in enumerate(COMPARED.items()) for a in (["--then"] if i else []) + ["--loop", loop, *args]]
+    job = harness.launch(JOB, argv, nproc=2, timeout=240)
+    assert job.ok, job.explain()
+    return {loop: [r["loops"][i] for r in job.results()] for i, loop in enumerate(COMPARED)}
+
+
+def run(tmp_path: Path, loop: str, args: list[str], *, chaos_cfg: dict | None = None,
+        nproc: int = 2) -> tuple[Any, dict[int, list[dict]]]:  # fmt: skip
     run_dir = tmp_path / loop
     opts = {"run-dir": str(run_dir), "trace": json.dumps({"window": 0, "probe_every": 0, "flush_every_s": 1.0})}
     if chaos_cfg:
@@ -32,10 +51,7 @@ def run(tmp_path: Path, loop: str, args: list[str], *, chaos_cfg: dict | None = 
     assert job.ok, job.explain()
     table = store.read_steps(run_dir)
     rows = {r: table.filter(pc.equal(table["rank"], r)).to_pylist() for r in range(nproc)}
-    reference = harness.launch(JOB, ["--loop", loop, *args], nproc=nproc, timeout=240) if plain else None
-    if reference is not None:
-        assert reference.ok, reference.explain()
-    return job, rows, reference
+    return job, rows
 
 
 def check_nesting(rows: list[dict]) -> None:
@@ -53,15 +69,13 @@ def median(values: list[float]) -> float:
 
 
 @pytest.mark.multirank
-def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Path) -> None:
-    steps, accum = 12, 4
+def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Path, plain: dict) -> None:
+    steps, accum = 12, 4  # NANOGPT
     cfg = {"seed": 5, "faults": [
         {"kind": "data_stall", "ranks": [1], "rate": 0.35, "ms": 80},
         {"kind": "slowdown", "ranks": [0], "factor": 3.0},
     ]}  # fmt: skip
-    args = ["--steps", str(steps), "--accum", str(accum), "--skip-steps", "5", "--eval-every", "4",
-            "--late-rank", "1", "--late-ms", "300"]  # fmt: skip
-    job, rows, reference = run(tmp_path, "nanogpt", args, chaos_cfg=cfg, plain=True)
+    job, rows = run(tmp_path, "nanogpt", NANOGPT, chaos_cfg=cfg)
     for r in range(2):
         # the skipped update (step 5) still ends its iteration: one record per iteration, none merged
         assert [row["step"] for row in rows[r]] == list(range(steps))
@@ -93,35 +107,35 @@ def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Pat
     assert all(w0 > w1 for w0, w1 in waits), waits
     assert median([w0 for w0, _ in waits]) > 150e6 > median([w1 for _, w1 in waits]), waits
     # tracing (and the injected faults) did not change training by a bit
-    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
-    assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]
+    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in plain["nanogpt"]]
+    assert [r["losses"] for r in job.results()] == [r["losses"] for r in plain["nanogpt"]]
 
 
 @pytest.mark.multirank
-def test_fsdp2_waits_are_the_collectives_the_rank_blocked_in(tmp_path: Path) -> None:
-    job, rows, reference = run(tmp_path, "fsdp2", ["--steps", "8"], plain=True)
+def test_fsdp2_waits_are_the_collectives_the_rank_blocked_in(tmp_path: Path, plain: dict) -> None:
+    job, rows = run(tmp_path, "fsdp2", FSDP2)
     for r in range(2):
         assert len(rows[r]) == 8
         check_nesting(rows[r])
         for row in rows[r]:
             assert row["collectives"] >= 2 and row["comm_wait_ns"] > 0, row  # all-gathers and reduce-scatters
             assert row["forward_ns"] is not None and row["backward_ns"] is not None
-    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
+    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in plain["fsdp2"]]
 
 
 @pytest.mark.multirank
 def test_prefetch_thread_two_models_and_positional_async_collectives(tmp_path: Path) -> None:
-    _, rows, _ = run(tmp_path, "prefetch", ["--steps", "10"])
+    _, rows = run(tmp_path, "prefetch", ["--steps", "10"])
     for r in range(2):
         assert len(rows[r]) >= 9
         check_nesting(rows[r])
         # the loader runs on the prefetcher's thread: only what the training thread waited is data
         assert all(row["data_ns"] is not None and row["data_ns"] <= row["step_ns"] for row in rows[r])
-    _, rows, _ = run(tmp_path, "two_models", ["--steps", "8"])
+    _, rows = run(tmp_path, "two_models", ["--steps", "8"])
     for r in range(2):
         check_nesting(rows[r])
         assert all(row["collectives"] == 2 and row["comm_wait_ns"] > 0 for row in rows[r])  # both models timed
-    _, rows, _ = run(tmp_path, "explicit", ["--steps", "8"])
+    _, rows = run(tmp_path, "explicit", ["--steps", "8"])
     for r in range(2):
         check_nesting(rows[r])
         # six async all-reduces (async_op given by position), each waited for: six waits a step
@@ -129,12 +143,11 @@ def test_prefetch_thread_two_models_and_positional_async_collectives(tmp_path: P
 
 
 @pytest.mark.multirank
-def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: Path) -> None:
+def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: Path, plain: dict) -> None:
     # torch.compile traces the hooks of automatic tracing with the model (fullgraph: any graph break
     # fails the script) and with a compiled optimizer step: they must vanish from the user's graph
-    steps, compiled_updates = 8, 3
-    args = ["--steps", str(steps), "--compiled-updates", str(compiled_updates)]
-    job, rows, reference = run(tmp_path, "compiled", args, plain=True)
+    steps, compiled_updates = 8, 3  # COMPILED
+    job, rows = run(tmp_path, "compiled", COMPILED)
     for r in range(2):
         # the model's forward is timed from outside its compiled graph; a compiled optimizer step is not
         # seen by the optimizer hooks, so those steps end at the next forward, when a parameter has
@@ -144,9 +157,9 @@ def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: 
         assert all(row["forward_ns"] > 0 and row["backward_ns"] > 0 and row["micro_steps"] == 1 for row in rows[r])
         assert all(row["optimizer_ns"] is None for row in rows[r][steps - compiled_updates :])
         check_nesting(rows[r])
-    assert [r["graph_breaks"] for r in job.results()] == [r["graph_breaks"] for r in reference.results()]
-    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
-    assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]
+    assert [r["graph_breaks"] for r in job.results()] == [r["graph_breaks"] for r in plain["compiled"]]
+    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in plain["compiled"]]
+    assert [r["losses"] for r in job.results()] == [r["losses"] for r in plain["compiled"]]
 
 
 @pytest.mark.multirank
@@ -154,7 +167,7 @@ def test_an_update_written_by_hand_ends_each_accumulated_step(tmp_path: Path) ->
     # no torch.optim: the step ends at the forward after the parameters changed (the last one when
     # tracing closes), never between the micro-steps of one accumulation (they change no parameter)
     steps, accum = 6, 3
-    _, rows, _ = run(tmp_path, "manual", ["--steps", str(steps), "--accum", str(accum)])
+    _, rows = run(tmp_path, "manual", ["--steps", str(steps), "--accum", str(accum)])
     for r in range(2):
         assert [row["step"] for row in rows[r]] == list(range(steps))
         assert all(row["micro_steps"] == accum and row["collectives"] == 1 for row in rows[r])
@@ -162,13 +175,12 @@ def test_an_update_written_by_hand_ends_each_accumulated_step(tmp_path: Path) ->
 
 
 @pytest.mark.multirank
-def test_unused_parameters_checkpointing_and_two_optimizers_train_as_without_tracing(tmp_path: Path) -> None:
+def test_unused_parameters_checkpointing_and_two_optimizers_train_as_without_tracing(tmp_path: Path, plain: dict) -> None:
     # DDP(find_unused_parameters=True) with a branch left out every third iteration, a batch norm, a
     # checkpointed block (its forward runs again inside the backward), two optimizers stepped one after the
     # other; rank 0 sleeps 300 ms before the forward of iterations 1, 4 and 7
-    steps = 9
-    args = ["--steps", str(steps), "--late-rank", "0", "--late-ms", "300"]
-    job, rows, reference = run(tmp_path, "ddp_options", args, plain=True)
+    steps = 9  # DDP_OPTIONS
+    job, rows = run(tmp_path, "ddp_options", DDP_OPTIONS)
     for r in range(2):
         # one record per iteration, not per optimizer; two collectives a step: DDP's broadcast of the batch
         # norm's buffers at the forward's start and the gradient all-reduce
@@ -181,5 +193,5 @@ def test_unused_parameters_checkpointing_and_two_optimizers_train_as_without_tra
     late = [rows[1][s] for s in range(1, steps, 3)]
     assert all(row["comm_wait_ns"] > 250e6 and row["forward_ns"] < 150e6 for row in late), late
     assert all(rows[0][s]["self_ns"] > rows[1][s]["self_ns"] for s in range(1, steps, 3))
-    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in reference.results()]
-    assert [r["losses"] for r in job.results()] == [r["losses"] for r in reference.results()]
+    assert [r["checksum"] for r in job.results()] == [r["checksum"] for r in plain["ddp_options"]]
+    assert [r["losses"] for r in job.results()] == [r["losses"] for r in plain["ddp_options"]]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
@@ -254,6 +255,24 @@ LOOPS = {"nanogpt": nanogpt, "prefetch": prefetch, "fsdp2": fsdp2, "two_models":
 
 
 def main() -> None:
+    # ``A --then B --then C``: several loops, one after the other in one process group, each with its own
+    # arguments (every loop seeds what it draws): the untraced references of tests/trace/test_loops.py
+    # start one job, not one each
+    parts: list[list[str]] = [[]]
+    for a in sys.argv[1:]:
+        if a == "--then":
+            parts.append([])
+        else:
+            parts[-1].append(a)
+    runs = [parser().parse_args(part) for part in parts]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = [LOOPS[args.loop](args, rank, world) for args in runs]
+    harness.write_result({"rank": rank, **(results[0] if len(runs) == 1 else {"loops": results})})
+    harness.finish()
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--loop", choices=sorted(LOOPS), required=True)
     p.add_argument("--steps", type=int, default=20)
@@ -264,12 +283,7 @@ def main() -> None:
                    " ddp_options: before the forward")
     p.add_argument("--late-ms", type=float, default=300.0, help="backward of every third iteration (1, 4, ...)")
     p.add_argument("--compiled-updates", type=int, default=0, help="compiled: iterations whose optimizer step is compiled")
-    args = p.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    result = LOOPS[args.loop](args, rank, world)
-    harness.write_result({"rank": rank, **result})
-    harness.finish()
+    return p
 
 
 if __name__ == "__main__":
