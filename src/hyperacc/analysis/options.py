@@ -68,7 +68,7 @@ class DetectionOptions:
     window_max_cells: int = 4_000_000  # ranks x windows judged offline; past it windows widen x2 (memory bound)
     min_window_samples: int = 10  # a rank's window needs this many measured steps to be judged
     min_ranks: int = 4  # a window is judged only when this many ranks reported it
-    rank_chunk_steps: int = 1_000_000  # a rank spanning more steps is read and reduced in chunks (memory bound)
+    rank_chunk_steps: int = 250_000  # a rank spanning more steps is read and reduced in chunks (memory bound)
     # -- outlier ranks (per window, per metric): docs/detection.md, "The cross-rank outlier rule"
     z_threshold: float = 3.5  # modified z-score (median/MAD)
     iqr_k: float = 1.5  # Tukey upper fence Q3 + k * IQR

@@ -3,8 +3,8 @@
 Ranks are read and reduced one at a time by a small pool of threads (pyarrow and numpy release the
 GIL), at most ``workers + 1`` ranks in flight, and merged in rank order by the calling thread. Memory:
 the ranks in flight (steps x ~21 float64 each, or a chunk of ``rank_chunk_steps`` rows of a longer
-rank, and its per-step findings, about 80 bytes per step), per-step arrays for the cluster (about 180
-bytes per step of the run, 128 of them the least waits) and the window summaries and episode blocks
+rank, and its per-step findings, about 80 bytes per step), per-step arrays for the cluster (about 145
+bytes per step of the run, 96 of them the least waits and their ranks) and the window summaries and episode blocks
 (bounded by ``window_max_cells`` and ``episode_max_cells``). docs/detection.md, "Scale", has the figures.
 Rules: docs/detection.md.
 """
