@@ -75,11 +75,21 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
 
 def _whole(part: RankFindings, all_steps: np.ndarray, self_median_ns: float) -> RankFindings:
     """A rank's findings from those of its post-warm-up steps (``_reduce_part``): its recorded steps and
-    what is judged over the whole rank."""
+    what is judged over the whole rank. Its judged, waited and timed steps are, in the usual run, every
+    step after the warm-up: then they are views of ``all_steps``, not three more copies of it (a rank of
+    a week: 48 MB each, and several ranks are in flight)."""
     return dataclasses.replace(
         part, steps=all_steps, steps_seen=int(all_steps.size), self_median_ns=self_median_ns,
         dispersion=member_dispersion(part.windows, RANK_CAUSES), cause_time=cause_time(part.windows),
+        judged=_tail_of(all_steps, part.judged), comm_steps=_tail_of(all_steps, part.comm_steps),
+        timed_steps=_tail_of(all_steps, part.timed_steps),
     )  # fmt: skip
+
+
+def _tail_of(steps: np.ndarray, subset: np.ndarray) -> np.ndarray:
+    """``subset`` (sorted steps of ``steps``) as a view of ``steps``' tail where it is that tail."""
+    tail = steps[steps.size - subset.size :] if 0 < subset.size <= steps.size else None
+    return tail if tail is not None and tail.dtype == subset.dtype and np.array_equal(tail, subset) else subset
 
 
 def _post_warmup(cols: dict[str, np.ndarray], first_step: int, opts: DetectionOptions) -> dict[str, np.ndarray]:
