@@ -1,5 +1,6 @@
 """diagnose() on run directories with known faults, written through store.SegmentWriter."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -110,6 +111,13 @@ def test_communication_spikes_are_the_networks(tmp_path):
     assert comm and comm[0]["spikes"] == len(truth)
     assert all(r["spikes"] == 0 for r in d["spikes"]["per_rank"])  # no rank is blamed for the network
     assert d["spikes"]["cluster"]["spike_steps"] == len(truth)
+    assert d["nodes"] == 2 and any("check the network" in s for s in d["next_step"]), d["next_step"]
+    # the same job on one node: no network link between its ranks, and the advice does not send the user
+    # to one
+    one = diagnose(write_run(tmp_path / "one", dataclasses.replace(spec, ranks_per_node=6))).to_dict()
+    assert one["nodes"] == 1 and [c["cause"] for c in one["causes"]][:1] == ["communication"], one["causes"]
+    advice = [s for s in one["next_step"] if s.startswith("communication spikes")]
+    assert advice and "no network link" in advice[0] and "check the network" not in advice[0], one["next_step"]
 
 
 def test_missing_ranks_and_truncated_segments_are_not_fatal(tmp_path, caplog):

@@ -70,7 +70,7 @@ def median(values: list[float]) -> float:
 
 @pytest.mark.multirank
 def test_nanogpt_loop_accumulation_skipped_update_and_input_stalls(tmp_path: Path, plain: dict) -> None:
-    steps, accum = 12, 4  # NANOGPT
+    steps, accum = 12, 4  # NANOGPT's --steps and --accum
     cfg = {"seed": 5, "faults": [
         {"kind": "data_stall", "ranks": [1], "rate": 0.35, "ms": 80},
         {"kind": "slowdown", "ranks": [0], "factor": 3.0},
@@ -146,7 +146,7 @@ def test_prefetch_thread_two_models_and_positional_async_collectives(tmp_path: P
 def test_a_compiled_model_and_optimizer_step_train_as_without_tracing(tmp_path: Path, plain: dict) -> None:
     # torch.compile traces the hooks of automatic tracing with the model (fullgraph: any graph break
     # fails the script) and with a compiled optimizer step: they must vanish from the user's graph
-    steps, compiled_updates = 8, 3  # COMPILED
+    steps, compiled_updates = 8, 3  # COMPILED's --steps and --compiled-updates
     job, rows = run(tmp_path, "compiled", COMPILED)
     for r in range(2):
         # the model's forward is timed from outside its compiled graph; a compiled optimizer step is not
@@ -179,7 +179,7 @@ def test_unused_parameters_checkpointing_and_two_optimizers_train_as_without_tra
     # DDP(find_unused_parameters=True) with a branch left out every third iteration, a batch norm, a
     # checkpointed block (its forward runs again inside the backward), two optimizers stepped one after the
     # other; rank 0 sleeps 300 ms before the forward of iterations 1, 4 and 7
-    steps = 9  # DDP_OPTIONS
+    steps = 9  # DDP_OPTIONS' --steps
     job, rows = run(tmp_path, "ddp_options", DDP_OPTIONS)
     for r in range(2):
         # one record per iteration, not per optimizer; two collectives a step: DDP's broadcast of the batch

@@ -64,6 +64,11 @@ ADVICE: dict[str, str] = {
     "release memory at a fixed step (hyperacc stabilizers)",
     "communication": "the collective itself was slow: check the network (links, NCCL settings); pacing "
     "can reduce arrival spread (docs/pacing.md)",
+    # the same cause where every rank is on one node: no network between them
+    "communication_one_node": "the collective itself was slow, and every rank is on one node, so no network "
+    "link was involved: the ranks' transfers go through the host (shared memory, NVLink, PCIe), and on a "
+    "busy host the collective's own threads wait for a CPU (gloo); keep other work off the node, and "
+    "`hyperacc doctor` measures its transfers between ranks",
     "compute_spike": "compute spikes with no coinciding signal: sample a window with torch.profiler on that "
     "rank to see which kernels grew",
     "unknown": "no recorded signal explains these spikes: trace a window with torch.profiler on the worst "
@@ -343,6 +348,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             if c["share"] < 0.2 and steps:
                 continue
             key = "compute_spike" if c["cause"] == "compute" else c["cause"]
+            if key == "communication" and d.nodes == 1:
+                key = "communication_one_node"
             if key not in seen:
                 steps.append(f"{c['cause']} spikes: {ADVICE[key]}")
                 seen.add(key)
