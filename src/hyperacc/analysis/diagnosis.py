@@ -73,6 +73,14 @@ ADVICE: dict[str, str] = {
     "rank to see which kernels grew",
     "unknown": "no recorded signal explains these spikes: trace a window with torch.profiler on the worst "
     "rank, and check for host-wide events at those steps",
+    # spikes that recur every N steps (analysis.periods): work the loop does on a fixed period
+    "periodic": "they recur on a fixed period of steps, so they are work the loop does every so many steps "
+    "on that rank (a checkpoint save, an evaluation, logging, a metric gathered or printed): make it "
+    "asynchronous (torch.distributed.checkpoint's async_save, logging from a background thread), spread it "
+    "over the ranks, or do it less often",
+    "periodic_job": "work the whole job does on a fixed period of steps, on every rank alike (an evaluation, a "
+    "checkpoint, logging, a metric gathered from all ranks): do it less often or asynchronously, or count it "
+    "as the price of that work; it is not a rank's fault",
 }
 
 
@@ -155,6 +163,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     top_cause = d.causes[0]["cause"] if d.causes else None
     opts = d.options or {}
     min_ranks = opts.get("min_ranks", DetectionOptions().min_ranks)
+    job_period = cluster.get("period")
 
     nodes_bad = sorted({s["node"] for s in d.stragglers if s["kind"] == "node"})
     ranks_bad = [s for s in d.stragglers if s["kind"] != "node"]
@@ -230,6 +239,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             f"(stragglers are not judged with {d.ranks_analyzed} rank(s))."
         )
 
+    if job_period and cluster.get("spike_steps", 0):
+        verdict += " " + _sentence(_job_period_phrase(job_period))
     for e in d.episodes[:10]:
         if e.get("rule") == "change_point":
             evidence.append(_episode_evidence(e))
@@ -278,12 +289,15 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             f"rank {e['rank']} (node {e['node']}): {e['spikes']} {e['cause']} spikes in {e['steps']} steps "
             f"({percent(e['rate'])}) against {percent(e['others_rate'])} on the other ranks, "
             f"{_ms(e['mean_excess_ns'])} each, {_ms(e['time_lost_ns'])} lost (p = {e['p_value']:.1g})"
+            + (f"; {period_phrase(e['period'])}" if e.get("period") else "")
         )
     if cluster:
         evidence.append(
             f"{cluster.get('spike_steps', 0)} of {cluster.get('steps', 0)} steps ({percent(rate)}) had a spike "
             "on at least one rank"
         )
+    if job_period:
+        evidence.append(_job_period_phrase(job_period))
     per_rank = sorted(d.spikes.get("per_rank", []), key=lambda r: -r["rate"])
     for r in [r for r in per_rank if r["spikes"]][:3]:
         line = (
@@ -337,10 +351,14 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
+        if e.get("period"):
+            steps.append(f"rank {e['rank']}, {e['cause']} spikes every {e['period']['every']} steps: {ADVICE['periodic']}")
         if any(s["rank"] == e["rank"] and s["kind"] == key for s in ranks_bad[:5]):
             continue  # the straggler's advice already says it
         steps.append(f"rank {e['rank']}, {e['cause']} spikes: {ADVICE[key]}")
         seen.add(key)
+    if job_period:
+        steps.append(f"spikes every {job_period['every']} steps on most ranks at once: {ADVICE['periodic_job']}")
     if too_short:
         steps.append(_too_short_advice(d))
     if not d.stragglers or rate >= spike_verdict_rate:
@@ -495,10 +513,34 @@ def _between_phrase(s: dict[str, Any]) -> str:
 
 
 def excess_phrase(e: dict[str, Any]) -> str:
+    period = e.get("period")
     return (
         f"rank {e['rank']} (node {e['node']}) {_EXCESS_WORDS.get(e['cause'], e['cause'] + ' spikes')} on "
         f"{percent(e['rate'])} of its steps ({percent(e['others_rate'])} on the other ranks), "
         f"{_ms(e['mean_excess_ns'])} each, {_ms(e['time_lost_ns'])} lost"
+        + (f", every {period['every']} steps" if period else "")
+    )
+
+
+def period_phrase(p: dict[str, Any]) -> str:
+    """"15 of them every 25 steps, on 15 of the 15 judged steps of that period (26, 51, ..., 376)" (analysis.periods)."""
+    return (
+        f"{p['repeats']} of them every {p['every']} steps, on {p['repeats']} of the {p['expected']} judged steps "
+        f"of that period ({_steps_on(p)})"
+    )
+
+
+def _steps_on(p: dict[str, Any]) -> str:
+    first, every, last = p["first"], p["every"], p["last"]
+    if last - first <= 2 * every:
+        return ", ".join(str(x) for x in range(first, last + 1, every))
+    return f"{first}, {first + every}, ..., {last}"
+
+
+def _job_period_phrase(p: dict[str, Any]) -> str:
+    return (
+        f"more than half of the ranks spiked at once every {p['every']} steps, on {p['repeats']} of the "
+        f"{p['expected']} judged steps of that period ({_steps_on(p)}): work the job does on a fixed period of steps"
     )
 
 

@@ -87,6 +87,9 @@ class RankExcess:
     time_lost_ns: float  # all of them together
     p_value: float
     dispersion: float = 1.0  # the cause's phi: how bursty its spikes were (1: independent draws)
+    # where its spikes of the cause recur every N steps (analysis.periods, ``Period.to_dict``): offline only,
+    # the live windows keep no spike's step
+    period: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -103,6 +103,9 @@ class DetectionOptions:
     # -- rank-specific causes (a rank's spikes of one cause above the other ranks' floor)
     excess_ratio: float = 2.0  # the rank's rate of the cause at least this many times the others' ...
     excess_min_spikes: int = 3  # ... from at least this many spikes (and significant at top_alpha)
+    # -- periodic spikes (work every N steps: a checkpoint, an evaluation, logging)
+    period_min_repeats: int = 4  # spikes on one phase of the period, at least ...
+    period_coverage: float = 0.75  # ... and at least this share of the judged steps on it (top_alpha / P)
     # -- output and projection
     top_events: int = 50
     target: float = DEFAULT_TARGET  # tolerated share of cluster steps that spike (hyperacc.theory)
@@ -162,6 +165,7 @@ _INT_BOUNDS: dict[str, int] = {
     "spike_window": 3,
     "spike_floor_ns": 0,
     "excess_min_spikes": 1,
+    "period_min_repeats": 2,
     "top_events": 1,
     "ranks_per_node": 1,
 }
@@ -181,6 +185,7 @@ _FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "preempt_overhead": (0.0, 1.0, True),
     "signal_z": (0.0, math.inf, False),
     "excess_ratio": (1.0, math.inf, True),
+    "period_coverage": (0.0, 1.0, False),
     "target": (0.0, 1.0, False),
 }
 

@@ -240,3 +240,21 @@ def _binom_sf_one(k: float, n: float, p: float) -> float:
     logpmf = log_c + jj * math.log(p) + (n - jj) * math.log1p(-p)
     top = float(logpmf.max())
     return float(min(1.0, math.exp(top) * np.exp(logpmf - top).sum()))
+
+
+def hypergeom_sf(k: int, total: int, marked: int, drawn: int) -> float:
+    """P(X >= k) for X the marked items among ``drawn`` taken without replacement from ``total`` items of
+    which ``marked`` are marked (the hypergeometric tail), from log-gamma terms: no statistics package."""
+    import math
+
+    lo, hi = max(k, 0, drawn - (total - marked)), min(marked, drawn)
+    if lo > hi:
+        return 0.0
+
+    def log_c(n: int, r: int) -> float:
+        return math.lgamma(n + 1) - math.lgamma(r + 1) - math.lgamma(n - r + 1)
+
+    x = np.arange(lo, hi + 1)
+    terms = np.array([log_c(marked, int(i)) + log_c(total - marked, drawn - int(i)) for i in x]) - log_c(total, drawn)
+    top = float(terms.max())
+    return float(min(1.0, math.exp(top) * np.exp(terms - top).sum()))

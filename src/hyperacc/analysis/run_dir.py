@@ -44,13 +44,16 @@ from hyperacc.analysis.excess import (
 )
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.outliers import window_grid
+from hyperacc.analysis.periods import spike_period
 from hyperacc.analysis.projection import project
 from hyperacc.analysis.run_reduce import (
     _EMPTY,
     _EMPTY_F,
+    _EMPTY_S,
     _EVENT,
     RankFindings,
     _Cluster,
+    period_of,
 )
 from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
 from hyperacc.analysis.spikes import communication_spikes
@@ -120,7 +123,8 @@ def diagnose(
         # Keep the small tallies, drop the per-step arrays.
         findings.append(dataclasses.replace(f, steps=_EMPTY, judged=_EMPTY, spikes=_EMPTY, comm_steps=_EMPTY,
                                             comm_wait=_EMPTY, windows={}, events=[], timed_steps=_EMPTY,
-                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F, blocks=None))  # fmt: skip
+                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F, blocks=None,
+                                            spike_causes=_EMPTY_S, spike_excess=_EMPTY_F))  # fmt: skip
         del f  # not held while the next rank is reduced (a rank of a week: 0.8 GB)
     if not findings:
         raise store.RunDirError(
@@ -179,6 +183,11 @@ def diagnose(
             times={c: [f.cause_time.get(c, np.nan) for f in findings] for c in CAUSE_TIME if groups.get(c) == (c,)},
         )
     ]  # fmt: skip
+    by_rank = {f.rank: f for f in findings}
+    for e in rank_causes:  # where its spikes of the cause recur every N steps (analysis.periods)
+        members = groups[e["cause"]] + (("data",) if e["cause"] == "host_work" and e["rank"] in working else ())
+        found = period_of(by_rank[e["rank"]], members)
+        e["period"] = found.to_dict() if found is not None else None
     what_if = (
         _what_if(cluster, stragglers, episodes, rank_causes, groups, working) if one_clock else None
     )
@@ -224,6 +233,7 @@ def diagnose(
                 "steps": judged_steps,
                 "spike_steps": spike_steps,
                 "rate": spike_steps / judged_steps if judged_steps else 0.0,
+                "period": _job_period(cluster, len(findings), opts),
             },
             "events": [
                 {"rank": r, "node": n, "step": s, "excess_ns": int(e), "phase": ph, "cause": c}
@@ -296,6 +306,15 @@ def _reduced(
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+def _job_period(cluster: _Cluster, ranks: int, opts: DetectionOptions) -> dict[str, Any] | None:
+    """The period of the steps in which more than half of the ranks spiked at once: work the whole job
+    does every N steps (an evaluation, a checkpoint every rank writes, logging), which no rank does more
+    than the others, so that no rank-specific cause names it (docs/detection.md, "Periodic spikes")."""
+    found = spike_period(cluster.steps[2 * cluster.spiked > ranks], cluster.steps[cluster.judged],
+                         opts.period_min_repeats, opts.period_coverage, opts.top_alpha)  # fmt: skip
+    return found.to_dict() if found is not None and ranks >= 2 else None
 
 
 def _held(summary: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

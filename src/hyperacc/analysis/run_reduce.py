@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from hyperacc.analysis.episodes import PER_BLOCK, RankBlocks, rank_blocks
-from hyperacc.analysis.excess import cause_time, member_dispersion
+from hyperacc.analysis.excess import cause_groups, cause_time, member_dispersion
 from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.periods import Period, spike_period
 from hyperacc.analysis.robust import run_slice
 from hyperacc.analysis.spikes import RankSpikes, SeriesSpikes, judge_spikes
 from hyperacc.analysis.windows import RANK_CAUSES, summarize_windows
@@ -55,6 +56,9 @@ class RankFindings:
     step_total_ns: float = 0.0  # summed step time
     blocks: RankBlocks | None = None  # per-block medians for the episodes (analysis.episodes)
     spike_causes: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_S)  # ... and their causes
+    spike_excess: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # ... and their excess
+    # the period of its spikes of each set of causes tested together (``PERIOD_SETS``; analysis.periods)
+    periods: dict[tuple[str, ...], Period] = dataclasses.field(default_factory=dict)
     # chi-square, degrees of freedom and windows with a spike of its spike counts per window, per set
     # of causes tested together (analysis.excess.member_dispersion): how bursty each cause's spikes were
     dispersion: dict[tuple[str, ...], tuple[float, ...]] = dataclasses.field(default_factory=dict)
@@ -70,10 +74,10 @@ def reduce_rank(rank: int, node: int, cols: dict[str, np.ndarray], opts: Detecti
     all_steps = cols["step"]
     cols = _post_warmup(cols, int(all_steps[0]) if all_steps.size else 0, opts)
     part = _reduce_part(rank, node, cols, opts, 0, cols["step"].size, measured=None)
-    return _whole(part, all_steps, _self_median(cols))
+    return _whole(part, all_steps, _self_median(cols), opts)
 
 
-def _whole(part: RankFindings, all_steps: np.ndarray, self_median_ns: float) -> RankFindings:
+def _whole(part: RankFindings, all_steps: np.ndarray, self_median_ns: float, opts: DetectionOptions) -> RankFindings:
     """A rank's findings from those of its post-warm-up steps (``_reduce_part``): its recorded steps and
     what is judged over the whole rank. Its judged, waited and timed steps are, in the usual run, every
     step after the warm-up: then they are views of ``all_steps``, not three more copies of it (a rank of
@@ -82,8 +86,38 @@ def _whole(part: RankFindings, all_steps: np.ndarray, self_median_ns: float) -> 
         part, steps=all_steps, steps_seen=int(all_steps.size), self_median_ns=self_median_ns,
         dispersion=member_dispersion(part.windows, RANK_CAUSES), cause_time=cause_time(part.windows),
         judged=_tail_of(all_steps, part.judged), comm_steps=_tail_of(all_steps, part.comm_steps),
-        timed_steps=_tail_of(all_steps, part.timed_steps),
+        timed_steps=_tail_of(all_steps, part.timed_steps), periods=_periods(part, opts),
     )  # fmt: skip
+
+
+# The sets of causes whose spikes may recur on a period: each set a rank-specific cause tests together
+# (``excess.cause_groups``, with CPU time measured or not), and the input gap's two causes of a rank
+# found working there (``excess.working_gap_ranks``).
+PERIOD_SETS: tuple[tuple[str, ...], ...] = tuple(
+    sorted({tuple(sorted(m)) for cpu in (False, True) for m in cause_groups(RANK_CAUSES, cpu).values()}
+           | {("data", "host_work")})
+)  # fmt: skip
+
+
+def _periods(f: RankFindings, opts: DetectionOptions) -> dict[tuple[str, ...], Period]:
+    """The period of the rank's spikes of each of ``PERIOD_SETS`` that recur on one (analysis.periods)."""
+    out: dict[tuple[str, ...], Period] = {}
+    if f.spikes.size < opts.period_min_repeats:
+        return out
+    for key in PERIOD_SETS:
+        sel = np.isin(f.spike_causes, key)
+        if int(sel.sum()) < opts.period_min_repeats:
+            continue
+        found = spike_period(f.spikes[sel], f.judged, opts.period_min_repeats, opts.period_coverage,
+                             opts.top_alpha, f.spike_excess[sel])  # fmt: skip
+        if found is not None:
+            out[key] = found
+    return out
+
+
+def period_of(f: RankFindings, members: tuple[str, ...]) -> Period | None:
+    """The period of ``f``'s spikes of the causes ``members`` (one of ``PERIOD_SETS``), if they have one."""
+    return f.periods.get(tuple(sorted(members)))
 
 
 def _tail_of(steps: np.ndarray, subset: np.ndarray) -> np.ndarray:
@@ -150,7 +184,7 @@ def _reduce_part(
         judged_count=int(sp.judged.sum()), cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()),
         comm_clock=clock, timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
         step_total_ns=float(step_ns[timed].sum()), blocks=rank_blocks(rank, node, cols, opts, measured=measured),
-        spike_causes=np.asarray(causes, dtype=str),
+        spike_causes=np.asarray(causes, dtype=str), spike_excess=excess,
     )  # fmt: skip
 
 
@@ -290,9 +324,9 @@ def _merged(
         cpu_measured=any(p.cpu_measured for p in parts), comm_clock=clock, timed_steps=joined("timed_steps"),
         step_ns=joined("step_ns"), comm_step_ns=joined("comm_step_ns"),
         step_total_ns=sum(p.step_total_ns for p in parts), blocks=_joined_blocks([p.blocks for p in parts]),
-        spike_causes=joined("spike_causes"),
+        spike_causes=joined("spike_causes"), spike_excess=joined("spike_excess"),
     )  # fmt: skip
-    return _whole(part, all_steps, self_median)
+    return _whole(part, all_steps, self_median, opts)
 
 
 def _joined_blocks(parts: list[RankBlocks]) -> RankBlocks:
@@ -327,7 +361,7 @@ class _Cluster:
     memory follows the records, not the step numbers (a step numbered 10**12 costs one entry).
     """
 
-    _FILL = {"present": False, "judged": False, "self_spike": False, "wait_low": np.inf, "wait_rank": -1,
+    _FILL = {"present": False, "judged": False, "spiked": 0, "wait_low": np.inf, "wait_rank": -1,
              "low_cause": -1, "step_max": np.nan, "comm_max": -np.inf, "comm_sum": 0.0, "comm_step_sum": 0.0,
              "comm_ranks": 0}  # fmt: skip
 
@@ -336,7 +370,7 @@ class _Cluster:
         self._first: int | None = None  # steps[0] where ``steps`` is every step from it on, without a gap
         self.present = np.zeros(0, dtype=bool)  # any record (warm-up included)
         self.judged = np.zeros(0, dtype=bool)  # any judged record
-        self.self_spike = np.zeros(0, dtype=bool)
+        self.spiked = np.zeros(0, dtype=np.int32)  # ranks whose own time spiked
         # The WAIT_LOWEST least waits in the collective and their ranks, least first (the last rank to
         # arrive, the culprit, is column 0), and the cause of that rank's spike at the step (an index
         # into ``causes``; -1: none): what the what-if replay takes away (analysis.whatif).
@@ -388,10 +422,15 @@ class _Cluster:
         self.cover(f.steps)
         self.present[self.index(f.steps)] = True
         self.judged[self.index(f.judged)] = True
-        self.self_spike[self.index(f.spikes)] = True
+        self.spiked[self.index(f.spikes)] += 1
         pos = self.index(f.comm_steps)
         self._add_wait(f, pos)
         self._add_coordination(f, pos)
+
+    @property
+    def self_spike(self) -> np.ndarray:
+        """Whether some rank's own time spiked, per step."""
+        return self.spiked > 0
 
     @property
     def comm_min(self) -> np.ndarray:

@@ -32,7 +32,8 @@ class SyntheticFault:
     """``kind``: slowdown (compute x (1+factor) from ``start_step``), data_stall, gc, compute_spike,
     host (preemption: the rank loses the core for ``ms``, with extra context switches and no CPU time),
     comm (the collective itself is slow for everyone; ``ranks`` is ignored), launch (probe x
-    (1+factor)). The CPU time of each step (``cpu_ns``) is the work done: phases less what a host fault
+    (1+factor)). ``every`` > 0: a spike kind hits every ``every`` steps from ``start_step`` instead of
+    at random with ``rate`` (work a loop does on a fixed period: a checkpoint, an evaluation). The CPU time of each step (``cpu_ns``) is the work done: phases less what a host fault
     took."""
 
     kind: str
@@ -41,6 +42,7 @@ class SyntheticFault:
     ms: float = 0.0
     factor: float = 0.0
     start_step: int = 0
+    every: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +150,8 @@ def _rank_self(
             continue
         frng = np.random.default_rng([spec.seed, rank, 1000 + i])
         hit = (frng.random(n) < f.rate) & (steps >= f.start_step)
+        if f.every:
+            hit = (steps >= f.start_step) & ((steps - f.start_step) % f.every == 0)
         if f.kind == "slowdown":
             on = steps >= f.start_step
             forward = np.where(on, forward * (1 + f.factor), forward)
