@@ -24,7 +24,9 @@ from typing import Any
 
 from hyperacc.remediation.config import RemediationConfig
 
-# Advice for findings the loop does not act on (rule -> (knob, why)).
+# Advice for findings the loop does not act on (straggler kind -> (knob, why)). No straggler rule names
+# a communication straggler (the collective's own spikes belong to the cluster: analysis.spikes), so
+# there is no entry for one.
 ADVICE: dict[str, tuple[str, str]] = {
     "data": (
         "DataLoader(num_workers=N, persistent_workers=True, prefetch_factor=4) or "
@@ -42,10 +44,6 @@ ADVICE: dict[str, tuple[str, str]] = {
     "compute": (
         "run `hyperacc doctor` on that node; drain it if its other ranks turn slow too",
         "one rank computes slowly; one slow rank is not a slow node",
-    ),
-    "communication": (
-        "check the network (NCCL_DEBUG=INFO, link errors); `hyperacc run --pace 1` reduces arrival spread",
-        "the collective itself is slow",
     ),
 }
 MEMORY_RESTART_SETTINGS = (
