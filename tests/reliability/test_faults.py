@@ -29,7 +29,7 @@ from hyperacc import harness
 from hyperacc.analysis.columns import discover, read_rank
 
 pytestmark = pytest.mark.multirank
-TRACE = '{"flush_every_s": 0.5, "window": 0}'
+TRACE = '{"flush_every_s": 0.25, "window": 0}'
 
 
 @dataclasses.dataclass(frozen=True)
