@@ -96,3 +96,14 @@ def test_work_every_rank_does_on_a_period_is_the_jobs(tmp_path):
     assert "every 50 steps" in d.verdict
     clean = diagnose(write_run(tmp_path / "clean", SyntheticRun(ranks=8, steps=1000, seed=4)))
     assert clean.spikes["cluster"]["period"] is None
+
+
+def test_gc_pauses_on_a_cadence_keep_the_gc_advice(tmp_path):
+    # a collector that runs every 30 steps (the loop allocates alike every step) is not work of the loop
+    faults = (SyntheticFault("gc", ranks=(1,), ms=30, every=30, start_step=20),)
+    d = diagnose(write_run(tmp_path / "run", SyntheticRun(ranks=8, steps=1200, seed=5, faults=faults)))
+    (gc,) = [e for e in d.rank_causes if e["rank"] == 1]
+    assert gc["cause"] == "gc" and gc["period"]["every"] == 30
+    assert any("the collector's own cadence" in line for line in d.evidence)
+    assert not any("every 30 steps: they recur" in line for line in d.next_step)
+    assert any(line.startswith("rank 1, gc spikes: make garbage collection deterministic") for line in d.next_step)

@@ -290,6 +290,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             f"({percent(e['rate'])}) against {percent(e['others_rate'])} on the other ranks, "
             f"{_ms(e['mean_excess_ns'])} each, {_ms(e['time_lost_ns'])} lost (p = {e['p_value']:.1g})"
             + (f"; {period_phrase(e['period'])}" if e.get("period") else "")
+            + ("; the collector's own cadence, where the loop allocates alike every step" if e.get("period") and e["cause"] == "gc" else "")
         )
     if cluster:
         evidence.append(
@@ -351,7 +352,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
             steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
-        if e.get("period"):
+        if e.get("period") and e["cause"] != "gc":  # a collector's cadence is not the loop's work: GC's advice
             steps.append(f"rank {e['rank']}, {e['cause']} spikes every {e['period']['every']} steps: {ADVICE['periodic']}")
         if any(s["rank"] == e["rank"] and s["kind"] == key for s in ranks_bad[:5]):
             continue  # the straggler's advice already says it
