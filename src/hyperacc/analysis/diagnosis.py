@@ -78,6 +78,11 @@ ADVICE: dict[str, str] = {
     "on that rank (a checkpoint save, an evaluation, logging, a metric gathered or printed): make it "
     "asynchronous (torch.distributed.checkpoint's async_save, logging from a background thread), spread it "
     "over the ranks, or do it less often",
+    # the same for input waits: a DataLoader's workers hand out batches in turn
+    "periodic_data": "the input stalls on a fixed period of steps: a DataLoader's workers hand out the batches "
+    "in turn, so one slow worker (its files, its disk, its CPU) stalls every N-th step where N is num_workers; "
+    "otherwise a new file or shard is opened every so many batches, or the loop's own periodic work runs before "
+    "the next batch: compare the period with num_workers, and prefetch across the boundary",
     "periodic_job": "work the whole job does on a fixed period of steps, on every rank alike (an evaluation, a "
     "checkpoint, logging, a metric gathered from all ranks): do it less often or asynchronously, or count it "
     "as the price of that work; it is not a rank's fault",
@@ -353,7 +358,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
         if e.get("period") and e["cause"] != "gc":  # a collector's cadence is not the loop's work: GC's advice
-            steps.append(f"rank {e['rank']}, {e['cause']} spikes every {e['period']['every']} steps: {ADVICE['periodic']}")
+            periodic = ADVICE["periodic_data" if e["cause"] == "data" else "periodic"]
+            steps.append(f"rank {e['rank']}, {e['cause']} spikes every {e['period']['every']} steps: {periodic}")
         if any(s["rank"] == e["rank"] and s["kind"] == key for s in ranks_bad[:5]):
             continue  # the straggler's advice already says it
         steps.append(f"rank {e['rank']}, {e['cause']} spikes: {ADVICE[key]}")
