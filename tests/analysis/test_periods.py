@@ -107,3 +107,10 @@ def test_gc_pauses_on_a_cadence_keep_the_gc_advice(tmp_path):
     assert any("the collector's own cadence" in line for line in d.evidence)
     assert not any("every 30 steps: they recur" in line for line in d.next_step)
     assert any(line.startswith("rank 1, gc spikes: make garbage collection deterministic") for line in d.next_step)
+
+
+def test_steps_numbered_far_apart_keep_their_period():
+    # a job that numbers its steps sparsely: the period is found in the numbers as they are
+    judged = np.arange(0, 2000) * 10**9
+    found = _period(judged[::50], judged=judged)
+    assert found is not None and found.every == 50 * 10**9 and found.repeats == 40

@@ -29,6 +29,7 @@ loaded host's spikes do not line up on one phase. Pure: steps in, a period or No
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -75,7 +76,7 @@ def spike_period(
         phase = int(phases[np.argmax(counts)])
         on = s % every == phase
         repeats = int(on.sum())
-        expected = _on_period(j, every, phase)
+        expected = max(_on_period(j, every, phase), repeats)  # spikes are judged steps: never fewer
         if repeats < min_repeats or repeats < coverage * expected:
             continue
         p = float(binom_sf(repeats, expected, q))
@@ -103,12 +104,11 @@ def _finer_than_divisors(
 
 
 def _divisors(n: int) -> list[int]:
-    """The divisors of ``n`` above 1 and below ``n``."""
-    out = set()
-    for d in range(2, int(n**0.5) + 1):
-        if n % d == 0:
-            out |= {d, n // d}
-    return sorted(out)
+    """The divisors of ``n`` above 1 and below ``n`` (vectorised: step numbers, and so periods, can be
+    large where a job numbers its steps sparsely)."""
+    d = np.arange(2, math.isqrt(n) + 1, dtype=np.int64)
+    d = d[n % d == 0]
+    return sorted({int(x) for x in d} | {n // int(x) for x in d})
 
 
 def _on_period(judged: np.ndarray, every: int, phase: int) -> int:
