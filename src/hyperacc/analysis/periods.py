@@ -21,9 +21,9 @@ The binomial is the chance that spikes falling at the rank's own rate fill that 
 steps; ``P x candidates`` pays for choosing the best of the ``P`` phases of each candidate tried. The
 divisors' test tells a period from a finer one that spiked only part of the time: spikes on half of
 the steps that are 0 mod 80, at random, are not "every 320 steps" because a few of them happened to
-fall on 320, 640 and 960. A transient stretch of spikes (a
-fail-slow over 60 steps) has gaps of 1 to 3 and covers few of its period's steps over the run; a
-loaded host's spikes do not line up on one phase. Pure: steps in, a period or None out.
+fall on 320, 640 and 960. A transient stretch of spikes (a fail-slow over 60 steps) has gaps of 1 to
+3 and covers few of its period's steps over the run; a loaded host's spikes do not line up on one
+phase. Pure: steps in, a period or None out.
 """
 
 from __future__ import annotations

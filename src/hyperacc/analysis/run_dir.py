@@ -312,9 +312,11 @@ def _job_period(cluster: _Cluster, ranks: int, opts: DetectionOptions) -> dict[s
     """The period of the steps in which more than half of the ranks spiked at once: work the whole job
     does every N steps (an evaluation, a checkpoint every rank writes, logging), which no rank does more
     than the others, so that no rank-specific cause names it (docs/detection.md, "Periodic spikes")."""
+    if ranks < 2:
+        return None
     found = spike_period(cluster.steps[2 * cluster.spiked > ranks], cluster.steps[cluster.judged],
                          opts.period_min_repeats, opts.period_coverage, opts.top_alpha)  # fmt: skip
-    return found.to_dict() if found is not None and ranks >= 2 else None
+    return found.to_dict() if found is not None else None
 
 
 def _held(summary: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

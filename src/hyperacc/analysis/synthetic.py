@@ -33,8 +33,8 @@ class SyntheticFault:
     host (preemption: the rank loses the core for ``ms``, with extra context switches and no CPU time),
     comm (the collective itself is slow for everyone; ``ranks`` is ignored), launch (probe x
     (1+factor)). ``every`` > 0: a spike kind hits every ``every`` steps from ``start_step`` instead of
-    at random with ``rate`` (work a loop does on a fixed period: a checkpoint, an evaluation). The CPU time of each step (``cpu_ns``) is the work done: phases less what a host fault
-    took."""
+    at random with ``rate`` (work a loop does on a fixed period: a checkpoint, an evaluation). The CPU
+    time of each step (``cpu_ns``) is the work done: phases less what a host fault took."""
 
     kind: str
     ranks: tuple[int, ...] = ()
