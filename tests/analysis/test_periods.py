@@ -8,6 +8,7 @@ import pytest
 from hyperacc.analysis import diagnose
 from hyperacc.analysis.periods import spike_period
 from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
+from hyperacc.present.report import _spike_tables
 
 JUDGED = np.arange(10, 2000)
 
@@ -84,6 +85,8 @@ def test_one_ranks_periodic_data_stall_is_named_with_its_period(tmp_path):
     assert d.spikes["cluster"]["period"] is None  # one rank's work, not the job's
     assert "every 40 steps" in d.verdict
     assert any(line.startswith("rank 2, data spikes every 40 steps:") for line in d.next_step)
+    html = _spike_tables(d.to_dict())  # the report's table of rank-specific causes has the period
+    assert "<th>every</th>" in html and "<td>40 steps</td>" in html
 
 
 def test_work_every_rank_does_on_a_period_is_the_jobs(tmp_path):
@@ -94,6 +97,7 @@ def test_work_every_rank_does_on_a_period_is_the_jobs(tmp_path):
     assert period is not None and (period["every"], period["first"]) == (50, 49)
     assert not d.stragglers and not d.rank_causes
     assert "every 50 steps" in d.verdict
+    assert "spiked at once every 50 steps, from step 49" in _spike_tables(d.to_dict())
     clean = diagnose(write_run(tmp_path / "clean", SyntheticRun(ranks=8, steps=1000, seed=4)))
     assert clean.spikes["cluster"]["period"] is None
 

@@ -343,8 +343,11 @@ def _spike_tables(diag) -> str:
     out = ["<section id='spike-rates'><h2>Spike rates</h2>"]
     cl = spikes.get("cluster") or {}
     if cl:
+        period = cl.get("period")
+        every = (f" More than half of the ranks spiked at once every {period['every']} steps, from step "
+                 f"{period['first']} to {period['last']} ({period['repeats']} of {period['expected']}).") if period else ""  # fmt: skip
         out.append(f"<p>Cluster: {cl.get('spike_steps')} of {cl.get('steps')} steps had a spike on at least one rank "
-                   f"({_fmt_pct(cl.get('rate'))}).</p>")  # fmt: skip
+                   f"({_fmt_pct(cl.get('rate'))}).{every}</p>")  # fmt: skip
     note = f" (the {len(shown)} highest of {len(per_rank)} ranks)" if len(shown) < len(per_rank) else ""
     out.append(f"<h3>Per rank{note}</h3><p class='note'>rate with its 95 % Wilson interval</p>")
     out.append(_table(["rank", "node", "steps", "spikes", "rate", "95 % interval", "main cause"], rows,
@@ -352,10 +355,11 @@ def _spike_tables(diag) -> str:
     excess = diag.get("rank_causes") or []
     if excess:
         rows = [[e["rank"], e["node"], e["cause"], e["spikes"], _fmt_pct(e["rate"]), _fmt_pct(e["others_rate"]),
-                 f"{e['mean_excess_ns'] / 1e6:.3g}", f"{e['time_lost_ns'] / 1e9:.3g}"] for e in excess[:30]]  # fmt: skip
+                 f"{e['mean_excess_ns'] / 1e6:.3g}", f"{e['time_lost_ns'] / 1e9:.3g}",
+                 f"{e['period']['every']} steps" if e.get("period") else "-"] for e in excess[:30]]  # fmt: skip
         out.append("<h3>Rank-specific causes</h3><p class='note'>a rank whose spikes of one cause stand out from the "
                    "other ranks' rate of that cause (docs/detection.md)</p>")  # fmt: skip
-        out.append(_table(["rank", "node", "cause", "spikes", "rate", "other ranks", "ms each", "s lost"], rows,
+        out.append(_table(["rank", "node", "cause", "spikes", "rate", "other ranks", "ms each", "s lost", "every"], rows,
                           set(range(len(rows)))))  # fmt: skip
     per_node = sorted(spikes.get("per_node") or [], key=lambda p: (-(p.get("rate") or 0), p["node"]))[:30]
     if per_node:
