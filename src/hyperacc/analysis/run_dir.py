@@ -108,7 +108,7 @@ def diagnose(
     reduced = iter(reduced)
     for i, (node, src) in enumerate(order):
         f = next(reduced)
-        if i % _RELEASE_EVERY == _RELEASE_EVERY - 1:
+        if i % _RELEASE_EVERY == _RELEASE_EVERY - 1 or (f is not None and f.steps_seen > opts.rank_chunk_steps):
             release_freed()  # what reading the last ranks freed, before it adds up
         if f is None:
             unread.append(src.rank)
