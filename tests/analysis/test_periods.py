@@ -95,6 +95,8 @@ def test_work_every_rank_does_on_a_period_is_the_jobs(tmp_path):
     d = diagnose(run)
     period = d.spikes["cluster"]["period"]
     assert period is not None and (period["every"], period["first"]) == (50, 49)
+    # what it cost the job: the cluster's step time over its rolling median at those steps, 25 ms each
+    assert 0.8 * 25e6 * period["repeats"] < period["lost_ns"] < 1.2 * 25e6 * period["repeats"]
     assert not d.stragglers and not d.rank_causes
     assert "every 50 steps" in d.verdict
     assert "spiked at once every 50 steps, from step 49" in _spike_tables(d.to_dict())

@@ -545,9 +545,11 @@ def _steps_on(p: dict[str, Any]) -> str:
 
 
 def _job_period_phrase(p: dict[str, Any]) -> str:
+    lost, job = p.get("lost_ns"), p.get("job_ns")
+    cost = f", {_ms(lost)} of the job's {_ms(job)} ({percent(lost / job)})" if lost and job else ""
     return (
-        f"more than half of the ranks spiked at once every {p['every']} steps, on {p['repeats']} of the "
-        f"{p['expected']} judged steps of that period ({_steps_on(p)}): work the job does on a fixed period of steps"
+        f"more than half of the ranks spiked at once every {p['every']} steps ({_steps_on(p)}: {p['repeats']} of "
+        f"the {p['expected']} judged steps of that period){cost}: work the job does on a fixed period of steps"
     )
 
 

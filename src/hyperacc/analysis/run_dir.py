@@ -46,6 +46,7 @@ from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.outliers import window_grid
 from hyperacc.analysis.periods import spike_period
 from hyperacc.analysis.projection import project
+from hyperacc.analysis.robust import rolling_median_at
 from hyperacc.analysis.run_reduce import (
     _EMPTY,
     _EMPTY_F,
@@ -316,7 +317,17 @@ def _job_period(cluster: _Cluster, ranks: int, opts: DetectionOptions) -> dict[s
         return None
     found = spike_period(cluster.steps[2 * cluster.spiked > ranks], cluster.steps[cluster.judged],
                          opts.period_min_repeats, opts.period_coverage, opts.top_alpha)  # fmt: skip
-    return found.to_dict() if found is not None else None
+    if found is None:
+        return None
+    # what those steps cost the job: the cluster's step time (the slowest rank's) over its centred rolling
+    # median, at the steps on the period that spiked
+    timed = np.flatnonzero(np.isfinite(cluster.step_max))
+    step_ns = cluster.step_max[timed]
+    spiked = 2 * cluster.spiked[timed] > ranks
+    at = np.flatnonzero(spiked & ((cluster.steps[timed] - found.first) % found.every == 0))
+    base = rolling_median_at(step_ns, opts.spike_window, at)
+    lost = float(np.clip(step_ns[at] - base, 0.0, None).sum())
+    return {**found.to_dict(), "lost_ns": lost, "job_ns": float(step_ns.sum())}
 
 
 def _held(summary: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
