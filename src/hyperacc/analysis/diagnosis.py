@@ -365,7 +365,9 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         steps.append(f"rank {e['rank']}, {e['cause']} spikes: {ADVICE[key]}")
         seen.add(key)
     if job_period:
-        steps.append(f"spikes every {job_period['every']} steps on most ranks at once: {ADVICE['periodic_job']}")
+        gc_cadence = job_period.get("causes") == ["gc"]  # every rank's collector on one cadence: GC's advice
+        advice = ADVICE["gc"] if gc_cadence else ADVICE["periodic_job"]
+        steps.append(f"spikes every {job_period['every']} steps on most ranks at once: {advice}")
     if too_short:
         steps.append(_too_short_advice(d))
     if not d.stragglers or rate >= spike_verdict_rate:
@@ -549,8 +551,10 @@ def _job_period_phrase(p: dict[str, Any]) -> str:
     cost = f", {_ms(lost)} of the job's {_ms(job)} ({percent(lost / job)})" if lost and job else ""
     return (
         f"more than half of the ranks spiked at once every {p['every']} steps ({_steps_on(p)}: {p['repeats']} of "
-        f"the {p['expected']} judged steps of that period){cost}: work the job does on a fixed period of steps"
-    )
+        f"the {p['expected']} judged steps of that period){cost}: "
+        + ("GC pauses, every rank's collector on one cadence (the loop allocates alike every step)"
+           if p.get("causes") == ["gc"] else "work the job does on a fixed period of steps")
+    )  # fmt: skip
 
 
 def basis_phrase(s: dict[str, Any]) -> str:

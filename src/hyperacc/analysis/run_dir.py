@@ -234,7 +234,7 @@ def diagnose(
                 "steps": judged_steps,
                 "spike_steps": spike_steps,
                 "rate": spike_steps / judged_steps if judged_steps else 0.0,
-                "period": _job_period(cluster, len(findings), opts),
+                "period": _job_period(cluster, findings, opts),
             },
             "events": [
                 {"rank": r, "node": n, "step": s, "excess_ns": int(e), "phase": ph, "cause": c}
@@ -309,10 +309,11 @@ def _reduced(
             yield pending.popleft().result()
 
 
-def _job_period(cluster: _Cluster, ranks: int, opts: DetectionOptions) -> dict[str, Any] | None:
+def _job_period(cluster: _Cluster, findings: list[RankFindings], opts: DetectionOptions) -> dict[str, Any] | None:
     """The period of the steps in which more than half of the ranks spiked at once: work the whole job
     does every N steps (an evaluation, a checkpoint every rank writes, logging), which no rank does more
     than the others, so that no rank-specific cause names it (docs/detection.md, "Periodic spikes")."""
+    ranks = len(findings)
     if ranks < 2:
         return None
     found = spike_period(cluster.steps[2 * cluster.spiked > ranks], cluster.steps[cluster.judged],
@@ -327,7 +328,23 @@ def _job_period(cluster: _Cluster, ranks: int, opts: DetectionOptions) -> dict[s
     at = np.flatnonzero(spiked & ((cluster.steps[timed] - found.first) % found.every == 0))
     base = rolling_median_at(step_ns, opts.spike_window, at)
     lost = float(np.clip(step_ns[at] - base, 0.0, None).sum())
-    return {**found.to_dict(), "lost_ns": lost, "job_ns": float(step_ns.sum())}
+    return {**found.to_dict(), "lost_ns": lost, "job_ns": float(step_ns.sum()), "causes": _period_causes(found, findings)}
+
+
+def _period_causes(found: Any, findings: list[RankFindings]) -> list[str] | None:
+    """The causes of the job's periodic spikes: the set of causes (``PERIOD_SETS``) whose spikes recur on
+    the same period and phase on more than half of the ranks (every rank's collector on one cadence, or
+    every rank's evaluation); None where no set does."""
+    votes: collections.Counter[tuple[str, ...]] = collections.Counter()
+    phase = found.first % found.every
+    for f in findings:
+        for key, p in f.periods.items():
+            if p.every == found.every and p.first % p.every == phase:
+                votes[key] += 1
+    if not votes:
+        return None
+    key, n = max(votes.items(), key=lambda kv: (kv[1], -len(kv[0])))
+    return list(key) if 2 * n > len(findings) else None
 
 
 def _held(summary: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
