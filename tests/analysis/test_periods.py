@@ -100,6 +100,7 @@ def test_work_every_rank_does_on_a_period_is_the_jobs(tmp_path):
     assert not d.stragglers and not d.rank_causes
     assert period["causes"] == ["compute", "host", "unknown"] or period["causes"] == ["compute"], period
     assert "every 50 steps" in d.verdict and "work the job does on a fixed period" in d.verdict
+    assert "a floor the ranks share" not in d.verdict  # not a random floor: the period says what it is
     assert "spiked at once every 50 steps, from step 49" in _spike_tables(d.to_dict())
     clean = diagnose(write_run(tmp_path / "clean", SyntheticRun(ranks=8, steps=1000, seed=4)))
     assert clean.spikes["cluster"]["period"] is None

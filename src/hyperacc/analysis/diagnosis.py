@@ -228,8 +228,9 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         verdict = " ".join(sentences)
     elif rate >= spike_verdict_rate and cluster.get("spike_steps", 0):
         verdict = f"No straggler, but {percent(rate)} of steps spiked on at least one rank" + (
-            f", mostly from {top_cause} ({percent(d.causes[0]['share'])} of the time lost), a floor the "
-            "ranks share (no rank stands out)."
+            f", mostly from {top_cause} ({percent(d.causes[0]['share'])} of the time lost), "
+            # with the job's period below, not all of it is a random floor
+            + ("shared by the ranks (no rank stands out)." if job_period else "a floor the ranks share (no rank stands out).")
             if top_cause
             else "."
         )
