@@ -83,6 +83,15 @@ ADVICE: dict[str, str] = {
     "in turn, so one slow worker (its files, its disk, its CPU) stalls every N-th step where N is num_workers; "
     "otherwise a new file or shard is opened every so many batches, or the loop's own periodic work runs before "
     "the next batch: compare the period with num_workers, and prefetch across the boundary",
+    # a slowdown of the whole job (analysis.slowdowns), by what its ranks did more
+    "slow_preempted": "another process took those ranks' CPUs over those steps (they were ready to run and "
+    "waited for a core): find what ran then (other jobs on the node, a log shipper, a checkpoint upload, "
+    "`top`), bind ranks to cores (`hyperacc affinity`) and keep other work off the node",
+    "slow_communication": "every rank waited longer in the collective with no slower rank to wait for: the "
+    "collective itself slowed (the network, or other jobs sharing its links; on one node, the host's "
+    "transfers and the collective's threads); `hyperacc doctor` measures the links between ranks",
+    "slow_compute": "the work per step grew (longer inputs, a new phase of training) or the same work ran "
+    "slower (CPU or device clocks, thermals): compare the inputs of those steps, and the node's clocks",
     "periodic_job": "work the whole job does on a fixed period of steps, on every rank alike (an evaluation, a "
     "checkpoint, logging, a metric gathered from all ranks): do it less often or asynchronously, or count it "
     "as the price of that work; it is not a rank's fault",
@@ -108,6 +117,7 @@ class Diagnosis:
     schema_version: int = SCHEMA_VERSION
     rank_causes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # analysis.excess
     episodes: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # stragglers that recovered
+    slowdowns: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # analysis.slowdowns: the job's
     windows_judged: int = 0  # windows in which the straggler rules could compare enough ranks
     steps_per_rank: int = 0  # the most steps any rank recorded (warm-up included)
     coordination: dict[str, Any] = dataclasses.field(default_factory=dict)  # analysis.coordination
@@ -134,6 +144,7 @@ class Diagnosis:
                 "projection": self.projection,
                 "rank_causes": [dict(e) for e in self.rank_causes],
                 "episodes": [dict(e) for e in self.episodes],
+                "slowdowns": [dict(s) for s in self.slowdowns],
                 "windows_judged": self.windows_judged,
                 "steps_per_rank": self.steps_per_rank,
                 "coordination": self.coordination,
@@ -214,13 +225,16 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     )
     if too_short:
         sentences.append(_too_short(d))
+    slowdowns = [s for s in d.slowdowns if s.get("job_time_lost_ns")]
+    if slowdowns:
+        sentences.append(_sentence("; ".join(slowdown_phrase(s) for s in costliest(slowdowns, 2))))
     excess = d.rank_causes or []
     if excess:
         sentences.append(_sentence("; ".join(excess_phrase(e) for e in excess[:3])))
     if not cluster.get("steps") and not d.stragglers:
         verdict = "Nothing to judge yet: " + _nothing_judged(d) + "." + (" " + _too_short(d) if too_short else "")
-    elif d.stragglers or excess or too_short or d.episodes:
-        if not d.stragglers and not too_short:
+    elif d.stragglers or excess or too_short or d.episodes or slowdowns:
+        if not d.stragglers and not too_short and d.ranks_analyzed >= min_ranks:
             sentences.insert(0, "No straggler at the end of the run.")
         if rate >= spike_verdict_rate and top_cause:
             sentences.append(f"Separately, {percent(rate)} of steps spiked on some rank, mostly from {top_cause}.")
@@ -250,6 +264,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     for e in d.episodes[:10]:
         if e.get("rule") == "change_point":
             evidence.append(_episode_evidence(e))
+    evidence += [_slowdown_evidence(s) for s in slowdowns[:5]]
     for s in (d.stragglers + [e for e in d.episodes if e.get("rule") != "change_point"])[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
@@ -356,6 +371,9 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         key = _advice_key(e)
         if not any(s["rank"] == e["rank"] for s in ranks_bad[:5]):
             steps.append(f"rank {e['rank']}, steps {e['since_step']}-{e['until_step']}: {ADVICE[key]}")
+    for s in costliest(slowdowns, 2):
+        key = _SLOW_ADVICE.get(s["kind"], s["kind"])
+        steps.append(f"the job's steps {s['since_step']}-{s['until_step']}: {ADVICE[key]}")
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
         if e.get("period") and e["cause"] != "gc":  # a collector's cadence is not the loop's work: GC's advice
@@ -431,6 +449,50 @@ def episode_phrase(e: dict[str, Any]) -> str:
         f"rank {e['rank']} (node {e['node']}) was slow from step {e['since_step']} to {e['until_step']} "
         f"({kind}: {what}{cost}), then recovered"
     )
+
+
+# a slowdown's kind (analysis.slowdowns) and the advice that says what to do about it
+_SLOW_ADVICE = {"preempted": "slow_preempted", "communication": "slow_communication", "compute": "slow_compute",
+                "host": "blocked", "unknown": "unknown"}  # fmt: skip
+_SLOW_WORDS = {
+    "preempted": ("waited for a CPU", "run-queue delay"),
+    "compute": ("computed more", "CPU time"),
+    "data": ("waited for input", "input wait"),
+    "gc": ("collected garbage", "GC time"),
+    "host": ("waited off the CPU", ""),
+    "unknown": ("were slower, with no recorded signal to say why", ""),
+}
+
+
+def _slowdown_who(s: dict[str, Any]) -> str:
+    """Whom the job waited for over a slowdown, and what they did more: "ranks [1, 3] waited for a CPU
+    (run-queue delay +24 ms a step)"."""
+    if s["kind"] == "communication":
+        return "every rank waited longer in the collective, with no slower rank to wait for"
+    who = "every rank" if s["shared"] else f"ranks {_ranks(s['ranks'])}" if len(s["ranks"]) > 1 else f"rank {s['ranks'][0]}"
+    what, column = _SLOW_WORDS.get(s["kind"], (s["kind"], ""))
+    rise = f"self-time +{_ms(s['self_rise_ns'])} a step"
+    if column and s.get("cause_rise_ns") is not None:
+        rise = f"{column} +{_ms(s['cause_rise_ns'])} a step"
+    return f"{who} {what} ({rise})"
+
+
+def slowdown_phrase(s: dict[str, Any]) -> str:
+    """"The job's step time rose 1.60x over steps 90-149 (2.06 s lost): ranks [1, 3] waited for a CPU
+    (run-queue delay +24 ms a step)" (docs/detection.md, "Slowdowns of the job")."""
+    when = f"from step {s['since_step']}, still at the end" if s["active"] else f"over steps {s['since_step']}-{s['until_step']}"
+    return f"the job's step time rose {_ratio(s['slowdown'])} {when} ({s['job_time_lost_ns'] / 1e9:.3g} s lost): {_slowdown_who(s)}"
+
+
+def _slowdown_evidence(s: dict[str, Any]) -> str:
+    line = (
+        f"the job: its step time (the slowest rank's) went from {_ms(s['baseline_ns'])} to {_ms(s['step_ns'])} over "
+        f"steps {s['since_step']}-{s['until_step']} ({s['steps']} steps; noise {s['noise']:.3f} per block), confirmed "
+        f"at step {s['confirmed_step']} by the change-point rule on the job's own step time; "
+    )
+    if not s["ranks"]:
+        return line + _slowdown_who(s)
+    return line + f"{_slowdown_who(s)}, their self-time +{_ms(s['self_rise_ns'])} a step (the job's rose {_ms(s['step_ns'] - s['baseline_ns'])})"
 
 
 def _episode_evidence(e: dict[str, Any]) -> str:

@@ -57,6 +57,7 @@ from hyperacc.analysis.run_reduce import (
     period_of,
 )
 from hyperacc.analysis.run_views import _causes, _coordination_view, _per_rank, _rate_rows, _resources_view
+from hyperacc.analysis.slowdowns import Slowdown, detect_slowdowns, explained
 from hyperacc.analysis.spikes import communication_spikes
 from hyperacc.analysis.stragglers import detect_stragglers, judged_windows
 from hyperacc.analysis.whatif import Culprit, what_if
@@ -138,6 +139,8 @@ def diagnose(
     # a straggler again without an episode beside it (each pair was a peak of memory).
     release_freed()
     changes = detect_episodes(blocks.blocks, opts)
+    # the job's own step time, for what moves several ranks at once (docs/detection.md, "Slowdowns")
+    job_slowdowns = detect_slowdowns(cluster.steps, cluster.step_max, blocks.blocks, opts)
     del blocks
     release_freed()
     summaries = concat_windows(windows)
@@ -161,6 +164,7 @@ def diagnose(
     stragglers = [s for s in stragglers if s["rank"] not in back]
     episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active], opts.window_steps)
     working = working_gap_ranks(stragglers + episodes)
+    slowdowns = [s for s in map(Slowdown.to_dict, job_slowdowns) if not explained(s, stragglers + episodes)]
     for f in findings:
         if f.rank in working:
             for tally in (f.counts, f.time_lost):
@@ -247,6 +251,7 @@ def diagnose(
         ranks_analyzed=len(findings),
         rank_causes=rank_causes,
         episodes=episodes,
+        slowdowns=slowdowns,
         windows_judged=windows_judged,
         steps_per_rank=max((int(f.steps_seen) for f in findings), default=0),
         coordination=_coordination_view(cluster, findings, layout, causes, one_clock, batch_size),

@@ -33,7 +33,8 @@ class SyntheticFault:
     host (preemption: the rank loses the core for ``ms``, with extra context switches and no CPU time),
     comm (the collective itself is slow for everyone; ``ranks`` is ignored), launch (probe x
     (1+factor)). ``every`` > 0: a spike kind hits every ``every`` steps from ``start_step`` instead of
-    at random with ``rate`` (work a loop does on a fixed period: a checkpoint, an evaluation). The CPU
+    at random with ``rate`` (work a loop does on a fixed period: a checkpoint, an evaluation); ``end_step`` > 0 ends it before that
+    step. The CPU
     time of each step (``cpu_ns``) is the work done: phases less what a host fault took."""
 
     kind: str
@@ -43,6 +44,7 @@ class SyntheticFault:
     factor: float = 0.0
     start_step: int = 0
     every: int = 0
+    end_step: int = 0  # > 0: the fault stops before this step (a fail-slow that ends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,11 +151,12 @@ def _rank_self(
         if f.kind == "comm" or rank not in f.ranks:
             continue
         frng = np.random.default_rng([spec.seed, rank, 1000 + i])
-        hit = (frng.random(n) < f.rate) & (steps >= f.start_step)
+        during = (steps >= f.start_step) & ((steps < f.end_step) if f.end_step > 0 else True)
+        hit = (frng.random(n) < f.rate) & during
         if f.every:
-            hit = (steps >= f.start_step) & ((steps - f.start_step) % f.every == 0)
+            hit = during & ((steps - f.start_step) % f.every == 0)
         if f.kind == "slowdown":
-            on = steps >= f.start_step
+            on = during
             forward = np.where(on, forward * (1 + f.factor), forward)
             backward = np.where(on, backward * (1 + f.factor), backward)
             truth.append({"rank": rank, "node": node, "step": f.start_step, "kind": "slowdown", "magnitude_ms": 0.0,
@@ -199,7 +202,9 @@ def _comm_delay(spec: SyntheticRun) -> np.ndarray:
     for i, f in enumerate(spec.faults):
         if f.kind == "comm":
             rng = np.random.default_rng([spec.seed, 99, i])
-            delay += np.where(rng.random(spec.steps) < f.rate, f.ms * MS, 0.0)
+            steps = np.arange(spec.steps)
+            during = (steps >= f.start_step) & ((steps < f.end_step) if f.end_step > 0 else True)
+            delay += np.where((rng.random(spec.steps) < f.rate) & during, f.ms * MS, 0.0)
     return delay
 
 

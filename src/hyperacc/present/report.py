@@ -159,8 +159,10 @@ def build_report(
     figs: list[tuple[str, str, dict, str]] = []  # (section id, title, figure, note)
     figs.append(("heatmap", f"Rank x step: {metric_word}", _heatmap(bin_mean, bin_max, [row_of[r] for r in chosen], chosen,
                  x_bins, width, spikes, flagged, metric_word), _heatmap_note(len(ranks), len(chosen), width)))  # fmt: skip
-    figs.append(("steptime", "Step time over time", _step_time(step_max, first, width, spikes, (diag or {}).get("episodes") or []),
-                 "shaded: episodes, a rank slow for a stretch (docs/detection.md)" if (diag or {}).get("episodes") else ""))
+    bands = [*((diag or {}).get("episodes") or []), *((diag or {}).get("slowdowns") or [])]
+    figs.append(("steptime", "Step time over time", _step_time(step_max, first, width, spikes, bands),
+                 "shaded: episodes, a rank slow for a stretch, and slowdowns of the whole job (docs/detection.md)"
+                 if bands else ""))  # fmt: skip
     by_rank = {s.rank: s for s in summaries}
     figs.append(("ranks", f"Per-rank {metric_word}", _rank_boxes([by_rank[r] for r in chosen if r in by_rank], flagged,
                  metric_word), _subset_note(len(ranks), len(chosen))))  # fmt: skip

@@ -144,14 +144,17 @@ def _step_time(step_max: _StepMax, first, width, spikes, episodes=()) -> dict:
 
 
 def _episode_bands(episodes, most: int = 20) -> tuple[list[dict], list[dict]]:
-    """Each episode (docs/detection.md, "Episodes") as a shaded band over its steps, named at its top."""
+    """Each episode (docs/detection.md, "Episodes") as a shaded band over its steps, named at its top; a
+    slowdown of the whole job (no ``rank``: "Slowdowns of the job") in orange."""
     shapes, notes = [], []
     for e in list(episodes)[:most]:
         x0, x1 = e["since_step"], e["until_step"]
+        colour = "#d62728" if "rank" in e else "#ff7f0e"
         shapes.append({"type": "rect", "xref": "x", "yref": "paper", "x0": x0, "x1": x1, "y0": 0, "y1": 1,
-                       "fillcolor": "#d62728", "opacity": 0.12, "line": {"width": 0}, "layer": "below"})  # fmt: skip
+                       "fillcolor": colour, "opacity": 0.12, "line": {"width": 0}, "layer": "below"})  # fmt: skip
         lost = e.get("job_time_lost_ns")
-        text = f"rank {e['rank']}: {e.get('kind', '')}" + (f", {lost / 1e9:.3g} s lost" if lost else "")
+        who = f"rank {e['rank']}" if "rank" in e else "job"
+        text = f"{who}: {e.get('kind', '')}" + (f", {lost / 1e9:.3g} s lost" if lost else "")
         notes.append({"x": (x0 + x1) / 2, "xref": "x", "y": 1, "yref": "paper", "yanchor": "bottom",
                       "text": html.escape(text), "showarrow": False, "font": {"size": 10, "color": "#a00"}})  # fmt: skip
     return shapes, notes

@@ -1,0 +1,199 @@
+"""Slowdowns of the whole job: stretches in which the job's own step time shifts up and later back,
+whoever caused it (docs/detection.md, "Slowdowns of the job").
+
+The episode rules (``episodes.py``) judge each rank against the other ranks of the same steps, so that
+the host's wander, which moves every rank, cancels. That makes them blind to what moves several ranks at
+once: another process that takes the cores of some ranks (it preempts them: their CPU time is flat, so
+the rank rules call it the host's wander), a slower collective, storage that every rank waits for. The
+job waits all the same. Here the series is the job's: the step time of its slowest rank
+(``run_reduce._Cluster.step_max``, after the warm-up), in the episodes' blocks, against its own level:
+
+* **Blocks.** The median of the job's step time over each block of ``episode_block_steps`` steps (the
+  episodes' blocks; a block with fewer than half its steps timed is not judged); ``x`` = its log.
+* **Change points.** The two-sided CUSUM of ``change_points.change_points`` on ``x`` less its median,
+  with ``k = log(episode_min_effect) / 2``, ``h = episode_h x sigma`` and ``sigma`` the robust spread of
+  ``x``'s successive differences (at least ``min_mad_rel``); the edges trimmed as an episode's
+  (``episodes.edges_trimmed``).
+* **A slowdown** lasts at least ``episode_min_steps`` steps, its shift over the job's level outside it is
+  at least ``log(episode_min_effect)`` within two standard errors, it has ``episode_min_steps`` judged
+  steps before it, and its highest stretch of ``episode_min_steps`` steps stands half the minimum effect
+  above every stretch as long elsewhere in the run (``WanderFloor``: the job's own wander at that
+  length, other slowdowns that clear it aside).
+* **Who and what.** Over the slowdown against outside it, each rank's own rise of self-time, CPU time,
+  run-queue delay, input wait and GC time (block medians; ``RankBlocks``). The ranks whose self-time rose
+  by ``explain_share`` of the job's rise are the ones the job waited for (``ranks``; all of them:
+  ``shared``); none: the ranks waited longer in the collective with no slower rank to wait for
+  (``communication``). Their kind, by the first of their median rises that holds ``explain_share`` of
+  their self-time's: ``gc``, ``data``, ``preempted`` (the run-queue delay: ready to run, no CPU for it),
+  ``compute`` (CPU time); else ``host`` (it waited off its CPU), or ``unknown`` where their CPU time
+  was not measured.
+
+Pure functions over arrays; ``run_dir.diagnose`` feeds them and drops a slowdown that a rank's episode
+or straggler already explains (``explained``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from hyperacc.analysis.change_points import (
+    LengthBars,
+    WanderFloor,
+    change_points,
+    outside_level,
+    stretch_levels,
+)
+from hyperacc.analysis.episodes import RankBlocks, edges_trimmed, has_effect, segment_shift
+from hyperacc.analysis.options import DetectionOptions
+
+
+@dataclasses.dataclass(frozen=True)
+class Slowdown:
+    since_step: int  # first step of the first block of the shift
+    until_step: int  # last step of the last block before the shift back (or of the run)
+    confirmed_step: int  # last step of the block in which the CUSUM crossed its decision interval
+    active: bool  # still shifted at the job's last block
+    steps: int
+    slowdown: float  # the job's step time over its level outside, median over the blocks
+    step_ns: float  # the job's step time over the slowdown (median of its blocks)
+    baseline_ns: float  # ... and outside it
+    job_time_lost_ns: float  # the step time over the baseline, summed over the slowdown's steps
+    kind: str  # preempted | compute | data | gc | host | communication
+    ranks: list[int]  # the ranks whose self-time rose by ``explain_share`` of the job's rise
+    shared: bool  # every judged rank did
+    self_rise_ns: float | None  # their median rise of self-time per step (None: no rank)
+    cause_rise_ns: float | None  # ... and of what the kind names (run-queue delay, CPU, input, GC)
+    noise: float  # sigma of a block's log step time
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def job_blocks(steps: np.ndarray, step_ns: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks (``step // width``, sorted; only those holding a timed step, so a run numbered from
+    10**12 costs its blocks, not a dense array) and the job's median step time in each, over the steps
+    timed (``step_ns`` finite); NaN where fewer than half a block's steps were."""
+    ok = np.isfinite(step_ns)
+    block = np.asarray(steps)[ok] // width
+    values = np.asarray(step_ns, dtype=np.float64)[ok]
+    order = np.lexsort((values, block))
+    block, values = block[order], values[order]
+    uniq, starts, count = np.unique(block, return_index=True, return_counts=True)
+    med = (values[starts + (count - 1) // 2] + values[starts + count // 2]) / 2.0
+    med[count * 2 < width] = np.nan
+    return uniq.astype(np.int64), med
+
+
+def detect_slowdowns(
+    steps: np.ndarray, step_ns: np.ndarray, ranks: Sequence[RankBlocks], opts: DetectionOptions,
+) -> list[Slowdown]:  # fmt: skip
+    """The job's slowdowns (module docstring). ``steps``, ``step_ns``: the job's step time per step
+    (NaN: not timed); ``ranks``: every rank's blocks, for who and what."""
+    width = max([opts.episode_block_steps, *(b.width for b in ranks)])
+    block, value = job_blocks(steps, step_ns, width)
+    if np.count_nonzero(np.isfinite(value)) < 3:
+        return []
+    with np.errstate(all="ignore"):
+        x = np.where(value > 0, np.log(value), np.nan)[None, :]
+    span = max(1, math.ceil(opts.episode_min_steps / width))
+    bars = LengthBars(x, span, opts.z_threshold)
+    found = []
+    for _, b0, b1, confirm, active, sigma in change_points(x, opts):
+        seg = np.arange(b0, b1 + 1)
+        shift = segment_shift(x[0], seg)
+        seg = edges_trimmed(x[0], seg, shift, keep_end=active)
+        shift = segment_shift(x[0], seg)
+        b0, b1 = int(seg[0]), int(seg[-1])
+        if (b1 - b0 + 1) * width < opts.episode_min_steps or not has_effect(x[0], seg, shift, sigma, opts):
+            continue
+        if np.count_nonzero(np.isfinite(x[0, :b0])) * width < opts.episode_min_steps:
+            continue  # no "before" to shift from
+        if shift < bars.at(seg.size):
+            continue  # within the job's own wander at this length
+        own = stretch_levels(x[:, seg] - outside_level(x[0], seg), span, level=False)
+        peak = float(np.nanmax(own, initial=-np.inf)) if own.size else -math.inf
+        found.append((b0, b1, max(int(confirm), b0), bool(active), float(sigma), seg, shift, own, peak))
+    if not found:
+        return []
+    margin = math.log(opts.episode_min_effect) / 2.0
+    floor = WanderFloor(stretch_levels(x, span), span, [(0, f[0], f[1], f[8]) for f in found], margin)
+    out = []
+    for b0, b1, confirm, active, sigma, seg, shift, own, _ in found:
+        if not floor.above(0, b0, b1, own, margin):
+            continue
+        inside, outside = float(np.nanmedian(value[seg])), float(np.nanmedian(np.delete(value, seg)))
+        if not inside - outside >= opts.floor_ns:
+            continue  # too little time a step to matter (the episodes' own floor)
+        since, until = int(block[b0]) * width, int(block[b1]) * width + width - 1
+        timed = (steps >= since) & (steps <= until) & np.isfinite(step_ns)
+        lost = float(np.clip(step_ns[timed] - outside, 0.0, None).sum())
+        who = _who(ranks, since, until, inside - outside, opts)
+        out.append(Slowdown(
+            since_step=since, until_step=until, confirmed_step=int(block[confirm]) * width + width - 1,
+            active=active, steps=until - since + 1, slowdown=float(math.exp(shift)), step_ns=inside,
+            baseline_ns=outside, job_time_lost_ns=lost, noise=sigma, **who,
+        ))  # fmt: skip
+    return out
+
+
+def _rise(b: RankBlocks, column: str, inside: np.ndarray) -> float:
+    """Rank ``b``'s median of ``column`` over the blocks ``inside`` less its median outside them (NaN:
+    not measured on both sides)."""
+    v = getattr(b, column)
+    if v is None:
+        return math.nan
+    v = np.asarray(v, dtype=np.float64)
+    a, o = v[inside], v[~inside]
+    a, o = a[np.isfinite(a)], o[np.isfinite(o)]
+    return float(np.median(a) - np.median(o)) if a.size and o.size else math.nan
+
+
+# What a slowdown's ranks did more, in the order tried: the first whose rise holds ``explain_share`` of
+# their self-time's rise names the kind (docs/detection.md, "Slowdowns of the job")
+_KINDS = (("gc", "gc"), ("data", "data"), ("preempted", "delay"), ("compute", "cpu_ns"))
+
+
+def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts: DetectionOptions) -> dict[str, Any]:
+    """The ranks the job waited for over steps ``since..until`` (``rise``: the job's rise of step time)
+    and what they did more."""
+    rises: dict[int, dict[str, float]] = {}
+    for b in ranks:
+        start = b.block * b.width
+        inside = (start >= since) & (start <= until)
+        if inside.any() and (~inside).any():
+            rises[b.rank] = {c: _rise(b, c, inside) for c in ("self_ns", *(c for _, c in _KINDS))}
+    judged = {r: v for r, v in rises.items() if math.isfinite(v["self_ns"])}
+    slow = sorted(r for r, v in judged.items() if v["self_ns"] >= opts.explain_share * rise)
+    none = {"ranks": [], "shared": False, "self_rise_ns": None, "cause_rise_ns": None}
+    if not slow:  # with two ranks timed or more, they waited longer in the collective for no slower rank
+        return {"kind": "communication" if len(judged) >= 2 else "unknown", **none}
+    self_rise = float(np.median([judged[r]["self_ns"] for r in slow]))
+    timed = [r for r in slow if math.isfinite(judged[r]["cpu_ns"])]
+    kind, cause = ("host" if 2 * len(timed) > len(slow) else "unknown"), None  # off the CPU, where its CPU time says so
+    for name, column in _KINDS:
+        values = [judged[r][column] for r in slow if math.isfinite(judged[r][column])]
+        if len(values) * 2 > len(slow) and float(np.median(values)) >= opts.explain_share * self_rise:
+            kind, cause = name, float(np.median(values))
+            break
+    return {"kind": kind, "ranks": slow, "shared": len(slow) == len(judged) and len(judged) > 1,
+            "self_rise_ns": self_rise, "cause_rise_ns": cause}  # fmt: skip
+
+
+def explained(slowdown: Mapping[str, Any], culprits: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether rank findings (episodes, stragglers: ``rank``, ``since_step``, ``until_step``) already
+    explain a slowdown: one of its ranks (any rank, where it names none) has a finding that overlaps at
+    least half of its steps."""
+    lo, hi = slowdown["since_step"], slowdown["until_step"]
+    named = set(slowdown["ranks"])
+    for c in culprits:
+        if named and c["rank"] not in named:
+            continue
+        overlap = min(hi, c["until_step"]) - max(lo, c["since_step"]) + 1
+        if 2 * overlap >= hi - lo + 1:
+            return True
+    return False

@@ -1,0 +1,152 @@
+"""Slowdowns of the whole job (analysis.slowdowns): what moves several ranks at once is found on the job's
+own step time, named by what its ranks did more, and not made up from the job's wander."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hyperacc.analysis import diagnose
+from hyperacc.analysis.episodes import RankBlocks
+from hyperacc.analysis.options import DetectionOptions
+from hyperacc.analysis.slowdowns import detect_slowdowns, explained, job_blocks
+from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
+
+OPTS = DetectionOptions()
+STEPS = np.arange(10, 1000)
+MS = 1e6
+
+
+def _blocks(rank: int, self_ms: np.ndarray, cpu_ms: np.ndarray, delay_ms: np.ndarray | None = None) -> RankBlocks:
+    """Rank blocks of 5 steps from per-step values (their medians per block)."""
+    b = STEPS // 5
+    uniq = np.unique(b)
+
+    def med(v: np.ndarray) -> np.ndarray:
+        return np.array([np.median(v[b == u]) for u in uniq], dtype=np.float32) * MS
+
+    return RankBlocks(rank, 0, uniq, med(self_ms), med(cpu_ms), np.full(uniq.size, 5, dtype=np.uint16),
+                      delay=None if delay_ms is None else med(delay_ms))  # fmt: skip
+
+
+def _job(seed: int, ranks: int = 4, slow: tuple[int, ...] = (), factor: float = 1.6, span=(500, 560),
+         how: str = "preempted") -> tuple[np.ndarray, list[RankBlocks]]:  # fmt: skip
+    """A job of ``ranks`` ranks whose ``slow`` ranks are slower by ``factor`` over ``span`` (preempted:
+    wall time and run-queue delay, no CPU time; compute: CPU time too); comm: every rank waits longer."""
+    rng = np.random.default_rng(seed)
+    on = (STEPS >= span[0]) & (STEPS < span[1])
+    selfs, blocks = [], []
+    for r in range(ranks):
+        cpu = 20.0 * rng.lognormal(0.0, 0.05, STEPS.size)
+        delay = 0.3 * rng.lognormal(0.0, 0.3, STEPS.size)
+        wall = cpu + delay
+        if r in slow:
+            extra = np.where(on, (factor - 1) * 20.0, 0.0)
+            wall = wall + extra
+            if how == "preempted":
+                delay = delay + extra
+            else:
+                cpu = cpu + extra
+        selfs.append(wall)
+        blocks.append(_blocks(r, wall, cpu, delay))
+    wait = 2.0 * rng.lognormal(0.0, 0.1, STEPS.size) + (np.where(on, (factor - 1) * 20.0, 0.0) if how == "comm" else 0.0)
+    return (np.max(selfs, axis=0) + wait) * MS, blocks
+
+
+def test_ranks_that_lose_their_cpu_for_60_steps_slow_the_job_and_are_named():
+    step_ns, blocks = _job(1, slow=(1, 3))
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    assert (s.since_step, s.until_step, s.active) == (500, 559, False)
+    assert s.kind == "preempted" and s.ranks == [1, 3] and not s.shared
+    assert 1.4 < s.slowdown < 1.8
+    assert s.job_time_lost_ns == pytest.approx(60 * 12 * MS, rel=0.2)
+
+
+def test_two_ranks_are_enough_where_the_cross_rank_rules_abstain():
+    step_ns, blocks = _job(2, ranks=2, slow=(0,), factor=2.0, span=(300, 400))
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    assert (s.since_step, s.until_step, s.kind, s.ranks) == (300, 399, "preempted", [0])
+
+
+def test_every_rank_computing_more_is_shared_compute_and_a_slower_collective_is_communication():
+    step_ns, blocks = _job(3, slow=(0, 1, 2, 3), how="compute")
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    assert (s.kind, s.shared, s.ranks) == ("compute", True, [0, 1, 2, 3])
+    step_ns, blocks = _job(4, how="comm")
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    assert (s.kind, s.ranks, s.since_step, s.until_step) == ("communication", [], 500, 559)
+
+
+def test_a_slowdown_still_on_at_the_end_is_open():
+    step_ns, blocks = _job(5, slow=(2,), span=(800, 2000))
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    assert s.active and s.since_step == 800 and s.until_step == 999 and s.ranks == [2]
+
+
+def test_no_slowdown_from_noise_wander_a_short_bump_a_small_rise_or_no_baseline():
+    for seed in range(100):
+        step_ns, blocks = _job(100 + seed)
+        assert detect_slowdowns(STEPS, step_ns, blocks, OPTS) == [], seed
+    # a host whose speed wanders slowly (AR(1) in log, lag-1 correlation 0.9): no level stands out
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        z = np.zeros(STEPS.size)
+        for i in range(1, z.size):
+            z[i] = 0.9 * z[i - 1] + 0.05 * rng.standard_normal()
+        step_ns = 20 * MS * np.exp(z + 0.05 * rng.standard_normal(STEPS.size))
+        assert detect_slowdowns(STEPS, step_ns, _job(seed)[1], OPTS) == [], seed
+    step_ns, blocks = _job(6, slow=(1,), span=(500, 510), factor=3.0)
+    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS) == []  # 10 steps: under episode_min_steps
+    step_ns, blocks = _job(7, slow=(1,), factor=1.6)
+    small = step_ns / 1000  # the same shape in microseconds: under floor_ns a step
+    assert detect_slowdowns(STEPS, small, blocks, OPTS) == []
+    step_ns, blocks = _job(8, slow=(1,), span=(0, 60), factor=2.0)
+    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS) == []  # slow from the first judged step
+
+
+def test_blocks_keep_only_those_mostly_timed():
+    steps = np.arange(0, 20)
+    values = np.where(steps % 5 < 2, np.nan, steps.astype(float))
+    values[10:15] = np.nan
+    block, med = job_blocks(steps, values, 5)
+    assert block.tolist() == [0, 1, 3]  # block 2 had no timed step
+    assert med.tolist() == [3.0, 8.0, 18.0]
+    block, med = job_blocks(np.array([10**12, 10**12 + 1, 10**12 + 2]), np.array([1.0, 2.0, 9.0]), 5)
+    assert block.tolist() == [2 * 10**11] and med.tolist() == [2.0]
+    block, med = job_blocks(np.arange(5), np.array([1.0, 2.0, np.nan, np.nan, np.nan]), 5)
+    assert np.isnan(med).all()  # 2 of 5 steps timed
+
+
+def test_a_rank_finding_over_most_of_it_explains_a_slowdown():
+    s = {"since_step": 500, "until_step": 559, "ranks": [1, 3]}
+    assert explained(s, [{"rank": 3, "since_step": 505, "until_step": 600}])
+    assert not explained(s, [{"rank": 2, "since_step": 500, "until_step": 559}])  # another rank's
+    assert not explained(s, [{"rank": 1, "since_step": 540, "until_step": 600}])  # a third of it
+    assert explained({**s, "ranks": []}, [{"rank": 0, "since_step": 480, "until_step": 540}])
+
+
+def test_diagnose_names_a_slower_collective_and_leaves_what_the_rank_episodes_name_to_them(tmp_path):
+    comm = SyntheticFault("comm", rate=1.0, ms=20, start_step=600, end_step=700)
+    d = diagnose(write_run(tmp_path / "comm", SyntheticRun(ranks=8, steps=1200, seed=4, faults=(comm,))))
+    (s,) = d.slowdowns
+    assert abs(s["since_step"] - 600) <= 5 and abs(s["until_step"] - 699) <= 5
+    assert (s["kind"], s["ranks"]) == ("communication", [])
+    assert "The job's step time rose" in d.verdict and "every rank waited longer in the collective" in d.verdict
+    assert any(line.startswith("the job's steps") for line in d.next_step)
+    # two ranks losing their core (no run-queue delay recorded here, so the rank rules see them): told once
+    host = SyntheticFault("host", ranks=(1, 5), rate=1.0, ms=15, start_step=600, end_step=700)
+    d = diagnose(write_run(tmp_path / "host", SyntheticRun(ranks=8, steps=1200, seed=3, faults=(host,))))
+    assert sorted(e["rank"] for e in d.episodes) == [1, 5] and d.slowdowns == []
+
+
+def test_a_straggler_to_the_end_is_not_told_twice_as_a_slowdown(tmp_path):
+    slow = SyntheticFault("slowdown", ranks=(2,), factor=0.8, start_step=600)
+    d = diagnose(write_run(tmp_path, SyntheticRun(ranks=8, steps=1200, seed=5, faults=(slow,))))
+    assert [s["rank"] for s in d.stragglers] == [2] or [e["rank"] for e in d.episodes] == [2]
+    assert d.slowdowns == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clean_synthetic_runs_have_no_slowdown(tmp_path, seed):
+    d = diagnose(write_run(tmp_path, SyntheticRun(ranks=8, steps=1500, seed=20 + seed)))
+    assert d.slowdowns == []
