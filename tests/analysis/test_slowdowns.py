@@ -45,6 +45,8 @@ def _job(seed: int, ranks: int = 4, slow: tuple[int, ...] = (), factor: float = 
             wall = wall + extra
             if how == "preempted":
                 delay = delay + extra
+            elif how == "mixed":  # half more work, half more waiting for a CPU
+                cpu, delay = cpu + extra / 2, delay + extra / 2
             else:
                 cpu = cpu + extra
         selfs.append(wall)
@@ -75,6 +77,13 @@ def test_every_rank_computing_more_is_shared_compute_and_a_slower_collective_is_
     step_ns, blocks = _job(4, how="comm")
     (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
     assert (s.kind, s.ranks, s.since_step, s.until_step) == ("communication", [], 500, 559)
+
+
+def test_more_work_and_more_waiting_for_a_cpu_together_are_both_said():
+    step_ns, blocks = _job(9, ranks=2, slow=(0, 1), how="mixed", factor=1.5)
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    assert (s.kind, s.ranks, s.shared) == ("compute_or_host", [0, 1], True)
+    assert s.cpu_rise_ns == pytest.approx(5 * MS, rel=0.3) and s.delay_rise_ns == pytest.approx(5 * MS, rel=0.3)
 
 
 def test_a_slowdown_still_on_at_the_end_is_open():

@@ -453,13 +453,14 @@ def episode_phrase(e: dict[str, Any]) -> str:
 
 # a slowdown's kind (analysis.slowdowns) and the advice that says what to do about it
 _SLOW_ADVICE = {"preempted": "slow_preempted", "communication": "slow_communication", "compute": "slow_compute",
-                "host": "blocked", "unknown": "unknown"}  # fmt: skip
+                "host": "blocked", "compute_or_host": "compute_or_host", "unknown": "unknown"}  # fmt: skip
 _SLOW_WORDS = {
     "preempted": ("waited for a CPU", "run-queue delay"),
     "compute": ("computed more", "CPU time"),
     "data": ("waited for input", "input wait"),
     "gc": ("collected garbage", "GC time"),
     "host": ("waited off the CPU", ""),
+    "compute_or_host": ("computed more and waited for a CPU", ""),
     "unknown": ("were slower, with no recorded signal to say why", ""),
 }
 
@@ -474,6 +475,8 @@ def _slowdown_who(s: dict[str, Any]) -> str:
     rise = f"self-time +{_ms(s['self_rise_ns'])} a step"
     if column and s.get("cause_rise_ns") is not None:
         rise = f"{column} +{_ms(s['cause_rise_ns'])} a step"
+    elif s["kind"] == "compute_or_host":
+        rise = f"CPU time +{_ms(s['cpu_rise_ns'] or 0.0)} and run-queue delay +{_ms(s['delay_rise_ns'] or 0.0)} a step"
     return f"{who} {what} ({rise})"
 
 

@@ -20,13 +20,14 @@ job waits all the same. Here the series is the job's: the step time of its slowe
   above every stretch as long elsewhere in the run (``WanderFloor``: the job's own wander at that
   length, other slowdowns that clear it aside).
 * **Who and what.** Over the slowdown against outside it, each rank's own rise of self-time, CPU time,
-  run-queue delay, input wait and GC time (block medians; ``RankBlocks``). The ranks whose self-time rose
-  by ``explain_share`` of the job's rise are the ones the job waited for (``ranks``; all of them:
-  ``shared``); none: the ranks waited longer in the collective with no slower rank to wait for
-  (``communication``). Their kind, by the first of their median rises that holds ``explain_share`` of
-  their self-time's: ``gc``, ``data``, ``preempted`` (the run-queue delay: ready to run, no CPU for it),
-  ``compute`` (CPU time); else ``host`` (it waited off its CPU), or ``unknown`` where their CPU time
-  was not measured.
+  run-queue delay, input wait and GC time (block medians; ``RankBlocks``). Where no rank's self-time
+  rose by ``explain_share`` of the job's rise, the ranks waited longer in the collective with no slower
+  rank to wait for (``communication``); else the job waited for the ranks whose rise is at least
+  ``explain_share`` of the largest (``ranks``; all of them: ``shared``). Their kind, by the first of
+  their median rises that holds ``explain_share`` of their self-time's: ``gc``, ``data``,
+  ``preempted`` (the run-queue delay: ready to run, no CPU for it), ``compute`` (CPU time); else
+  ``host`` where what neither explains holds it (off the CPU: a read, a lock), ``compute_or_host``
+  where the two together do, ``unknown`` where nothing measured does.
 
 Pure functions over arrays; ``run_dir.diagnose`` feeds them and drops a slowdown that a rank's episode
 or straggler already explains (``explained``).
@@ -63,11 +64,13 @@ class Slowdown:
     step_ns: float  # the job's step time over the slowdown (median of its blocks)
     baseline_ns: float  # ... and outside it
     job_time_lost_ns: float  # the step time over the baseline, summed over the slowdown's steps
-    kind: str  # preempted | compute | data | gc | host | communication
-    ranks: list[int]  # the ranks whose self-time rose by ``explain_share`` of the job's rise
-    shared: bool  # every judged rank did
+    kind: str  # preempted | compute | data | gc | host | compute_or_host | unknown | communication
+    ranks: list[int]  # the ranks the job waited for (module docstring)
+    shared: bool  # every judged rank
     self_rise_ns: float | None  # their median rise of self-time per step (None: no rank)
     cause_rise_ns: float | None  # ... and of what the kind names (run-queue delay, CPU, input, GC)
+    cpu_rise_ns: float | None  # ... of CPU time (None: not measured)
+    delay_rise_ns: float | None  # ... of run-queue delay (None: not measured)
     noise: float  # sigma of a block's log step time
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,20 +171,42 @@ def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts:
         if inside.any() and (~inside).any():
             rises[b.rank] = {c: _rise(b, c, inside) for c in ("self_ns", *(c for _, c in _KINDS))}
     judged = {r: v for r, v in rises.items() if math.isfinite(v["self_ns"])}
-    slow = sorted(r for r, v in judged.items() if v["self_ns"] >= opts.explain_share * rise)
-    none = {"ranks": [], "shared": False, "self_rise_ns": None, "cause_rise_ns": None}
-    if not slow:  # with two ranks timed or more, they waited longer in the collective for no slower rank
+    top = max((v["self_ns"] for v in judged.values()), default=math.nan)
+    none = {"ranks": [], "shared": False, "self_rise_ns": None, "cause_rise_ns": None, "cpu_rise_ns": None,
+            "delay_rise_ns": None}
+    if not top >= opts.explain_share * rise:  # with two ranks timed or more: the collective, no slower rank
         return {"kind": "communication" if len(judged) >= 2 else "unknown", **none}
+    # the ranks that slowed about as much as the most (the slowest rank's step is the job's: the others'
+    # rises may each be under half of the job's and still be the same slowdown)
+    slow = sorted(r for r, v in judged.items() if v["self_ns"] >= max(opts.explain_share * top, opts.floor_ns))
     self_rise = float(np.median([judged[r]["self_ns"] for r in slow]))
-    timed = [r for r in slow if math.isfinite(judged[r]["cpu_ns"])]
-    kind, cause = ("host" if 2 * len(timed) > len(slow) else "unknown"), None  # off the CPU, where its CPU time says so
+    part = {c: _median_over(judged, slow, c) for _, c in _KINDS}
     for name, column in _KINDS:
-        values = [judged[r][column] for r in slow if math.isfinite(judged[r][column])]
-        if len(values) * 2 > len(slow) and float(np.median(values)) >= opts.explain_share * self_rise:
-            kind, cause = name, float(np.median(values))
+        if part[column] >= opts.explain_share * self_rise:
+            kind, cause = name, part[column]
             break
+    else:  # no one part holds half of it
+        cpu, delay = part["cpu_ns"], part["delay"]
+        off = self_rise - cpu - (delay if math.isfinite(delay) else 0.0)
+        if off >= opts.explain_share * self_rise:  # NaN where the CPU time was not measured
+            kind, cause = "host", None  # off the CPU, and not for want of one
+        elif np.nansum([max(cpu, 0.0), max(delay, 0.0)]) >= opts.explain_share * self_rise:
+            kind, cause = "compute_or_host", None  # some more work, some more waiting for a CPU
+        else:
+            kind, cause = "unknown", None
     return {"kind": kind, "ranks": slow, "shared": len(slow) == len(judged) and len(judged) > 1,
-            "self_rise_ns": self_rise, "cause_rise_ns": cause}  # fmt: skip
+            "self_rise_ns": self_rise, "cause_rise_ns": cause, "cpu_rise_ns": _finite(part["cpu_ns"]),
+            "delay_rise_ns": _finite(part["delay"])}  # fmt: skip
+
+
+def _median_over(judged: Mapping[int, Mapping[str, float]], ranks: Sequence[int], column: str) -> float:
+    """The median of ``column``'s rise over ``ranks``, where more than half of them measured it (NaN else)."""
+    values = [judged[r][column] for r in ranks if math.isfinite(judged[r][column])]
+    return float(np.median(values)) if 2 * len(values) > len(ranks) else math.nan
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
 
 
 def explained(slowdown: Mapping[str, Any], culprits: Sequence[Mapping[str, Any]]) -> bool:
