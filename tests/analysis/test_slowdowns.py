@@ -30,9 +30,10 @@ def _blocks(rank: int, self_ms: np.ndarray, cpu_ms: np.ndarray, delay_ms: np.nda
 
 
 def _job(seed: int, ranks: int = 4, slow: tuple[int, ...] = (), factor: float = 1.6, span=(500, 560),
-         how: str = "preempted") -> tuple[np.ndarray, list[RankBlocks]]:  # fmt: skip
+         how: str = "preempted") -> tuple[np.ndarray, list[RankBlocks], np.ndarray]:  # fmt: skip
     """A job of ``ranks`` ranks whose ``slow`` ranks are slower by ``factor`` over ``span`` (preempted:
-    wall time and run-queue delay, no CPU time; compute: CPU time too); comm: every rank waits longer."""
+    wall time and run-queue delay, no CPU time; compute: CPU time too; turns: one of them at each step, in
+    turn); comm: every rank waits longer. Returns the job's step time, the blocks and the least wait."""
     rng = np.random.default_rng(seed)
     on = (STEPS >= span[0]) & (STEPS < span[1])
     selfs, blocks = [], []
@@ -42,6 +43,8 @@ def _job(seed: int, ranks: int = 4, slow: tuple[int, ...] = (), factor: float = 
         wall = cpu + delay
         if r in slow:
             extra = np.where(on, (factor - 1) * 20.0, 0.0)
+            if how == "turns":
+                extra = np.where(STEPS % len(slow) == slow.index(r), extra, 0.0)
             wall = wall + extra
             if how == "preempted":
                 delay = delay + extra
@@ -52,12 +55,12 @@ def _job(seed: int, ranks: int = 4, slow: tuple[int, ...] = (), factor: float = 
         selfs.append(wall)
         blocks.append(_blocks(r, wall, cpu, delay))
     wait = 2.0 * rng.lognormal(0.0, 0.1, STEPS.size) + (np.where(on, (factor - 1) * 20.0, 0.0) if how == "comm" else 0.0)
-    return (np.max(selfs, axis=0) + wait) * MS, blocks
+    return (np.max(selfs, axis=0) + wait) * MS, blocks, wait * MS
 
 
 def test_ranks_that_lose_their_cpu_for_60_steps_slow_the_job_and_are_named():
-    step_ns, blocks = _job(1, slow=(1, 3))
-    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    step_ns, blocks, least = _job(1, slow=(1, 3))
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
     assert (s.since_step, s.until_step, s.active) == (500, 559, False)
     assert s.kind == "preempted" and s.ranks == [1, 3] and not s.shared
     assert 1.4 < s.slowdown < 1.8
@@ -65,37 +68,46 @@ def test_ranks_that_lose_their_cpu_for_60_steps_slow_the_job_and_are_named():
 
 
 def test_two_ranks_are_enough_where_the_cross_rank_rules_abstain():
-    step_ns, blocks = _job(2, ranks=2, slow=(0,), factor=2.0, span=(300, 400))
-    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    step_ns, blocks, least = _job(2, ranks=2, slow=(0,), factor=2.0, span=(300, 400))
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
     assert (s.since_step, s.until_step, s.kind, s.ranks) == (300, 399, "preempted", [0])
 
 
 def test_every_rank_computing_more_is_shared_compute_and_a_slower_collective_is_communication():
-    step_ns, blocks = _job(3, slow=(0, 1, 2, 3), how="compute")
-    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    step_ns, blocks, least = _job(3, slow=(0, 1, 2, 3), how="compute")
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
     assert (s.kind, s.shared, s.ranks) == ("compute", True, [0, 1, 2, 3])
-    step_ns, blocks = _job(4, how="comm")
-    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    step_ns, blocks, least = _job(4, how="comm")
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
     assert (s.kind, s.ranks, s.since_step, s.until_step) == ("communication", [], 500, 559)
 
 
 def test_more_work_and_more_waiting_for_a_cpu_together_are_both_said():
-    step_ns, blocks = _job(9, ranks=2, slow=(0, 1), how="mixed", factor=1.5)
-    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    step_ns, blocks, least = _job(9, ranks=2, slow=(0, 1), how="mixed", factor=1.5)
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
     assert (s.kind, s.ranks, s.shared) == ("compute_or_host", [0, 1], True)
     assert s.cpu_rise_ns == pytest.approx(5 * MS, rel=0.3) and s.delay_rise_ns == pytest.approx(5 * MS, rel=0.3)
 
 
+def test_ranks_slow_in_turn_are_not_a_slower_collective_and_without_waits_it_is_not_said():
+    step_ns, blocks, least = _job(10, slow=(0, 1, 2, 3), how="turns", factor=2.0)
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
+    assert (s.kind, s.ranks) == ("in_turn", [])  # each rank slow at one step in four: no median rose
+    assert [x.kind for x in detect_slowdowns(STEPS, step_ns, blocks, OPTS)] == ["unknown"]  # no waits measured
+    step_ns, blocks, least = _job(4, how="comm")
+    assert [x.kind for x in detect_slowdowns(STEPS, step_ns, blocks, OPTS, np.full(STEPS.size, np.inf))] == ["unknown"]
+
+
 def test_a_slowdown_still_on_at_the_end_is_open():
-    step_ns, blocks = _job(5, slow=(2,), span=(800, 2000))
-    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS)
+    step_ns, blocks, least = _job(5, slow=(2,), span=(800, 2000))
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
     assert s.active and s.since_step == 800 and s.until_step == 999 and s.ranks == [2]
 
 
 def test_no_slowdown_from_noise_wander_a_short_bump_a_small_rise_or_no_baseline():
     for seed in range(100):
-        step_ns, blocks = _job(100 + seed)
-        assert detect_slowdowns(STEPS, step_ns, blocks, OPTS) == [], seed
+        step_ns, blocks, least = _job(100 + seed)
+        assert detect_slowdowns(STEPS, step_ns, blocks, OPTS, least) == [], seed
     # a host whose speed wanders slowly (AR(1) in log, lag-1 correlation 0.9): no level stands out
     for seed in range(100):
         rng = np.random.default_rng(seed)
@@ -104,13 +116,13 @@ def test_no_slowdown_from_noise_wander_a_short_bump_a_small_rise_or_no_baseline(
             z[i] = 0.9 * z[i - 1] + 0.05 * rng.standard_normal()
         step_ns = 20 * MS * np.exp(z + 0.05 * rng.standard_normal(STEPS.size))
         assert detect_slowdowns(STEPS, step_ns, _job(seed)[1], OPTS) == [], seed
-    step_ns, blocks = _job(6, slow=(1,), span=(500, 510), factor=3.0)
-    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS) == []  # 10 steps: under episode_min_steps
-    step_ns, blocks = _job(7, slow=(1,), factor=1.6)
+    step_ns, blocks, least = _job(6, slow=(1,), span=(500, 510), factor=3.0)
+    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS, least) == []  # 10 steps: under episode_min_steps
+    step_ns, blocks, least = _job(7, slow=(1,), factor=1.6)
     small = step_ns / 1000  # the same shape in microseconds: under floor_ns a step
-    assert detect_slowdowns(STEPS, small, blocks, OPTS) == []
-    step_ns, blocks = _job(8, slow=(1,), span=(0, 60), factor=2.0)
-    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS) == []  # slow from the first judged step
+    assert detect_slowdowns(STEPS, small, blocks, OPTS, least / 1000) == []
+    step_ns, blocks, least = _job(8, slow=(1,), span=(0, 60), factor=2.0)
+    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS, least) == []  # slow from the first judged step
 
 
 def test_blocks_keep_only_those_mostly_timed():

@@ -90,6 +90,9 @@ ADVICE: dict[str, str] = {
     "slow_communication": "every rank waited longer in the collective with no slower rank to wait for: the "
     "collective itself slowed (the network, or other jobs sharing its links; on one node, the host's "
     "transfers and the collective's threads); `hyperacc doctor` measures the links between ranks",
+    "slow_in_turn": "the ranks took turns to be the last to arrive, each slow at some steps only: something on "
+    "the node slowed one rank at a time (other processes moving between cores, interrupts, a loader's workers "
+    "waking): keep other work off the node and bind ranks to cores (`hyperacc affinity`)",
     "slow_compute": "the work per step grew (longer inputs, a new phase of training) or the same work ran "
     "slower (CPU or device clocks, thermals): compare the inputs of those steps, and the node's clocks",
     "periodic_job": "work the whole job does on a fixed period of steps, on every rank alike (an evaluation, a "
@@ -453,7 +456,8 @@ def episode_phrase(e: dict[str, Any]) -> str:
 
 # a slowdown's kind (analysis.slowdowns) and the advice that says what to do about it
 _SLOW_ADVICE = {"preempted": "slow_preempted", "communication": "slow_communication", "compute": "slow_compute",
-                "host": "blocked", "compute_or_host": "compute_or_host", "unknown": "unknown"}  # fmt: skip
+                "host": "blocked", "compute_or_host": "compute_or_host", "unknown": "unknown",
+                "in_turn": "slow_in_turn"}  # fmt: skip
 _SLOW_WORDS = {
     "preempted": ("waited for a CPU", "run-queue delay"),
     "compute": ("computed more", "CPU time"),
@@ -461,7 +465,7 @@ _SLOW_WORDS = {
     "gc": ("collected garbage", "GC time"),
     "host": ("waited off the CPU", ""),
     "compute_or_host": ("computed more and waited for a CPU", ""),
-    "unknown": ("were slower, with no recorded signal to say why", ""),
+    "unknown": ("slowed, with no recorded signal to say why", ""),
 }
 
 
@@ -470,6 +474,10 @@ def _slowdown_who(s: dict[str, Any]) -> str:
     (run-queue delay +24 ms a step)"."""
     if s["kind"] == "communication":
         return "every rank waited longer in the collective, with no slower rank to wait for"
+    if s["kind"] == "in_turn":
+        return "the ranks took turns to be the slow one (none slowed throughout, and the collective itself did not)"
+    if not s["ranks"]:
+        return "no recorded signal says which rank or why"
     who = "every rank" if s["shared"] else f"ranks {_ranks(s['ranks'])}" if len(s["ranks"]) > 1 else f"rank {s['ranks'][0]}"
     what, column = _SLOW_WORDS.get(s["kind"], (s["kind"], ""))
     rise = f"self-time +{_ms(s['self_rise_ns'])} a step"

@@ -140,7 +140,7 @@ def diagnose(
     release_freed()
     changes = detect_episodes(blocks.blocks, opts)
     # the job's own step time, for what moves several ranks at once (docs/detection.md, "Slowdowns")
-    job_slowdowns = detect_slowdowns(cluster.steps, cluster.step_max, blocks.blocks, opts)
+    job_slowdowns = detect_slowdowns(cluster.steps, cluster.step_max, blocks.blocks, opts, cluster.comm_min)
     del blocks
     release_freed()
     summaries = concat_windows(windows)

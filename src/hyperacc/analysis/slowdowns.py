@@ -21,8 +21,9 @@ job waits all the same. Here the series is the job's: the step time of its slowe
   length, other slowdowns that clear it aside).
 * **Who and what.** Over the slowdown against outside it, each rank's own rise of self-time, CPU time,
   run-queue delay, input wait and GC time (block medians; ``RankBlocks``). Where no rank's self-time
-  rose by ``explain_share`` of the job's rise, the ranks waited longer in the collective with no slower
-  rank to wait for (``communication``); else the job waited for the ranks whose rise is at least
+  rose by ``explain_share`` of the job's rise: ``communication`` where the wait of the last rank to
+  arrive (the collective's own time) rose by that much, else ``in_turn`` (the ranks took turns to be the
+  slow one), ``unknown`` where the waits were not measured; else the job waited for the ranks whose rise is at least
   ``explain_share`` of the largest (``ranks``; all of them: ``shared``). Their kind, by the first of
   their median rises that holds ``explain_share`` of their self-time's: ``gc``, ``data``,
   ``preempted`` (the run-queue delay: ready to run, no CPU for it), ``compute`` (CPU time); else
@@ -65,7 +66,7 @@ class Slowdown:
     step_ns: float  # the job's step time over the slowdown (median of its blocks)
     baseline_ns: float  # ... and outside it
     job_time_lost_ns: float  # the step time over the baseline, summed over the slowdown's steps
-    kind: str  # preempted | compute | data | gc | host | compute_or_host | unknown | communication
+    kind: str  # preempted | compute | data | gc | host | compute_or_host | unknown | communication | in_turn
     ranks: list[int]  # the ranks the job waited for (module docstring)
     shared: bool  # every judged rank
     self_rise_ns: float | None  # their median rise of self-time per step (None: no rank)
@@ -100,9 +101,12 @@ def job_blocks(steps: np.ndarray, step_ns: np.ndarray, width: int) -> tuple[np.n
 
 def detect_slowdowns(
     steps: np.ndarray, step_ns: np.ndarray, ranks: Sequence[RankBlocks], opts: DetectionOptions,
+    least_wait: np.ndarray | None = None,
 ) -> list[Slowdown]:  # fmt: skip
     """The job's slowdowns (module docstring). ``steps`` (strictly increasing), ``step_ns``: the job's
-    step time per step (NaN: not timed); ``ranks``: every rank's blocks, for who and what."""
+    step time per step (NaN: not timed); ``ranks``: every rank's blocks, for who and what;
+    ``least_wait``: the least wait in the collective of any rank per step (the last rank to arrive's:
+    the collective's own time; inf or NaN: not measured)."""
     width = max([opts.episode_block_steps, *(b.width for b in ranks)])
     block, value = job_blocks(steps, step_ns, width)
     if np.count_nonzero(np.isfinite(value)) < 3:
@@ -143,7 +147,7 @@ def detect_slowdowns(
         since, until = int(block[b0]) * width, int(block[b1]) * width + width - 1
         timed = (steps >= since) & (steps <= until) & np.isfinite(step_ns)
         lost = float(np.clip(step_ns[timed] - outside, 0.0, None).sum())
-        who = _who(ranks, since, until, inside - outside, opts)
+        who = _who(ranks, since, until, inside - outside, opts, _collective_rise(steps, least_wait, since, until))
         out.append(Slowdown(
             since_step=since, until_step=until, confirmed_step=int(block[confirm]) * width + width - 1,
             active=active, steps=until - since + 1, slowdown=float(math.exp(shift)), step_ns=inside,
@@ -169,9 +173,21 @@ def _rise(b: RankBlocks, column: str, inside: np.ndarray) -> float:
 _KINDS = (("gc", "gc"), ("data", "data"), ("preempted", "delay"), ("compute", "cpu_ns"))
 
 
-def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts: DetectionOptions) -> dict[str, Any]:
-    """The ranks the job waited for over steps ``since..until`` (``rise``: the job's rise of step time)
-    and what they did more."""
+def _collective_rise(steps: np.ndarray, least_wait: np.ndarray | None, since: int, until: int) -> float:
+    """The median least wait per step over steps ``since..until`` less its median outside them (NaN: not
+    measured on both sides)."""
+    if least_wait is None:
+        return math.nan
+    ok = np.isfinite(least_wait)
+    inside = (steps >= since) & (steps <= until)
+    a, o = least_wait[ok & inside], least_wait[ok & ~inside]
+    return float(np.median(a) - np.median(o)) if a.size and o.size else math.nan
+
+
+def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts: DetectionOptions,
+         collective: float = math.nan) -> dict[str, Any]:  # fmt: skip
+    """The ranks the job waited for over steps ``since..until`` (``rise``: the job's rise of step time;
+    ``collective``: the rise of the last rank's wait, the collective's own time) and what they did more."""
     rises: dict[int, dict[str, float]] = {}
     for b in ranks:
         start = b.block * b.width
@@ -182,8 +198,12 @@ def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts:
     top = max((v["self_ns"] for v in judged.values()), default=math.nan)
     none = {"ranks": [], "shared": False, "self_rise_ns": None, "cause_rise_ns": None, "cpu_rise_ns": None,
             "delay_rise_ns": None}
-    if not top >= opts.explain_share * rise:  # with two ranks timed or more: the collective, no slower rank
-        return {"kind": "communication" if len(judged) >= 2 else "unknown", **none}
+    if not top >= opts.explain_share * rise:
+        # No rank slowed throughout. Either the collective itself did (the last rank to arrive waited
+        # longer too), or the ranks took turns to be the last one, each slow at some steps only.
+        if len(judged) < 2 or not math.isfinite(collective):
+            return {"kind": "unknown", **none}
+        return {"kind": "communication" if collective >= opts.explain_share * rise else "in_turn", **none}
     # the ranks that slowed about as much as the most (the slowest rank's step is the job's: the others'
     # rises may each be under half of the job's and still be the same slowdown)
     slow = sorted(r for r, v in judged.items() if v["self_ns"] >= max(opts.explain_share * top, opts.floor_ns))
