@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hyperacc.analysis import diagnose
+from hyperacc.analysis.diagnosis import _slowdown_evidence, slowdown_phrase
 from hyperacc.analysis.episodes import RankBlocks
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.slowdowns import detect_slowdowns, explained, job_blocks
@@ -171,3 +172,32 @@ def test_a_straggler_to_the_end_is_not_told_twice_as_a_slowdown(tmp_path):
 def test_clean_synthetic_runs_have_no_slowdown(tmp_path, seed):
     d = diagnose(write_run(tmp_path, SyntheticRun(ranks=8, steps=1500, seed=20 + seed)))
     assert d.slowdowns == []
+
+
+@pytest.mark.parametrize("kind", ["preempted", "compute", "data", "gc", "host", "compute_or_host", "unknown",
+                                  "communication", "in_turn"])  # fmt: skip
+@pytest.mark.parametrize("ranks", [[], [3], [0, 1, 2, 3]])
+def test_every_kind_is_said_with_or_without_ranks(kind, ranks):
+    s = {"since_step": 40, "until_step": 99, "confirmed_step": 49, "active": False, "steps": 60, "slowdown": 1.5,
+         "step_ns": 3e7, "baseline_ns": 2e7, "job_time_lost_ns": 6e8, "kind": kind, "ranks": ranks,
+         "shared": len(ranks) == 4, "self_rise_ns": 1e7 if ranks else None, "noise": 0.05,
+         "cause_rise_ns": 9e6 if ranks and kind in ("preempted", "compute", "data", "gc") else None,
+         "cpu_rise_ns": 5e6 if ranks else None, "delay_rise_ns": None}  # fmt: skip
+    phrase, evidence = slowdown_phrase(s), _slowdown_evidence(s)
+    assert "over steps 40-99" in phrase and "0.6 s lost" in phrase
+    assert "steps 40-99" in evidence
+    if ranks and kind not in ("communication", "in_turn"):
+        assert ("every rank" if len(ranks) == 4 else f"rank {ranks[0]}") in phrase
+
+
+def test_a_fault_in_the_rule_leaves_the_rest_of_the_diagnosis(tmp_path, monkeypatch, caplog):
+    from hyperacc.analysis import run_dir
+
+    def broken(*args, **kwargs):
+        raise IndexError("a fault of the rule")
+
+    monkeypatch.setattr(run_dir, "detect_slowdowns", broken)
+    slow = SyntheticFault("slowdown", ranks=(2,), factor=0.8, start_step=300)
+    d = diagnose(write_run(tmp_path, SyntheticRun(ranks=8, steps=800, seed=6, faults=(slow,))))
+    assert d.slowdowns == [] and [s["rank"] for s in d.stragglers] == [2]
+    assert [r.message for r in caplog.records if "slowdown rule failed" in r.message] != []

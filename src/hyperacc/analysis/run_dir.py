@@ -140,7 +140,11 @@ def diagnose(
     release_freed()
     changes = detect_episodes(blocks.blocks, opts)
     # the job's own step time, for what moves several ranks at once (docs/detection.md, "Slowdowns")
-    job_slowdowns = detect_slowdowns(cluster.steps, cluster.step_max, blocks.blocks, opts, cluster.comm_min)
+    try:
+        job_slowdowns = detect_slowdowns(cluster.steps, cluster.step_max, blocks.blocks, opts, cluster.comm_min)
+    except Exception:  # the newest rule: a fault in it leaves the rest of the analysis whole
+        log.warning("the slowdown rule failed; the diagnosis goes on without it", exc_info=True)
+        job_slowdowns = []
     del blocks
     release_freed()
     summaries = concat_windows(windows)
