@@ -201,3 +201,14 @@ def test_a_fault_in_the_rule_leaves_the_rest_of_the_diagnosis(tmp_path, monkeypa
     d = diagnose(write_run(tmp_path, SyntheticRun(ranks=8, steps=800, seed=6, faults=(slow,))))
     assert d.slowdowns == [] and [s["rank"] for s in d.stragglers] == [2]
     assert [r.message for r in caplog.records if "slowdown rule failed" in r.message] != []
+
+
+def test_the_report_shades_a_slowdown_of_the_job_beside_a_ranks_episode():
+    from hyperacc.present.report_figures import _episode_bands
+
+    shapes, notes = _episode_bands([
+        {"rank": 2, "kind": "compute", "since_step": 10, "until_step": 39, "job_time_lost_ns": 1e9},
+        {"kind": "preempted", "since_step": 90, "until_step": 149, "job_time_lost_ns": 2.06e9},
+    ])  # fmt: skip
+    assert [(s["x0"], s["x1"], s["fillcolor"]) for s in shapes] == [(10, 39, "#d62728"), (90, 149, "#ff7f0e")]
+    assert [n["text"] for n in notes] == ["rank 2: compute, 1 s lost", "job: preempted, 2.06 s lost"]
