@@ -212,3 +212,14 @@ def test_the_report_shades_a_slowdown_of_the_job_beside_a_ranks_episode():
     ])  # fmt: skip
     assert [(s["x0"], s["x1"], s["fillcolor"]) for s in shapes] == [(10, 39, "#d62728"), (90, 149, "#ff7f0e")]
     assert [n["text"] for n in notes] == ["rank 2: compute, 1 s lost", "job: preempted, 2.06 s lost"]
+
+
+def test_at_most_top_events_slowdowns_are_kept_the_costliest():
+    steps = np.arange(10, 3000)
+    rng = np.random.default_rng(11)
+    step_ns = 20 * MS * rng.lognormal(0.0, 0.03, steps.size)
+    for i, start in enumerate(range(200, 2900, 200)):  # 14 stretches of 40 steps, each costlier than the last
+        step_ns[(steps >= start) & (steps < start + 40)] *= 1.6 + 0.1 * i
+    found = detect_slowdowns(steps, step_ns, [], DetectionOptions(top_events=5), None)
+    assert [s.since_step for s in found] == [2000, 2200, 2400, 2600, 2800]
+    assert len(detect_slowdowns(steps, step_ns, [], OPTS, None)) == 14

@@ -168,9 +168,8 @@ def diagnose(
     stragglers = [s for s in stragglers if s["rank"] not in back]
     episodes = merge_episodes(changes, stragglers, [s.to_dict() for s in found if not s.active], opts.window_steps)
     working = working_gap_ranks(stragglers + episodes)
+    # (at most top_events, the costliest: ``detect_slowdowns``)
     slowdowns = [s for s in map(Slowdown.to_dict, job_slowdowns) if not explained(s, stragglers + episodes)]
-    slowdowns = sorted(heapq.nlargest(opts.top_events, slowdowns, key=lambda s: s["job_time_lost_ns"]),
-                       key=lambda s: s["since_step"])  # the costliest, in order: a bounded list  # fmt: skip
     for f in findings:
         if f.rank in working:
             for tally in (f.counts, f.time_lost):

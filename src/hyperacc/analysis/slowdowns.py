@@ -37,6 +37,7 @@ or straggler already explains (``explained``).
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -137,7 +138,7 @@ def detect_slowdowns(
         return []
     margin = math.log(opts.episode_min_effect) / 2.0
     floor = WanderFloor(stretch_levels(x, span), span, [(0, f[0], f[1], f[8]) for f in found], margin)
-    out = []
+    kept = []
     for b0, b1, confirm, active, sigma, seg, shift, own, _ in found:
         if not floor.above(0, b0, b1, own, margin):
             continue
@@ -147,11 +148,17 @@ def detect_slowdowns(
         since, until = int(block[b0]) * width, int(block[b1]) * width + width - 1
         timed = (steps >= since) & (steps <= until) & np.isfinite(step_ns)
         lost = float(np.clip(step_ns[timed] - outside, 0.0, None).sum())
+        kept.append((lost, since, until, int(block[confirm]) * width + width - 1, active, sigma, shift, inside, outside))
+    # who and what (a pass over every rank's blocks each) for the ``top_events`` costliest only: bounded
+    # work at any number of ranks and slowdowns
+    out = []
+    for lost, since, until, confirmed, active, sigma, shift, inside, outside in sorted(
+            heapq.nlargest(opts.top_events, kept), key=lambda k: k[1]):  # fmt: skip
         who = _who(ranks, since, until, inside - outside, opts, _collective_rise(steps, least_wait, since, until))
         out.append(Slowdown(
-            since_step=since, until_step=until, confirmed_step=int(block[confirm]) * width + width - 1,
-            active=active, steps=until - since + 1, slowdown=float(math.exp(shift)), step_ns=inside,
-            baseline_ns=outside, job_time_lost_ns=lost, noise=sigma, **who,
+            since_step=since, until_step=until, confirmed_step=confirmed, active=active, steps=until - since + 1,
+            slowdown=float(math.exp(shift)), step_ns=inside, baseline_ns=outside, job_time_lost_ns=lost,
+            noise=sigma, **who,
         ))  # fmt: skip
     return out
 
