@@ -106,4 +106,4 @@ def test_a_rank_whose_allocator_pages_every_step_is_a_page_fault_straggler_not_c
     assert re.search(r"Rank 1 \(node 0\) is an? (persistent|intermittent) page-fault straggler", d["verdict"]), d["verdict"]
     assert any("page faults per step against" in line for line in d["evidence"]), d["evidence"]
     assert any(line.startswith("rank 1:") and "--stabilize 1" in line for line in d["next_step"]), d["next_step"]
-    assert "compute" not in d["verdict"], d["verdict"]
+    assert "compute straggler" not in d["verdict"], d["verdict"]  # (a slowdown of the job may say "computed")
