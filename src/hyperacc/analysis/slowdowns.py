@@ -15,10 +15,11 @@ job waits all the same. Here the series is the job's: the step time of its slowe
   ``x``'s successive differences (at least ``min_mad_rel``); the edges trimmed as an episode's
   (``episodes.edges_trimmed``).
 * **A slowdown** lasts at least ``episode_min_steps`` steps, its shift over the job's level outside it is
-  at least ``log(episode_min_effect)`` within two standard errors, it has ``episode_min_steps`` judged
-  steps before it, and its highest stretch of ``episode_min_steps`` steps stands half the minimum effect
-  above every stretch as long elsewhere in the run (``WanderFloor``: the job's own wander at that
-  length, other slowdowns that clear it aside).
+  at least ``log(episode_min_effect)`` within two standard errors and ``z_threshold`` x the noise of
+  stretches of its own length (``LengthBars``), it has ``episode_min_steps`` judged steps before it, its
+  highest stretch of ``episode_min_steps`` steps stands half the minimum effect above every stretch as
+  long elsewhere in the run (``WanderFloor``: the job's own wander at that length, other slowdowns that
+  clear it aside), and it costs at least ``floor_ns`` a step. The ``top_events`` costliest are kept.
 * **Who and what.** Over the slowdown against outside it, each rank's own rise of self-time, CPU time,
   run-queue delay, input wait and GC time (block medians; ``RankBlocks``). Where no rank's self-time
   rose by ``explain_share`` of the job's rise: ``communication`` where the wait of the last rank to
