@@ -3,6 +3,8 @@ own step time, named by what its ranks did more, and not made up from the job's 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -97,6 +99,18 @@ def test_ranks_slow_in_turn_are_not_a_slower_collective_and_without_waits_it_is_
     assert [x.kind for x in detect_slowdowns(STEPS, step_ns, blocks, OPTS)] == ["unknown"]  # no waits measured
     step_ns, blocks, least = _job(4, how="comm")
     assert [x.kind for x in detect_slowdowns(STEPS, step_ns, blocks, OPTS, np.full(STEPS.size, np.inf))] == ["unknown"]
+
+
+def test_the_ranks_of_one_node_and_no_other_are_told_as_the_node():
+    step_ns, blocks, least = _job(12, ranks=8, slow=(4, 5, 6, 7))
+    blocks = [dataclasses.replace(b, node=b.rank // 4) for b in blocks]
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
+    assert (s.ranks, s.nodes, s.kind) == ([4, 5, 6, 7], [1], "preempted")
+    assert "node 1's ranks ([4, 5, 6, 7]) waited for a CPU" in slowdown_phrase(s.to_dict())
+    step_ns, blocks, least = _job(13, ranks=8, slow=(4, 5))  # half a node: its ranks, not the node
+    blocks = [dataclasses.replace(b, node=b.rank // 4) for b in blocks]
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
+    assert (s.ranks, s.nodes) == ([4, 5], [])
 
 
 def test_a_slowdown_still_on_at_the_end_is_open():

@@ -479,6 +479,9 @@ def _slowdown_who(s: dict[str, Any]) -> str:
     if not s["ranks"]:
         return "no recorded signal says which rank or why"
     who = "every rank" if s["shared"] else f"ranks {_ranks(s['ranks'])}" if len(s["ranks"]) > 1 else f"rank {s['ranks'][0]}"
+    if s.get("nodes"):  # every rank of those nodes and no other: the node's, not one device's
+        nodes = s["nodes"]
+        who = (f"node {nodes[0]}'s ranks" if len(nodes) == 1 else f"the ranks of nodes {_ranks(nodes)}") + f" ({_ranks(s['ranks'])})"
     what, column = _SLOW_WORDS.get(s["kind"], (s["kind"], ""))
     rise = f"self-time +{_ms(s['self_rise_ns'])} a step"
     if column and s.get("cause_rise_ns") is not None:

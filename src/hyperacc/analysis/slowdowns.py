@@ -76,6 +76,9 @@ class Slowdown:
     cpu_rise_ns: float | None  # ... of CPU time (None: not measured)
     delay_rise_ns: float | None  # ... of run-queue delay (None: not measured)
     noise: float  # sigma of a block's log step time
+    # the nodes all of whose judged ranks are ``ranks`` and no other, where the job has more than one node
+    # and not all of them are (a node's noisy neighbour, its storage): told as the node's
+    nodes: list[int] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -232,7 +235,20 @@ def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts:
             kind, cause = "unknown", None
     return {"kind": kind, "ranks": slow, "shared": len(slow) == len(judged) and len(judged) > 1,
             "self_rise_ns": self_rise, "cause_rise_ns": cause, "cpu_rise_ns": _finite(part["cpu_ns"]),
-            "delay_rise_ns": _finite(part["delay"])}  # fmt: skip
+            "delay_rise_ns": _finite(part["delay"]), "nodes": _whole_nodes(ranks, judged, slow)}  # fmt: skip
+
+
+def _whole_nodes(ranks: Sequence[RankBlocks], judged: Mapping[int, Any], slow: Sequence[int]) -> list[int]:
+    """The nodes whose judged ranks are exactly ``slow`` (all of each, none elsewhere), where the job has
+    more than one node and not every node is one of them; else none."""
+    node_of = {b.rank: b.node for b in ranks if b.rank in judged}
+    members: dict[int, set[int]] = {}
+    for rank, node in node_of.items():
+        members.setdefault(node, set()).add(rank)
+    hit = {node_of[r] for r in slow}
+    if len(members) < 2 or len(hit) == len(members) or set().union(*(members[n] for n in hit)) != set(slow):
+        return []
+    return sorted(hit)
 
 
 def _median_over(judged: Mapping[int, Mapping[str, float]], ranks: Sequence[int], column: str) -> float:
