@@ -237,3 +237,14 @@ def test_at_most_top_events_slowdowns_are_kept_the_costliest():
     found = detect_slowdowns(steps, step_ns, [], DetectionOptions(top_events=5), None)
     assert [s.since_step for s in found] == [2000, 2200, 2400, 2600, 2800]
     assert len(detect_slowdowns(steps, step_ns, [], OPTS, None)) == 14
+
+
+def test_compare_sets_the_share_of_job_time_lost_to_slowdowns_side_by_side():
+    from hyperacc.analysis.compare import FIGURE_NAMES, figures_of
+
+    doc = {"coordination": {"distribution": {"steps": 1000, "mean_ns": 2e7}},
+           "slowdowns": [{"job_time_lost_ns": 1e9}, {"job_time_lost_ns": 1e9}]}  # fmt: skip
+    assert "slowdown_share" in FIGURE_NAMES
+    assert figures_of(doc)["slowdown_share"].value == pytest.approx(0.1)  # 2 s of a 20 s job
+    assert figures_of({**doc, "slowdowns": []})["slowdown_share"].value == 0.0
+    assert figures_of({"slowdowns": doc["slowdowns"]})["slowdown_share"].value is None  # no distribution

@@ -176,7 +176,8 @@ _FIGURES: tuple[tuple[str, tuple[str, ...], str, str, float], ...] = (
     ("spread_p50", ("coordination", "cost", "spread_p50_ns"), "ms", "lower", 1e-6),
     ("spread_p99", ("coordination", "cost", "spread_p99_ns"), "ms", "lower", 1e-6),
 )
-FIGURE_NAMES: tuple[str, ...] = (*(f[0] for f in _FIGURES), "spike_rate", "stragglers", "creep_ranks")
+FIGURE_NAMES: tuple[str, ...] = (*(f[0] for f in _FIGURES), "spike_rate", "stragglers", "creep_ranks",
+                                 "slowdown_share")  # fmt: skip
 
 
 def figures_of(doc: Mapping) -> dict[str, Figure]:
@@ -193,6 +194,11 @@ def figures_of(doc: Mapping) -> dict[str, Figure]:
     out["spike_rate"] = Figure("spike_rate", spikes / steps if steps else None, "%", "lower",
                                spikes if steps else None, steps or None)  # fmt: skip
     out["stragglers"] = Figure("stragglers", float(len(doc.get("stragglers") or [])), "", "lower")
+    # the job's time lost to slowdowns of the whole job, over the job's time (steps x mean step)
+    dist = (doc.get("coordination") or {}).get("distribution") or {}
+    job_ns = float(dist.get("steps") or 0) * float(dist.get("mean_ns") or 0.0)
+    lost = sum(float(s.get("job_time_lost_ns") or 0.0) for s in doc.get("slowdowns") or [])
+    out["slowdown_share"] = Figure("slowdown_share", lost / job_ns if job_ns > 0 else None, "%", "lower")
     res = doc.get("resources") or {}
     out["creep_ranks"] = Figure("creep_ranks", float(len({c["rank"] for c in res.get("creep") or []}))
                                 if res.get("samples") else None, "", "lower")  # fmt: skip
