@@ -168,14 +168,16 @@ def detect_slowdowns(
 
 
 def _rise(b: RankBlocks, column: str, inside: np.ndarray) -> float:
-    """Rank ``b``'s median of ``column`` over the blocks ``inside`` less its median outside them (NaN:
-    not measured on both sides)."""
+    """Rank ``b``'s rise of ``column`` over the blocks ``inside`` (``_median_rise``)."""
     v = getattr(b, column)
-    if v is None:
-        return math.nan
-    v = np.asarray(v, dtype=np.float64)
-    a, o = v[inside], v[~inside]
-    a, o = a[np.isfinite(a)], o[np.isfinite(o)]
+    return math.nan if v is None else _median_rise(np.asarray(v, dtype=np.float64), inside)
+
+
+def _median_rise(v: np.ndarray, inside: np.ndarray) -> float:
+    """The median of ``v``'s finite values where ``inside`` less their median elsewhere (NaN: none on
+    either side)."""
+    ok = np.isfinite(v)
+    a, o = v[ok & inside], v[ok & ~inside]
     return float(np.median(a) - np.median(o)) if a.size and o.size else math.nan
 
 
@@ -185,14 +187,10 @@ _KINDS = (("gc", "gc"), ("data", "data"), ("preempted", "delay"), ("compute", "c
 
 
 def _collective_rise(steps: np.ndarray, least_wait: np.ndarray | None, since: int, until: int) -> float:
-    """The median least wait per step over steps ``since..until`` less its median outside them (NaN: not
-    measured on both sides)."""
+    """The least wait's rise over steps ``since..until`` (``_median_rise``; NaN: not measured)."""
     if least_wait is None:
         return math.nan
-    ok = np.isfinite(least_wait)
-    inside = (steps >= since) & (steps <= until)
-    a, o = least_wait[ok & inside], least_wait[ok & ~inside]
-    return float(np.median(a) - np.median(o)) if a.size and o.size else math.nan
+    return _median_rise(np.asarray(least_wait, dtype=np.float64), (steps >= since) & (steps <= until))
 
 
 def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts: DetectionOptions,
