@@ -248,3 +248,76 @@ def test_compare_sets_the_share_of_job_time_lost_to_slowdowns_side_by_side():
     assert figures_of(doc)["slowdown_share"].value == pytest.approx(0.1)  # 2 s of a 20 s job
     assert figures_of({**doc, "slowdowns": []})["slowdown_share"].value == 0.0
     assert figures_of({"slowdowns": doc["slowdowns"]})["slowdown_share"].value is None  # no distribution
+
+
+def _live_columns(seed: int, ranks: int = 4, steps: int = 700, slow: tuple[int, ...] = (), span=(300, 360),
+                  how: str = "preempted", factor: float = 1.6) -> list[dict[str, np.ndarray]]:  # fmt: skip
+    """Each rank's step records as a node agent reads them: in lockstep every rank's step is the slowest
+    rank's own time plus the collective's, and each waits for the rest of it."""
+    rng = np.random.default_rng(seed)
+    step = np.arange(steps, dtype=np.int64)
+    on = (step >= span[0]) & (step < span[1])
+    walls, cpus, delays = [], [], []
+    for r in range(ranks):
+        cpu = 20.0 * rng.lognormal(0.0, 0.05, steps)
+        delay = 0.3 * rng.lognormal(0.0, 0.3, steps)
+        extra = np.where(on, (factor - 1) * 20.0, 0.0) if r in slow else np.zeros(steps)
+        walls.append(cpu + delay + extra)
+        cpus.append(cpu + (extra if how == "compute" else 0.0))
+        delays.append(delay + (extra if how == "preempted" else 0.0))
+    collective = 2.0 * rng.lognormal(0.0, 0.1, steps) + (np.where(on, (factor - 1) * 20.0, 0.0) if how == "comm" else 0.0)
+    job = np.max(walls, axis=0) + collective
+    return [{"step": step, "self_ns": walls[r] * MS, "cpu_ns": cpus[r] * MS, "run_delay_ns": delays[r] * MS,
+             "comm_run_delay_ns": np.zeros(steps), "step_ns": job * MS} for r in range(ranks)]  # fmt: skip
+
+
+def _said_live(cols: list[dict[str, np.ndarray]], opts: DetectionOptions = OPTS, live=None) -> list[tuple[int, str]]:
+    """What the judging agent says of ``cols`` read 7 steps at a time per rank, and at the end."""
+    from hyperacc.analysis.live_episodes import BlockStream, LiveEpisodes
+
+    streams = [BlockStream(r, 0, opts) for r in range(len(cols))]
+    live = live or LiveEpisodes(opts)
+    said = []
+    for start in range(0, cols[0]["step"].size, 7):
+        said += live.update([s.add({k: v[start:start + 7] for k, v in c.items()}) for s, c in zip(streams, cols, strict=True)])
+    return said + live.update([s.close() for s in streams]) + live.close()
+
+
+def test_live_the_agent_says_a_slowdown_of_the_job_once_when_confirmed_and_once_when_over():
+    said = _said_live(_live_columns(1, slow=(1, 3)))
+    assert len(said) == 2, said  # no rank episode: the two ranks were preempted, as the offline rule says
+    (confirmed, started), (over, ended) = said
+    since = int(started.split("since step ")[1].split(" ")[0])
+    assert abs(since - 300) <= 5 and since <= confirmed <= 300 + 30, said
+    assert started.startswith("the job's step time is up 1.") and "ranks [1, 3] waited for a CPU" in started, said
+    assert "then back at its level" in ended and abs(over - 359) <= 5, said
+    # a slower collective names no rank: live cannot tell it from ranks late by turns, and leaves it to
+    # analyze (offline, ``test_diagnose_names_a_slower_collective...``)
+    assert _said_live(_live_columns(2, how="comm")) == []
+    # still on at the end; and one that lasted longer than half the history kept (1,000 steps), which the
+    # rule no longer finds long before it ends (the level outside it is then its own): over only once the
+    # job is seen back, within the shortest slowdown's steps and the wait for every rank's blocks
+    said = _said_live(_live_columns(4, slow=(1,), span=(300, 2000)))
+    assert [line.split(",")[-1] for _, line in said][-1] == " was still up at the end" and len(said) == 2, said
+    said = _said_live(_live_columns(5, slow=(1,), span=(300, 1500), steps=2200))
+    assert len(said) == 2 and "is back at its level by step" in said[1][1] and 1500 <= said[1][0] <= 1500 + 50, said
+
+
+def test_live_says_nothing_of_noise_or_of_a_rank_that_its_episode_names():
+    for seed in range(30):
+        assert _said_live(_live_columns(40 + seed, steps=500)) == [], seed
+    # one rank doing more work: its episode says it, the job's slowdown is left to it (as offline)
+    said = _said_live(_live_columns(3, slow=(2,), how="compute", factor=2.0))
+    assert said and all(line.startswith("rank 2 ") for _, line in said), said
+
+
+def test_live_a_fault_in_the_slowdown_rule_switches_it_off_alone(monkeypatch, caplog):
+    from hyperacc.analysis import live_slowdowns
+
+    def broken(*args, **kwargs):
+        raise IndexError("a fault of the rule")
+
+    monkeypatch.setattr(live_slowdowns, "slowdowns_of_blocks", broken)
+    said = _said_live(_live_columns(3, slow=(2,), how="compute", factor=2.0))
+    assert said and all(line.startswith("rank 2 ") for _, line in said), said  # the episodes go on
+    assert len([r for r in caplog.records if "slowdowns switched off" in r.message]) == 1

@@ -469,7 +469,7 @@ _SLOW_WORDS = {
 }
 
 
-def _slowdown_who(s: dict[str, Any]) -> str:
+def slowdown_who(s: dict[str, Any]) -> str:
     """Whom the job waited for over a slowdown, and what they did more: "ranks [1, 3] waited for a CPU
     (run-queue delay +24 ms a step)"."""
     if s["kind"] == "communication":
@@ -495,7 +495,7 @@ def slowdown_phrase(s: dict[str, Any]) -> str:
     """"The job's step time rose 1.60x over steps 90-149 (2.06 s lost): ranks [1, 3] waited for a CPU
     (run-queue delay +24 ms a step)" (docs/detection.md, "Slowdowns of the job")."""
     when = f"from step {s['since_step']}, still at the end" if s["active"] else f"over steps {s['since_step']}-{s['until_step']}"
-    return f"the job's step time rose {_ratio(s['slowdown'])} {when} ({s['job_time_lost_ns'] / 1e9:.3g} s lost): {_slowdown_who(s)}"
+    return f"the job's step time rose {_ratio(s['slowdown'])} {when} ({s['job_time_lost_ns'] / 1e9:.3g} s lost): {slowdown_who(s)}"
 
 
 def _slowdown_evidence(s: dict[str, Any]) -> str:
@@ -505,8 +505,8 @@ def _slowdown_evidence(s: dict[str, Any]) -> str:
         f"at step {s['confirmed_step']} by the change-point rule on the job's own step time; "
     )
     if not s["ranks"]:
-        return line + _slowdown_who(s)
-    return line + f"{_slowdown_who(s)}, their self-time +{_ms(s['self_rise_ns'])} a step (the job's rose {_ms(s['step_ns'] - s['baseline_ns'])})"
+        return line + slowdown_who(s)
+    return line + f"{slowdown_who(s)}, their self-time +{_ms(s['self_rise_ns'])} a step (the job's rose {_ms(s['step_ns'] - s['baseline_ns'])})"
 
 
 def _episode_evidence(e: dict[str, Any]) -> str:

@@ -93,6 +93,10 @@ class RankBlocks:
     # (n,) float32 mean time per step in the garbage collector (``gc_ns``: pauses are rare and long, so a
     # mean, not a median); None or NaN: not measured
     gc: np.ndarray | None = None
+    # (n,) float32 median step time per step, made for the live rule of the job's slowdowns only
+    # (``rank_blocks(job=True)``; offline it reads the job's step time per step,
+    # ``slowdowns.detect_slowdowns``); None: not made
+    job_step: np.ndarray | None = None
 
     def mapped(self, fn: Callable[[np.ndarray], np.ndarray], **fields: Any) -> RankBlocks:
         """These blocks with ``fn`` applied to every per-block column (``fields`` set as given)."""
@@ -102,7 +106,7 @@ class RankBlocks:
 
 # RankBlocks' per-block columns (besides ``block`` and ``steps``); the optional ones are None where the
 # records did not measure them
-PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay", "other", "gc")
+PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay", "other", "gc", "job_step")
 
 
 class BlockBudget:
@@ -183,11 +187,12 @@ class Episode:
 
 def rank_blocks(
     rank: int, node: int, cols: Mapping[str, np.ndarray], opts: DetectionOptions,
-    measured: Mapping[str, bool] | None = None,
+    measured: Mapping[str, bool] | None = None, job: bool = False,
 ) -> RankBlocks:  # fmt: skip
     """Per-block medians of one rank's post-warm-up steps (``cols`` sorted by step). ``measured``: for
     some of a rank's steps (a chunk, ``run_reduce``), whether the whole rank measured ``self_ns`` and
-    ``dev_self_ns`` at all, which decides the self-time's clock; by default, from ``cols``."""
+    ``dev_self_ns`` at all, which decides the self-time's clock; by default, from ``cols``. ``job``: also
+    the step time (``job_step``: the live slowdown rule's)."""
     width = opts.episode_block_steps
     steps = np.asarray(cols["step"], dtype=np.int64)
     if steps.size == 0:
@@ -241,8 +246,9 @@ def rank_blocks(
     on_device = anywhere("dev_self_ns")
     other = medians("other_ns") if "other_ns" in cols and not on_device and np.isfinite(cols["other_ns"]).any() else None
     gc = _block_means(cols["gc_ns"], row, uniq.size) if "gc_ns" in cols and np.isfinite(cols["gc_ns"]).any() else None
+    job_step = medians("step_ns") if job and "step_ns" in cols else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
-                      sys_time, faults, delay, other, gc)  # fmt: skip
+                      sys_time, faults, delay, other, gc, job_step)  # fmt: skip
 
 
 def _block_means(values: np.ndarray, row: np.ndarray, blocks: int) -> np.ndarray:

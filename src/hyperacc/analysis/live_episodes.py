@@ -13,6 +13,7 @@ Pure: the caller (``agent.LiveNode``) reads the records and writes the lines as 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -30,8 +31,11 @@ from hyperacc.analysis.episodes import (
     detect_episodes,
     rank_blocks,
 )
+from hyperacc.analysis.live_slowdowns import LiveSlowdowns
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.stats import nan_median
+
+log = logging.getLogger(__name__)
 
 KEEP_BLOCKS = 200  # blocks of history per rank the live rule judges (1,000 steps at 5 steps a block)
 SILENT_S = 30.0  # a rank that sent no block for this long is not waited for (the windows' grace, grace_s)
@@ -44,7 +48,8 @@ class BlockStream:
     # grew with the CPU time is the rank's own work between steps (kind host_work), live as offline; the
     # voluntary context switches: a rank that blocked off its CPU (a read, a lock, a sleep), live as offline
     _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns", "data_ns", "data_gap", "vol_ctx_switches", "sys_cpu_ns",
-              "minor_faults", "run_delay_ns", "comm_run_delay_ns", "other_ns")  # fmt: skip
+              "minor_faults", "run_delay_ns", "comm_run_delay_ns", "other_ns",
+              "step_ns")  # the step time: the job's own slowdowns (``live_slowdowns``)  # fmt: skip
 
     def __init__(self, rank: int, node: int, opts: DetectionOptions) -> None:
         self.rank, self.node, self.opts = rank, node, opts
@@ -75,7 +80,7 @@ class BlockStream:
     def _emit(self, done: np.ndarray) -> RankBlocks | None:
         if not done.any():
             return None
-        out = rank_blocks(self.rank, self.node, {k: v[done] for k, v in self._cols.items()}, self.opts)
+        out = rank_blocks(self.rank, self.node, {k: v[done] for k, v in self._cols.items()}, self.opts, job=True)
         self._cols = {k: v[~done] for k, v in self._cols.items()}
         return out
 
@@ -98,6 +103,8 @@ class LiveEpisodes:
         self._missing: dict[int, int] = {}  # rank -> the newest block when its open episode was first not found
         self._first: dict[int, int] = {}  # rank -> the first block it was seen with
         self._fresh = False  # blocks added since the last judgement
+        # the job's own slowdowns over the same history (``live_slowdowns``); None: switched off by an error
+        self.slowdowns: LiveSlowdowns | None = LiveSlowdowns(opts)
 
     def update(self, blocks: Sequence[RankBlocks | None]) -> list[tuple[int, str]]:
         """New blocks in; (step, line) for what is newly confirmed or ended."""
@@ -185,6 +192,16 @@ class LiveEpisodes:
                 del self._open[e.rank]
                 self._said[e.rank] = e.until_step
                 self._ended[e.rank] = (going.since_step, e.until_step)
+        if self.slowdowns is not None:
+            # what the ranks' own findings explain is theirs (``slowdowns.explained``)
+            findings = [{"rank": e.rank, "since_step": e.since_step, "until_step": e.until_step}
+                        for e in (*found, *self._open.values())] + self.ended()  # fmt: skip
+            try:
+                out += self.slowdowns.judge(heard, frontier, floor_from, findings, self.straggler)
+            except Exception as exc:  # noqa: BLE001 - the newest rule: its fault leaves the episodes whole
+                self.slowdowns = None
+                log.warning("hyperacc: the live rule of the job's slowdowns switched off (%s: %s)",
+                            type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")  # fmt: skip
         return out
 
     def recovered(self, rank: int, since_step: int, window_steps: int) -> bool:
@@ -212,7 +229,7 @@ class LiveEpisodes:
                                               f"back at its level by step {last + 1}"))  # fmt: skip
             else:
                 out.append((e.confirmed_step, f"rank {e.rank} (node {e.node}) was still slow at the end"))
-        return out
+        return out + (self.slowdowns.close() if self.slowdowns is not None else [])
 
     def _back(self, e: Episode, until_step: int) -> bool:
         """Whether the rank is seen back after ``until_step``: over at least ``episode_min_steps`` of blocks

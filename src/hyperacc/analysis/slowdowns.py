@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,7 @@ from hyperacc.analysis.change_points import (
 )
 from hyperacc.analysis.episodes import RankBlocks, edges_trimmed, has_effect, segment_shift
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.stats import last_axis_nan_median
+from hyperacc.stats import last_axis_nan_median, nan_median
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +114,32 @@ def detect_slowdowns(
     the collective's own time; inf or NaN: not measured)."""
     width = max([opts.episode_block_steps, *(b.width for b in ranks)])
     block, value = job_blocks(steps, step_ns, width)
+
+    def lost(since: int, until: int, outside: float) -> float:
+        timed = (steps >= since) & (steps <= until) & np.isfinite(step_ns)
+        return float(np.clip(step_ns[timed] - outside, 0.0, None).sum())
+
+    return slowdowns_of_blocks(block, value, width, ranks, opts, lost,
+                               lambda since, until: _collective_rise(steps, least_wait, since, until))  # fmt: skip
+
+
+def slowdowns_of_blocks(
+    block: np.ndarray, value: np.ndarray, width: int, ranks: Sequence[RankBlocks], opts: DetectionOptions,
+    lost: Callable[[int, int, float], float] | None = None, collective: Callable[[int, int], float] | None = None,
+    floor_effect: float = 0.5,
+) -> list[Slowdown]:  # fmt: skip
+    """The rule over the job's blocks already made: ``block`` (sorted block numbers), ``value`` (the job's
+    step time in each; NaN: not judged), ``width`` steps a block. ``lost(since, until, level)``: the job
+    time over ``level`` in steps ``since..until`` (default: from the blocks); ``collective(since, until)``:
+    the rise of the last rank's wait there (default: not measured); ``floor_effect``: how much of the
+    minimum effect (in log) a slowdown's highest stretch must stand above the job's wander elsewhere
+    (``WanderFloor``; live, with less of the run to learn the wander from, all of it)."""
     if np.count_nonzero(np.isfinite(value)) < 3:
         return []
+    if lost is None:
+        def lost(since: int, until: int, outside: float) -> float:
+            at = (block * width >= since) & (block * width <= until) & np.isfinite(value)
+            return float(np.clip(value[at] - outside, 0.0, None).sum()) * width
     with np.errstate(all="ignore"):
         x = np.where(value > 0, np.log(value), np.nan)[None, :]
     span = max(1, math.ceil(opts.episode_min_steps / width))
@@ -140,7 +164,7 @@ def detect_slowdowns(
         found.append((b0, b1, max(int(confirm), b0), bool(active), float(sigma), seg, shift, own, peak))
     if not found:
         return []
-    margin = math.log(opts.episode_min_effect) / 2.0
+    margin = math.log(opts.episode_min_effect) * floor_effect
     floor = WanderFloor(stretch_levels(x, span), span, [(0, f[0], f[1], f[8]) for f in found], margin)
     kept = []
     for b0, b1, confirm, active, sigma, seg, shift, own, _ in found:
@@ -150,30 +174,48 @@ def detect_slowdowns(
         if not inside - outside >= opts.floor_ns:
             continue  # too little time a step to matter (the episodes' own floor)
         since, until = int(block[b0]) * width, int(block[b1]) * width + width - 1
-        timed = (steps >= since) & (steps <= until) & np.isfinite(step_ns)
-        lost = float(np.clip(step_ns[timed] - outside, 0.0, None).sum())
-        kept.append((lost, since, until, int(block[confirm]) * width + width - 1, active, sigma, shift, inside, outside))
+        kept.append((lost(since, until, outside), since, until, int(block[confirm]) * width + width - 1, active,
+                     sigma, shift, inside, outside))  # fmt: skip
     # who and what (a pass over every rank's blocks each) for the ``top_events`` costliest only: bounded
     # work at any number of ranks and slowdowns
     out = []
-    for lost, since, until, confirmed, active, sigma, shift, inside, outside in sorted(
+    for job_lost, since, until, confirmed, active, sigma, shift, inside, outside in sorted(
             heapq.nlargest(opts.top_events, kept), key=lambda k: k[1]):  # fmt: skip
-        who = _who(ranks, since, until, inside - outside, opts, _collective_rise(steps, least_wait, since, until))
+        rise = collective(since, until) if collective is not None else math.nan
+        who = _who(ranks, since, until, inside - outside, opts, rise)
         out.append(Slowdown(
             since_step=since, until_step=until, confirmed_step=confirmed, active=active, steps=until - since + 1,
-            slowdown=float(math.exp(shift)), step_ns=inside, baseline_ns=outside, job_time_lost_ns=lost,
+            slowdown=float(math.exp(shift)), step_ns=inside, baseline_ns=outside, job_time_lost_ns=job_lost,
             noise=sigma, **who,
         ))  # fmt: skip
     return out
 
 
+def ranks_job_blocks(ranks: Sequence[RankBlocks], upto: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The job's blocks from its ranks' own (those with ``job_step``, the live blocks): the block numbers
+    (through ``upto``) and the job's step time in each, the median of the ranks' medians (in lockstep every
+    rank's step lasts as long as the slowest one's; NaN: no rank's)."""
+    have = [b for b in ranks if b.job_step is not None and b.block.size]
+    if not have:
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+    block = np.unique(np.concatenate([b.block for b in have]))
+    if upto is not None:
+        block = block[block <= upto]
+    step = np.full((len(have), block.size), np.nan)
+    for i, b in enumerate(have):
+        at = np.searchsorted(block, b.block)
+        ok = (at < block.size) & (block[np.minimum(at, block.size - 1)] == b.block)
+        step[i, at[ok]] = b.job_step[ok]
+    return block, nan_median(step, axis=0)
+
+
 def _rise(b: RankBlocks, column: str, inside: np.ndarray) -> float:
-    """Rank ``b``'s rise of ``column`` over the blocks ``inside`` (``_median_rise``)."""
+    """Rank ``b``'s rise of ``column`` over the blocks ``inside`` (``median_rise``)."""
     v = getattr(b, column)
-    return math.nan if v is None else _median_rise(np.asarray(v, dtype=np.float64), inside)
+    return math.nan if v is None else median_rise(np.asarray(v, dtype=np.float64), inside)
 
 
-def _median_rise(v: np.ndarray, inside: np.ndarray) -> float:
+def median_rise(v: np.ndarray, inside: np.ndarray) -> float:
     """The median of ``v``'s finite values where ``inside`` less their median elsewhere (NaN: none on
     either side)."""
     ok = np.isfinite(v)
@@ -187,10 +229,10 @@ _KINDS = (("gc", "gc"), ("data", "data"), ("preempted", "delay"), ("compute", "c
 
 
 def _collective_rise(steps: np.ndarray, least_wait: np.ndarray | None, since: int, until: int) -> float:
-    """The least wait's rise over steps ``since..until`` (``_median_rise``; NaN: not measured)."""
+    """The least wait's rise over steps ``since..until`` (``median_rise``; NaN: not measured)."""
     if least_wait is None:
         return math.nan
-    return _median_rise(np.asarray(least_wait, dtype=np.float64), (steps >= since) & (steps <= until))
+    return median_rise(np.asarray(least_wait, dtype=np.float64), (steps >= since) & (steps <= until))
 
 
 def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts: DetectionOptions,
