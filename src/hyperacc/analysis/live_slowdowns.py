@@ -58,7 +58,7 @@ class LiveSlowdowns:
         whether the window rules confirmed a rank."""
         width = max([self.opts.episode_block_steps, *(h.width for h in history)])
         ranks = [_through(h, frontier) for h in history]
-        block, value = ranks_job_blocks(ranks, frontier)
+        block, value = ranks_job_blocks(ranks)  # through the frontier already
         # as the live episodes: the whole minimum effect above the job's wander so far, not half of it
         found = [s for s in slowdowns_of_blocks(block, value, width, ranks, self.opts, floor_effect=1.0)
                  if s.ranks and not explained(s.to_dict(), findings)

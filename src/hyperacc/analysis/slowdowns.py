@@ -198,6 +198,9 @@ def ranks_job_blocks(ranks: Sequence[RankBlocks], upto: int | None = None) -> tu
     have = [b for b in ranks if b.job_step is not None and b.block.size]
     if not have:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
+    first = have[0].block
+    if upto is None and all(np.array_equal(b.block, first) for b in have):  # the usual case: stacked
+        return first, nan_median(np.stack([b.job_step for b in have]), axis=0)
     block = np.unique(np.concatenate([b.block for b in have]))
     if upto is not None:
         block = block[block <= upto]
@@ -209,10 +212,36 @@ def ranks_job_blocks(ranks: Sequence[RankBlocks], upto: int | None = None) -> tu
     return block, nan_median(step, axis=0)
 
 
-def _rise(b: RankBlocks, column: str, inside: np.ndarray) -> float:
-    """Rank ``b``'s rise of ``column`` over the blocks ``inside`` (``median_rise``)."""
-    v = getattr(b, column)
-    return math.nan if v is None else median_rise(np.asarray(v, dtype=np.float64), inside)
+_RISES = 64  # ranks whose blocks are stacked at once (``_rises``): 64 x 20,000 blocks x 8 B, 10 MB a column
+
+
+def _rises(ranks: Sequence[RankBlocks], since: int, until: int) -> dict[int, dict[str, float]]:
+    """Each rank's rise (``median_rise``) of self-time and of what ``_KINDS`` name over steps
+    ``since..until``, for the ranks with blocks both inside and outside. Ranks with the same blocks (the
+    usual case) are stacked ``_RISES`` at a time and their medians taken in one pass (a pass per rank and
+    column took 0.8 s at 1,024 ranks of 200 blocks)."""
+    columns = ("self_ns", *(c for _, c in _KINDS))
+    out: dict[int, dict[str, float]] = {}
+    for i in range(0, len(ranks), _RISES):
+        chunk = ranks[i:i + _RISES]
+        first = chunk[0]
+        same = [b for b in chunk if b.width == first.width and np.array_equal(b.block, first.block)]
+        groups = [same] + [[b] for b in chunk if not (b.width == first.width and np.array_equal(b.block, first.block))]
+        for group in groups:
+            start = group[0].block * group[0].width
+            inside = (start >= since) & (start <= until)
+            if not (inside.any() and (~inside).any()):
+                continue
+            values = {}
+            for c in columns:
+                have = [getattr(b, c) is not None for b in group]
+                m = np.full((len(group), inside.size), np.nan)
+                if any(have):
+                    m[have] = np.stack([getattr(b, c) for b, h in zip(group, have, strict=True) if h])
+                values[c] = nan_median(m[:, inside], axis=1) - nan_median(m[:, ~inside], axis=1)
+            for j, b in enumerate(group):
+                out[b.rank] = {c: float(values[c][j]) for c in columns}
+    return out
 
 
 def median_rise(v: np.ndarray, inside: np.ndarray) -> float:
@@ -239,12 +268,7 @@ def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts:
          collective: float = math.nan) -> dict[str, Any]:  # fmt: skip
     """The ranks the job waited for over steps ``since..until`` (``rise``: the job's rise of step time;
     ``collective``: the rise of the last rank's wait, the collective's own time) and what they did more."""
-    rises: dict[int, dict[str, float]] = {}
-    for b in ranks:
-        start = b.block * b.width
-        inside = (start >= since) & (start <= until)
-        if inside.any() and (~inside).any():
-            rises[b.rank] = {c: _rise(b, c, inside) for c in ("self_ns", *(c for _, c in _KINDS))}
+    rises = _rises(ranks, since, until)
     judged = {r: v for r, v in rises.items() if math.isfinite(v["self_ns"])}
     top = max((v["self_ns"] for v in judged.values()), default=math.nan)
     none = {"ranks": [], "shared": False, "self_rise_ns": None, "cause_rise_ns": None, "cpu_rise_ns": None,
