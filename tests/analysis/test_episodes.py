@@ -1139,3 +1139,24 @@ def test_a_multi_node_jobs_episode_is_said_live_by_the_agent_that_holds_rank_0(
     count = int(leader._served.add("blocks/n", 0))
     assert count >= 3 and leader._inbox.read == count  # the skipped key, and the follower's sends, all read
     assert not any(leader._served.check([f"blocks/{i}"]) for i in range(1, count + 1))
+
+
+def test_a_slow_node_is_said_against_the_other_nodes_and_one_slow_on_and_off_is_not_said_to_recover():
+    """A node's ranks against the other nodes' (half the ranks slow move the cluster median itself: a 2-node
+    job's node 7 % slower was told "1.03x the cluster median"); a straggler that recovered but was flagged
+    in only some of the windows over its range was slow on and off, not slow and then recovered."""
+    from hyperacc.analysis.live import _straggler_line
+    from hyperacc.analysis.stragglers import Straggler
+
+    e = {"rank": 1, "node": 0, "kind": "node", "metric": "self_ns", "slowdown": 1.03, "node_ratio": 1.07,
+         "since_step": 10, "until_step": 699, "active": False, "windows_flagged": 7, "job_time_lost_ns": 6.4e8}
+    said = episode_phrase(e, 50)
+    assert "slow on and off over steps 10-699 (in 7 of its 14 windows; node: self-time 1.07x the other nodes'" in said
+    assert "recovered" not in said
+    whole = episode_phrase({**e, "kind": "compute", "windows_flagged": 14}, 50)
+    assert whole.endswith("then recovered") and "1.03x the cluster median" in whole
+    s = Straggler(rank=1, node=0, kind="node", metric="self_ns", slowdown=1.03, since_step=10, windows_flagged=6,
+                  windows_seen=8, confirmed_step=349, until_step=349, active=True, excess_ns=4.6e5, self_slowdown=1.03,
+                  comm_wait_ns=None, cluster_comm_wait_ns=None, metrics=["self_ns"], rank_kind="compute",
+                  node_ratio=1.07)  # fmt: skip
+    assert "is a straggler on slow node 0: self-time 1.07x the other nodes' in 6 of 8" in _straggler_line(s, None)

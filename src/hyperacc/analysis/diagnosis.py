@@ -218,7 +218,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 f"({percent(chance)} by chance)."
             )
     if d.episodes:
-        sentences.append(_sentence("; ".join(episode_phrase(e) for e in costliest(d.episodes, 3))))
+        width = opts.get("window_steps", DetectionOptions().window_steps)
+        sentences.append(_sentence("; ".join(episode_phrase(e, width) for e in costliest(d.episodes, 3))))
         if len(d.episodes) > 3:
             more = len(d.episodes) - 3
             sentences.append(f"{more} more episode{'s are' if more > 1 else ' is'} in the evidence.")
@@ -438,20 +439,29 @@ def costliest(episodes: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
     return sorted(episodes, key=lambda e: -(e.get("job_time_lost_ns") or 0.0))[:n]
 
 
-def episode_phrase(e: dict[str, Any]) -> str:
-    """"Rank 2 (node 0) was slow from step 120 to 179 (...), then recovered" (docs/detection.md, "Episodes")."""
+def episode_phrase(e: dict[str, Any], window_steps: int | None = None) -> str:
+    """"Rank 2 (node 0) was slow from step 120 to 179 (...), then recovered" (docs/detection.md, "Episodes").
+    A straggler of the window rules that recovered (``windows_flagged``) and was flagged in fewer of the
+    ``window_steps`` windows over its range than they hold was slow on and off, and is said so."""
     kind = _KIND_WORD.get(e["kind"], e["kind"])
-    what = f"{_metric(e['metric']) if e['metric'] != 'cpu_ns' else 'self-time'} {_ratio(e['slowdown'])} the cluster median"
+    ratio, versus = _ratio(e["slowdown"]), "the cluster median"
+    if e["kind"] == "node" and e.get("node_ratio") is not None:  # half the ranks slow move the median itself
+        ratio, versus = _ratio(e["node_ratio"]), "the other nodes'"
+    what = f"{_metric(e['metric']) if e['metric'] != 'cpu_ns' else 'self-time'} {ratio} {versus}"
     lost = e.get("job_time_lost_ns")
     cost = f", {lost / 1e9:.3g} s of job time lost" if lost else ""
     if e.get("gc_ns") is not None:
         what += f", {_ms(e['gc_ns'])} of GC per step"
+    who = f"rank {e['rank']} (node {e['node']})"
     if e["active"]:
-        return f"rank {e['rank']} (node {e['node']}) is slow since step {e['since_step']} ({kind}: {what}{cost}), still at the end"
-    return (
-        f"rank {e['rank']} (node {e['node']}) was slow from step {e['since_step']} to {e['until_step']} "
-        f"({kind}: {what}{cost}), then recovered"
-    )
+        return f"{who} is slow since step {e['since_step']} ({kind}: {what}{cost}), still at the end"
+    flagged = e.get("windows_flagged")
+    if window_steps and flagged is not None:
+        held = -(-(e["until_step"] - e["since_step"] + 1) // window_steps)  # the windows over its range
+        if flagged < held:
+            return (f"{who} was slow on and off over steps {e['since_step']}-{e['until_step']} (in {flagged} of its "
+                    f"{held} windows; {kind}: {what}{cost}), and not in most of its last ones")  # fmt: skip
+    return f"{who} was slow from step {e['since_step']} to {e['until_step']} ({kind}: {what}{cost}), then recovered"
 
 
 # a slowdown's kind (analysis.slowdowns) and the advice that says what to do about it

@@ -126,9 +126,13 @@ class LiveDetector:
 def _straggler_line(s: Straggler, before: str | None) -> str:
     what = f"{kind_word(s.kind)} straggler" if s.kind != "node" else f"straggler on slow node {s.node}"
     ratio = f"{s.slowdown:.2f}x" if s.slowdown is not None else "far above"
+    # a slow node's ranks against the other nodes' (half the ranks slow move the cluster median itself)
+    versus = "the cluster median"
+    if s.kind == "node" and s.node_ratio is not None:
+        ratio, versus = f"{s.node_ratio:.2f}x", "the other nodes'"
     line = (
         f"rank {s.rank} (node {s.node}) is a {what}: {METRIC_WORD.get(s.metric, s.metric)} {ratio} "
-        f"the cluster median in {s.windows_flagged} of {s.windows_seen} recent windows, since step {s.since_step}"
+        f"{versus} in {s.windows_flagged} of {s.windows_seen} recent windows, since step {s.since_step}"
     )
     if before is not None:
         line += f" (was: {before})"
