@@ -546,6 +546,13 @@ class LiveNode(_Periodic):
         detector = getattr(self._gatherer, "_detector", None)
         return dict(getattr(detector, "confirmed", {}))
 
+    def job_slowdown(self) -> tuple[float, str] | None:
+        """The slowdown of the whole job said to be going on (its step time over its level, its kind;
+        ``analysis.live_slowdowns``); None where none is, or where this agent does not judge."""
+        rule = getattr(self._episodes, "slowdowns", None) if self._episodes else None
+        going = rule.going if rule is not None else None
+        return (going.slowdown, going.kind) if going is not None else None
+
     def _window_event(self, w: int, received: list[int], missing: list[int]) -> None:
         self._event("window_gathered", w * self.window, float(len(received)), window_gathered_detail(missing))
 
@@ -625,10 +632,12 @@ class MetricsEndpoint(_Periodic):
     thread_name = "hyperacc-agent-metrics"
 
     def __init__(self, run_dir: str | Path, *, agent: str, address: str, poll_s: float = 1.0,
-                 stragglers: Callable[[], dict[int, str]] | None = None) -> None:  # fmt: skip
+                 stragglers: Callable[[], dict[int, str]] | None = None,
+                 job_slowdown: Callable[[], tuple[float, str] | None] | None = None) -> None:  # fmt: skip
         self.run_dir = Path(run_dir)
         self.agent, self.address, self.poll_s = agent, address, poll_s
         self.stragglers = stragglers
+        self.job_slowdown = job_slowdown
         self.on = True
         self.endpoint: Any = None
         self._own: frozenset[int] = frozenset()  # the ranks whose metadata names this agent
@@ -659,6 +668,8 @@ class MetricsEndpoint(_Periodic):
                                            ranks=lambda rank: rank in self._own, judges=alone)  # fmt: skip
         if not self.endpoint.sink.judges and 0 in own and self.stragglers is not None:
             self.endpoint.sink.set_stragglers(self.stragglers())
+        if 0 in own and self.job_slowdown is not None:  # judged by the agent that holds rank 0 only
+            self.endpoint.sink.set_job_slowdown(self.job_slowdown())
 
     def _finish(self) -> None:
         if self.endpoint is not None:

@@ -171,8 +171,9 @@ def test_each_node_agent_serves_its_own_ranks_and_the_leader_the_jobs_stragglers
             rows[:, columns.index(name)] = values
         records.RecordWriter(steps_dir(tmp_path, rank), "STEP_SCHEMA").write_int64(rows)
     leader = MetricsEndpoint(tmp_path, agent="a:1", address=f"127.0.0.1:{free_port()}",
-                             stragglers=lambda: {3: "compute"})  # fmt: skip
-    other = MetricsEndpoint(tmp_path, agent="b:2", address=f"127.0.0.1:{free_port()}", stragglers=lambda: {1: "data"})
+                             stragglers=lambda: {3: "compute"}, job_slowdown=lambda: (1.6, "preempted"))  # fmt: skip
+    other = MetricsEndpoint(tmp_path, agent="b:2", address=f"127.0.0.1:{free_port()}", stragglers=lambda: {1: "data"},
+                            job_slowdown=lambda: (2.0, "compute"))  # fmt: skip
     bodies = {}
     try:
         for part in (leader, other):
@@ -190,6 +191,9 @@ def test_each_node_agent_serves_its_own_ranks_and_the_leader_the_jobs_stragglers
                        for r in theirs)  # fmt: skip
     assert 'hyperacc_straggler{kind="compute",rank="3"} 1.0' in bodies["a:1"]
     assert "hyperacc_straggler{" not in bodies["b:2"]  # only the leader exports the job's verdicts
+    # ... and the slowdown of the whole job its live rule says is going on
+    assert 'hyperacc_job_slowdown{kind="preempted"} 1.6' in bodies["a:1"]
+    assert "hyperacc_job_slowdown{" not in bodies["b:2"]
     assert leader.endpoint is None and other.endpoint is None  # closed with the agent
     # one agent holding every rank (one node) judges the stragglers in its own sink, as before
     for rank in range(4):
@@ -200,3 +204,15 @@ def test_each_node_agent_serves_its_own_ranks_and_the_leader_the_jobs_stragglers
         assert alone.endpoint.sink.judges
     finally:
         alone.stop()
+
+
+def test_the_job_slowdown_gauge_holds_the_one_going_on_and_falls_to_zero_after() -> None:
+    from prometheus_client import generate_latest
+
+    sink = MetricsSink()
+    sink.set_job_slowdown((1.75, "preempted"))
+    sink.set_job_slowdown((1.5, "compute"))  # another slowdown, another kind: the first's series falls to 0
+    body = generate_latest(sink.registry).decode()
+    assert 'hyperacc_job_slowdown{kind="preempted"} 0.0' in body and 'hyperacc_job_slowdown{kind="compute"} 1.5' in body
+    sink.set_job_slowdown(None)
+    assert 'hyperacc_job_slowdown{kind="compute"} 0.0' in generate_latest(sink.registry).decode()

@@ -107,6 +107,11 @@ class LiveSlowdowns:
         rise = math.log(going.step_ns / going.baseline_ns)
         return math.log(float(np.median(after)) / going.baseline_ns) < min(max(effect / 2, rise / 2), effect)
 
+    @property
+    def going(self) -> Slowdown | None:
+        """The slowdown said to be going on (the metrics' ``hyperacc_job_slowdown``), None between them."""
+        return self._open
+
     def close(self) -> list[tuple[int, str]]:
         """The slowdown still going on at the end of what was seen."""
         if self._open is None:

@@ -390,7 +390,7 @@ def command(
     metrics = None
     if metrics_port is not None:
         metrics = MetricsEndpoint(run_dir, agent=agent, address=f"{metrics_host}:{metrics_port}",
-                                  stragglers=live.confirmed_stragglers)  # fmt: skip
+                                  stragglers=live.confirmed_stragglers, job_slowdown=live.job_slowdown)  # fmt: skip
     node = NodeAgent(live, Compactor.from_trace_json(run_dir, trace_json, agent=agent), metrics)
     sys.exit(Supervisor(cmd, env, run_dir, view=view, window=window, agent=node).run())
 

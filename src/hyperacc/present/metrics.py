@@ -124,6 +124,10 @@ class MetricsSink:
                                    ["rank"], registry=r)  # fmt: skip
         self.straggler = Gauge("hyperacc_straggler", "1 while the analysis confirms the rank as a straggler of this kind.",
                                ["rank", "kind"], registry=r)  # fmt: skip
+        self.job_slowdown = Gauge("hyperacc_job_slowdown",
+                                  "The job's step time over its level while a live slowdown of the whole job is "
+                                  "going on (its kind: what its ranks did more), else 0.", ["kind"], registry=r)
+        self._slowdown_kind: str | None = None
         self.pacing_enabled = Gauge("hyperacc_pacing_enabled", "1 while pacing delays this rank.", ["rank"], registry=r)
         self.pace_delay_seconds_total = Counter("hyperacc_pace_delay_seconds", "Delay added by pacing.", ["rank"],
                                                 registry=r)  # fmt: skip
@@ -211,6 +215,15 @@ class MetricsSink:
         agent that holds rank 0."""
         with self._lock:
             self._flag(confirmed)
+
+    def set_job_slowdown(self, going: tuple[float, str] | None) -> None:
+        """The job slowdown gauge from the judging agent's live rule: (ratio, kind) while one is going on."""
+        with self._lock:
+            if self._slowdown_kind is not None and (going is None or going[1] != self._slowdown_kind):
+                self.job_slowdown.labels(self._slowdown_kind).set(0.0)
+            if going is not None:
+                self.job_slowdown.labels(going[1]).set(float(going[0]))
+            self._slowdown_kind = going[1] if going is not None else None
 
     def _flag(self, confirmed: dict[int, str]) -> None:
         for rank, kind in self._flagged.items():
