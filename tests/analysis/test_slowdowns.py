@@ -321,3 +321,23 @@ def test_live_a_fault_in_the_slowdown_rule_switches_it_off_alone(monkeypatch, ca
     said = _said_live(_live_columns(3, slow=(2,), how="compute", factor=2.0))
     assert said and all(line.startswith("rank 2 ") for _, line in said), said  # the episodes go on
     assert len([r for r in caplog.records if "slowdowns switched off" in r.message]) == 1
+
+
+def test_live_blocks_carry_the_step_time_to_the_judging_agent():
+    """A node agent's blocks on the wire (``encode_blocks``) hold each rank's step time, so the agent that
+    judges every rank of a multi-node job has the job's series: decoded, the same blocks and rule."""
+    from hyperacc.analysis.live_episodes import BlockStream, decode_blocks, encode_blocks
+    from hyperacc.analysis.slowdowns import ranks_job_blocks
+
+    cols = _live_columns(6, slow=(1, 3))
+    streams = [BlockStream(r, r // 2, OPTS) for r in range(4)]
+    blocks = [s.add(c) for s, c in zip(streams, cols, strict=True)]
+    back = decode_blocks(encode_blocks(blocks))
+    assert [b.rank for b in back] == [0, 1, 2, 3] and all(b.job_step is not None for b in back)
+    for a, b in zip(blocks, back, strict=True):
+        np.testing.assert_array_equal(a.job_step, b.job_step)
+    block, value = ranks_job_blocks(back)
+    assert block.size == blocks[0].block.size and np.isfinite(value).all()
+    # a node agent's blocks of ranks without the step time (an older agent) give no job series, and no error
+    old = [dataclasses.replace(b, job_step=None) for b in back]
+    assert ranks_job_blocks(decode_blocks(encode_blocks(old)))[0].size == 0
