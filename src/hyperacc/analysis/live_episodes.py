@@ -46,10 +46,10 @@ class BlockStream:
 
     # the input wait and whether it is the gap of a loop without a DataLoader: an episode in that gap that
     # grew with the CPU time is the rank's own work between steps (kind host_work), live as offline; the
-    # voluntary context switches: a rank that blocked off its CPU (a read, a lock, a sleep), live as offline
+    # voluntary context switches: a rank that blocked off its CPU (a read, a lock, a sleep), live as offline;
+    # the step time: the job's own slowdowns (``live_slowdowns``)
     _NAMES = ("step", "self_ns", "dev_self_ns", "cpu_ns", "data_ns", "data_gap", "vol_ctx_switches", "sys_cpu_ns",
-              "minor_faults", "run_delay_ns", "comm_run_delay_ns", "other_ns",
-              "step_ns")  # the step time: the job's own slowdowns (``live_slowdowns``)  # fmt: skip
+              "minor_faults", "run_delay_ns", "comm_run_delay_ns", "other_ns", "step_ns")  # fmt: skip
 
     def __init__(self, rank: int, node: int, opts: DetectionOptions) -> None:
         self.rank, self.node, self.opts = rank, node, opts
