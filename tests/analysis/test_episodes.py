@@ -782,9 +782,6 @@ def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_a
     _, d = faulty_and_clean
     assert d["episodes"] == [] and d["stragglers"] == [], d["verdict"]
     assert not [f for f in d["live"] if "slow since step" in f["detail"]], d["live"]
-    # nor a slowdown of the whole job, live or offline: the busy loop is there from start to end
-    assert not [f for f in d["live"] if "the job's step time" in f["detail"]], d["live"]
-    assert d["slowdowns"] == [], d["verdict"]
 
 
 @pytest.mark.multirank
