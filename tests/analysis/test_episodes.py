@@ -787,9 +787,13 @@ def test_a_clean_job_beside_a_busy_loop_has_no_episode_and_no_straggler(faulty_a
 @pytest.mark.multirank
 @pytest.mark.alone
 def test_a_fail_slow_off_the_cpu_is_an_episode_over_the_steps_the_rank_blocked(faulty_and_clean):
-    # its voluntary context switches rose by one a step (the sleep) for exactly the faulty steps
+    # its voluntary context switches rose by one a step (the sleep) for the faulty steps, and the episode is
+    # the span in which they did. Within two blocks: while the sleeping rank is the last to arrive, it no
+    # longer blocks in the collective, so its count rises at the steps another rank is later only (a
+    # fresh-clone CI run, 2026-12-07: a sleep from step 40 counted 2,1,2,1,1,2,1,1,1,2 a step over steps
+    # 40-49 against 1 before, and the episode was said from step 50; docs/detection.md, "Limits")
     d, _ = faulty_and_clean
-    e = _episode(d, BLOCKED, within=5)
+    e = _episode(d, BLOCKED, within=10)
     assert e["kind"] == "host" and e["blocked_per_step"] >= 1.0, e
     assert any("waited off its CPU" in line and line.startswith("rank 1") for line in d["next_step"]), d["next_step"]
     assert any("voluntary context switches" in line for line in d["evidence"]), d["evidence"]
