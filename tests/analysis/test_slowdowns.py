@@ -168,6 +168,8 @@ def test_diagnose_names_a_slower_collective_and_leaves_what_the_rank_episodes_na
     assert abs(s["since_step"] - 600) <= 5 and abs(s["until_step"] - 699) <= 5
     assert (s["kind"], s["ranks"]) == ("communication", [])
     assert "The job's step time rose" in d.verdict and "every rank waited longer in the collective" in d.verdict
+    # no rank was slow at any time, so not "at the end of the run" (as if one had recovered)
+    assert d.verdict.startswith("No straggler. The job's step time rose"), d.verdict
     assert any(line.startswith("the job's steps") for line in d.next_step)
     # two ranks losing their core (no run-queue delay recorded here, so the rank rules see them): told once
     host = SyntheticFault("host", ranks=(1, 5), rate=1.0, ms=15, start_step=600, end_step=700)

@@ -239,7 +239,9 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         verdict = "Nothing to judge yet: " + _nothing_judged(d) + "." + (" " + _too_short(d) if too_short else "")
     elif d.stragglers or excess or too_short or d.episodes or slowdowns:
         if not d.stragglers and not too_short and d.ranks_analyzed >= min_ranks:
-            sentences.insert(0, "No straggler at the end of the run.")
+            # "at the end" only where a rank was slow for a while before (an episode): said of a rank's
+            # own excess or a slowdown of the whole job, it read as if some straggler had recovered
+            sentences.insert(0, "No straggler at the end of the run." if d.episodes else "No straggler.")
         if rate >= spike_verdict_rate and top_cause:
             sentences.append(f"Separately, {percent(rate)} of steps spiked on some rank, mostly from {top_cause}.")
         sentences += what_if_sentences(d.what_if)
