@@ -12,7 +12,7 @@ from hyperacc.analysis import diagnose
 from hyperacc.analysis.diagnosis import _slowdown_evidence, slowdown_phrase
 from hyperacc.analysis.episodes import RankBlocks
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.slowdowns import detect_slowdowns, explained, job_blocks
+from hyperacc.analysis.slowdowns import detect_slowdowns, explained, job_blocks, slowdowns_of_blocks
 from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
 
 OPTS = DetectionOptions()
@@ -119,7 +119,7 @@ def test_a_slowdown_still_on_at_the_end_is_open():
     assert s.active and s.since_step == 800 and s.until_step == 999 and s.ranks == [2]
 
 
-def test_no_slowdown_from_noise_wander_a_short_bump_a_small_rise_or_no_baseline():
+def test_no_slowdown_from_noise_wander_a_short_bump_or_a_small_rise():
     for seed in range(100):
         step_ns, blocks, least = _job(100 + seed)
         assert detect_slowdowns(STEPS, step_ns, blocks, OPTS, least) == [], seed
@@ -136,8 +136,27 @@ def test_no_slowdown_from_noise_wander_a_short_bump_a_small_rise_or_no_baseline(
     step_ns, blocks, least = _job(7, slow=(1,), factor=1.6)
     small = step_ns / 1000  # the same shape in microseconds: under floor_ns a step
     assert detect_slowdowns(STEPS, small, blocks, OPTS, least / 1000) == []
+
+
+def test_a_job_slow_from_its_start_is_found_offline_against_the_level_after_it():
+    """A node that another process still held when the job began: no level before the slowdown, so it is
+    judged against the level after it, offline only (live, the history's first blocks are not the run's),
+    and said as such."""
     step_ns, blocks, least = _job(8, slow=(1,), span=(0, 60), factor=2.0)
-    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS, least) == []  # slow from the first judged step
+    (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
+    assert s.from_start and s.since_step == 10 and abs(s.until_step - 59) <= 5, s
+    assert (s.kind, s.ranks) == ("preempted", [1]) and 1.8 < s.slowdown < 2.2
+    said = slowdown_phrase(s.to_dict())
+    assert said.startswith(f"the job's step time was {s.slowdown:.2f}x its later level from the start (steps 10-"), said
+    assert "from the start, against" in _slowdown_evidence(s.to_dict())
+    block, value = job_blocks(STEPS, step_ns, 5)
+    assert slowdowns_of_blocks(block, value, 5, blocks, OPTS) == []  # live: no "before", nothing said
+    # slow from the start to the end but for fewer steps than a slowdown's own: no level to be slow against
+    step_ns, blocks, least = _job(9, slow=(1,), span=(0, 985), factor=2.0)
+    assert detect_slowdowns(STEPS, step_ns, blocks, OPTS, least) == []
+    # a later slowdown is not from the start
+    step_ns, blocks, least = _job(10, slow=(1,), factor=2.0)
+    assert [x.from_start for x in detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)] == [False]
 
 
 def test_blocks_keep_only_those_mostly_timed():

@@ -506,13 +506,19 @@ def slowdown_who(s: dict[str, Any]) -> str:
 def slowdown_phrase(s: dict[str, Any]) -> str:
     """"The job's step time rose 1.60x over steps 90-149 (2.06 s lost): ranks [1, 3] waited for a CPU
     (run-queue delay +24 ms a step)" (docs/detection.md, "Slowdowns of the job")."""
+    lost = f"{s['job_time_lost_ns'] / 1e9:.3g} s lost"
+    if s.get("from_start"):  # no level before it: slow against the level after
+        return (f"the job's step time was {_ratio(s['slowdown'])} its later level from the start (steps "
+                f"{s['since_step']}-{s['until_step']}; {lost}): {slowdown_who(s)}")
     when = f"from step {s['since_step']}, still at the end" if s["active"] else f"over steps {s['since_step']}-{s['until_step']}"
-    return f"the job's step time rose {_ratio(s['slowdown'])} {when} ({s['job_time_lost_ns'] / 1e9:.3g} s lost): {slowdown_who(s)}"
+    return f"the job's step time rose {_ratio(s['slowdown'])} {when} ({lost}): {slowdown_who(s)}"
 
 
 def _slowdown_evidence(s: dict[str, Any]) -> str:
+    went = (f"was {_ms(s['step_ns'])} from the start, against {_ms(s['baseline_ns'])} after,"
+            if s.get("from_start") else f"went from {_ms(s['baseline_ns'])} to {_ms(s['step_ns'])}")
     line = (
-        f"the job: its step time (the slowest rank's) went from {_ms(s['baseline_ns'])} to {_ms(s['step_ns'])} over "
+        f"the job: its step time (the slowest rank's) {went} over "
         f"steps {s['since_step']}-{s['until_step']} ({s['steps']} steps; noise {s['noise']:.3f} per block), confirmed "
         f"at step {s['confirmed_step']} by the change-point rule on the job's own step time; "
     )

@@ -16,7 +16,8 @@ job waits all the same. Here the series is the job's: the step time of its slowe
   (``episodes.edges_trimmed``).
 * **A slowdown** lasts at least ``episode_min_steps`` steps, its shift over the job's level outside it is
   at least ``log(episode_min_effect)`` within two standard errors and ``z_threshold`` x the noise of
-  stretches of its own length (``LengthBars``), it has ``episode_min_steps`` judged steps before it, its
+  stretches of its own length (``LengthBars``), it has ``episode_min_steps`` judged steps before it (or,
+  offline, it is the run's first judged steps and has as many after it: ``from_start``), its
   highest stretch of ``episode_min_steps`` steps stands half the minimum effect above every stretch as
   long elsewhere in the run (``WanderFloor``: the job's own wander at that length, other slowdowns that
   clear it aside), and it costs at least ``floor_ns`` a step. The ``top_events`` costliest are kept.
@@ -79,6 +80,9 @@ class Slowdown:
     # the nodes all of whose judged ranks are ``ranks`` and no other, where the job has more than one node
     # and not all of them are (a node's noisy neighbour, its storage): told as the node's
     nodes: list[int] = dataclasses.field(default_factory=list)
+    # from the run's first judged step, with no level before it: slow against the level after it (a node
+    # that another process still held when the job began); offline only
+    from_start: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,20 +124,22 @@ def detect_slowdowns(
         return float(np.clip(step_ns[timed] - outside, 0.0, None).sum())
 
     return slowdowns_of_blocks(block, value, width, ranks, opts, lost,
-                               lambda since, until: _collective_rise(steps, least_wait, since, until))  # fmt: skip
+                               lambda since, until: _collective_rise(steps, least_wait, since, until), from_start=True)  # fmt: skip
 
 
 def slowdowns_of_blocks(
     block: np.ndarray, value: np.ndarray, width: int, ranks: Sequence[RankBlocks], opts: DetectionOptions,
     lost: Callable[[int, int, float], float] | None = None, collective: Callable[[int, int], float] | None = None,
-    floor_effect: float = 0.5,
+    floor_effect: float = 0.5, from_start: bool = False,
 ) -> list[Slowdown]:  # fmt: skip
     """The rule over the job's blocks already made: ``block`` (sorted block numbers), ``value`` (the job's
     step time in each; NaN: not judged), ``width`` steps a block. ``lost(since, until, level)``: the job
     time over ``level`` in steps ``since..until`` (default: from the blocks); ``collective(since, until)``:
     the rise of the last rank's wait there (default: not measured); ``floor_effect``: how much of the
     minimum effect (in log) a slowdown's highest stretch must stand above the job's wander elsewhere
-    (``WanderFloor``; live, with less of the run to learn the wander from, all of it)."""
+    (``WanderFloor``; live, with less of the run to learn the wander from, all of it); ``from_start``:
+    whether a slowdown over the first judged blocks, with no level before it, is found against the level
+    after it (offline; live, the history's first blocks are not the run's)."""
     if np.count_nonzero(np.isfinite(value)) < 3:
         return []
     if lost is None:
@@ -155,19 +161,21 @@ def slowdowns_of_blocks(
         b0, b1 = int(seg[0]), int(seg[-1])
         if (int(block[b1]) - int(block[b0]) + 1) * width < opts.episode_min_steps or not has_effect(x[0], seg, shift, sigma, opts):
             continue
-        if np.count_nonzero(np.isfinite(x[0, :b0])) * width < opts.episode_min_steps:
-            continue  # no "before" to shift from
+        start = np.count_nonzero(np.isfinite(x[0, :b0])) * width < opts.episode_min_steps
+        if start and not (from_start and not active
+                          and np.count_nonzero(np.isfinite(x[0, b1 + 1:])) * width >= opts.episode_min_steps):
+            continue  # no "before" to shift from, and no "after" where one may stand for it
         if shift < bars.at(seg.size):
             continue  # within the job's own wander at this length
         own = stretch_levels(x[:, seg] - outside_level(x[0], seg), span, level=False)
         peak = float(np.nanmax(own, initial=-np.inf)) if own.size else -math.inf
-        found.append((b0, b1, max(int(confirm), b0), bool(active), float(sigma), seg, shift, own, peak))
+        found.append((b0, b1, max(int(confirm), b0), bool(active), float(sigma), seg, shift, own, peak, start))
     if not found:
         return []
     margin = math.log(opts.episode_min_effect) * floor_effect
     floor = WanderFloor(stretch_levels(x, span), span, [(0, f[0], f[1], f[8]) for f in found], margin)
     kept = []
-    for b0, b1, confirm, active, sigma, seg, shift, own, _ in found:
+    for b0, b1, confirm, active, sigma, seg, shift, own, _, start in found:
         if not floor.above(0, b0, b1, own, margin):
             continue
         inside, outside = float(np.nanmedian(value[seg])), float(np.nanmedian(np.delete(value, seg)))
@@ -175,18 +183,18 @@ def slowdowns_of_blocks(
             continue  # too little time a step to matter (the episodes' own floor)
         since, until = int(block[b0]) * width, int(block[b1]) * width + width - 1
         kept.append((lost(since, until, outside), since, until, int(block[confirm]) * width + width - 1, active,
-                     sigma, shift, inside, outside))  # fmt: skip
+                     sigma, shift, inside, outside, start))  # fmt: skip
     # who and what (a pass over every rank's blocks each) for the ``top_events`` costliest only: bounded
     # work at any number of ranks and slowdowns
     out = []
-    for job_lost, since, until, confirmed, active, sigma, shift, inside, outside in sorted(
+    for job_lost, since, until, confirmed, active, sigma, shift, inside, outside, start in sorted(
             heapq.nlargest(opts.top_events, kept), key=lambda k: k[1]):  # fmt: skip
         rise = collective(since, until) if collective is not None else math.nan
         who = _who(ranks, since, until, inside - outside, opts, rise)
         out.append(Slowdown(
             since_step=since, until_step=until, confirmed_step=confirmed, active=active, steps=until - since + 1,
             slowdown=float(math.exp(shift)), step_ns=inside, baseline_ns=outside, job_time_lost_ns=job_lost,
-            noise=sigma, **who,
+            noise=sigma, from_start=start, **who,
         ))  # fmt: skip
     return out
 
