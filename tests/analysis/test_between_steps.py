@@ -13,7 +13,8 @@ import pytest
 from hyperacc import harness
 from hyperacc.analysis import diagnose
 from hyperacc.analysis.attribution import attribute_spikes, gap_causes
-from hyperacc.analysis.diagnosis import _straggler_phrase
+from hyperacc.analysis.diagnosis import _straggler_phrase, kind_word
+from hyperacc.analysis.live import _straggler_line
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.stragglers import detect_stragglers
 from hyperacc.analysis.windows import summarize_windows
@@ -72,6 +73,10 @@ def test_a_slow_input_gap_is_named_by_where_the_time_went(gap, cpu, gc, kind):
     if kind in ("gc", "host_work"):
         text = _straggler_phrase(dataclasses.asdict(found[0]))
         assert "between `optimizer.step()` and the next forward, or between a forward and its backward" in text
+    # live says the metric as offline does: the time between steps, not a "data wait" (an outside job's
+    # rank working between its steps was told "host-work straggler: data wait 20.71x" live)
+    live = _straggler_line(found[0], None)
+    assert f"is a {kind_word(kind)} straggler: time between steps " in live and "data wait" not in live, live
 
 
 def test_a_gap_spike_without_cpu_growth_is_input_with_cpu_growth_host_work():

@@ -274,7 +274,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     for s in (d.stragglers + [e for e in d.episodes if e.get("rule") != "change_point"])[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
-            f"rank {s['rank']} (node {s['node']}): {_metric_of(s)} {_ratio(s['slowdown'])} the cluster "
+            f"rank {s['rank']} (node {s['node']}): {metric_phrase(s)} {_ratio(s['slowdown'])} the cluster "
             f"median in {s['windows_flagged']} of {s['windows_seen']} windows, since step {s['since_step']} "
             f"(confirmed at step {s['confirmed_step']} by {_RULE.get(s.get('rule', 'outlier'), 'the outlier rule')}"
             f"{until})"
@@ -561,7 +561,7 @@ _EXCESS_WORDS = {
 
 def _straggler_phrase(s: dict[str, Any]) -> str:
     """"Persistent" only when the rank was slow in nearly every window since it started (80 %)."""
-    what = f"{_metric_of(s)} {_ratio(s['slowdown'])}"
+    what = f"{metric_phrase(s)} {_ratio(s['slowdown'])}"
     since = s.get("windows_since") or s["windows_seen"]
     kind = kind_word(s["kind"])
     if s["active"] and s["windows_flagged"] >= 0.8 * since:
@@ -593,7 +593,7 @@ def _gc_excess(s: dict[str, Any]) -> float:
     return gc - med if gc is not None and med is not None else 0.0
 
 
-def _metric_of(s: dict[str, Any]) -> str:
+def metric_phrase(s: dict[str, Any]) -> str:
     """The judged metric in words; the data wait of a loop without a DataLoader is the time between steps."""
     return "time between steps" if s.get("between_steps") and s["metric"] == "data_ns" else _metric(s["metric"])
 

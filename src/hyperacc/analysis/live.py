@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase, kind_word
+from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase, kind_word, metric_phrase
 from hyperacc.analysis.excess import RankExcess, excess_from_windows
-from hyperacc.analysis.options import METRIC_WORD, DetectionOptions
+from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.outliers import window_grid
 from hyperacc.analysis.stragglers import Straggler, detect_stragglers
 from hyperacc.analysis.windows import EXTRA_WINDOW_COLUMNS, RANK_CAUSES
@@ -131,7 +131,7 @@ def _straggler_line(s: Straggler, before: str | None) -> str:
     if s.kind == "node" and s.node_ratio is not None:
         ratio, versus = f"{s.node_ratio:.2f}x", "the other nodes'"
     line = (
-        f"rank {s.rank} (node {s.node}) is a {what}: {METRIC_WORD.get(s.metric, s.metric)} {ratio} "
+        f"rank {s.rank} (node {s.node}) is a {what}: {metric_phrase(s.to_dict())} {ratio} "
         f"{versus} in {s.windows_flagged} of {s.windows_seen} recent windows, since step {s.since_step}"
     )
     if before is not None:
