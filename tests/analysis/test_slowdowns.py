@@ -144,7 +144,7 @@ def test_a_job_slow_from_its_start_is_found_offline_against_the_level_after_it()
     and said as such."""
     step_ns, blocks, least = _job(8, slow=(1,), span=(0, 60), factor=2.0)
     (s,) = detect_slowdowns(STEPS, step_ns, blocks, OPTS, least)
-    assert s.from_start and s.since_step == 10 and abs(s.until_step - 59) <= 5, s
+    assert s.from_start is True and s.since_step == 10 and abs(s.until_step - 59) <= 5, s  # a bool for json
     assert (s.kind, s.ranks) == ("preempted", [1]) and 1.8 < s.slowdown < 2.2
     said = slowdown_phrase(s.to_dict())
     assert said.startswith(f"the job's step time was {s.slowdown:.2f}x its later level from the start (steps 10-"), said

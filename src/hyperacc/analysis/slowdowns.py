@@ -161,7 +161,7 @@ def slowdowns_of_blocks(
         b0, b1 = int(seg[0]), int(seg[-1])
         if (int(block[b1]) - int(block[b0]) + 1) * width < opts.episode_min_steps or not has_effect(x[0], seg, shift, sigma, opts):
             continue
-        start = np.count_nonzero(np.isfinite(x[0, :b0])) * width < opts.episode_min_steps
+        start = bool(np.count_nonzero(np.isfinite(x[0, :b0])) * width < opts.episode_min_steps)
         if start and not (from_start and not active
                           and np.count_nonzero(np.isfinite(x[0, b1 + 1:])) * width >= opts.episode_min_steps):
             continue  # no "before" to shift from, and no "after" where one may stand for it
