@@ -76,6 +76,21 @@ def test_victim_guard_refuses_a_slow_rank_that_waits_more_than_the_median():
     assert [s.rank for s in detect_stragglers(windows(self_ms, comm), DetectionOptions())] == [2]
 
 
+def test_without_a_culprit_record_a_rank_hidden_behind_a_slower_one_is_not_a_straggler():
+    """Live has no per-step culprit record: a rank slower than the median whose slowness the job never
+    waited for (it still waited, for a far slower rank, longer than it was slow) is left out beside that
+    rank, as the record leaves it out offline. Two ranks slow alike take turns to be last: both are named."""
+    self_ms = noisy(8, 10)
+    self_ms[3] *= 1.6  # the job waits for rank 3 ...
+    self_ms[5] *= 1.15  # ... and rank 5's 15 ms more are hidden in its wait for rank 3
+    comm = self_ms.max(axis=0) - self_ms + 2.0
+    found = detect_stragglers(windows(self_ms, comm), DetectionOptions())
+    assert [s.rank for s in found] == [3], [(s.rank, s.kind, s.metric) for s in found]
+    self_ms[5] = self_ms[3] * (1 + 0.01 * np.random.default_rng(2).standard_normal(10))  # as slow as rank 3
+    comm = self_ms.max(axis=0) - self_ms + 2.0
+    assert [s.rank for s in detect_stragglers(windows(self_ms, comm), DetectionOptions())] == [3, 5]
+
+
 def test_and_rule_is_stricter_than_or():
     self_ms = np.array([[100.0] * 6, [101.0] * 6, [115.0] * 6])  # 3 ranks: MAD says slow, IQR does not
     opts_and = DetectionOptions(min_ranks=3)
