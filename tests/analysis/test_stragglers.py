@@ -130,6 +130,27 @@ def test_data_wait_names_the_kind_when_it_explains_the_slowness():
     assert s.metrics == ["self_ns", "data_ns"]
 
 
+def test_a_self_time_straggler_whose_input_wait_holds_its_excess_is_a_data_straggler():
+    """Off its CPU (CPU time flat) and in its input wait: named as the data rule names it, though the
+    data wait is not confirmed on its own yet (the other ranks' waits are noisy). Live, a rank whose
+    DataLoader workers slowed was told "host straggler" first and "data straggler (was: host)" a window
+    later. Where the input wait holds less than half of the excess, it stays a host straggler."""
+
+    def found(data_excess: float) -> list:
+        rng = np.random.default_rng(4)
+        data = np.clip(5.0 + 3.0 * rng.standard_normal((8, 10)), 0.5, None)
+        self_ms = 15.0 + data + 0.2 * rng.standard_normal((8, 10))
+        data[4] = np.median(data, axis=0) + data_excess
+        self_ms[4] = np.median(self_ms, axis=0) + 20.0
+        cols = windows(self_ms, self_ms.max(axis=0) - self_ms + 2.0, data_ms=data)
+        cpu = 15.0 + 0.1 * rng.standard_normal((8, 10))
+        cols["cpu_ns_median"] = cpu[cols["rank"], cols["window"]] * MS
+        return [(s.rank, s.kind, s.metric, s.kind_basis, s.metrics) for s in detect_stragglers(cols, DetectionOptions())]
+
+    assert found(12.0) == [(4, "data", "self_ns", "input_fetch", ["self_ns"])]
+    assert [f[:3] for f in found(4.0)] == [(4, "host", "self_ns")]
+
+
 def test_gc_time_per_step_and_a_zero_median():
     self_ms = noisy(8, 10)
     gc = np.zeros((8, 10))

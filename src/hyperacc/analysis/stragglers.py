@@ -239,6 +239,15 @@ def _straggler(
         basis = "cpu_time"
     elif kind == "compute":
         kind, basis, cpu_share = _compute_or_host(grid, r, fw, opts, blocked)
+    gap_wait = False  # a self-time excess held by the input gap of a loop without a DataLoader
+    if metric == "self_ns" and kind == "host" and _held_by_input(grid, r, fw, opts):
+        # off its CPU, in its input wait: named as the data rule names it (which confirms the same rank
+        # on ``data_ns`` a window or more later, its part test being stricter): not "host" first
+        gap_wait = _in_gap(grid, r, fw)
+        if gap_wait:
+            kind, basis, cpu_share = _between_steps(grid, r, fw, opts)
+        else:
+            kind, basis = "data", "input_fetch"
     if kind == "compute" and basis == "cpu_time" and _kernel_paging(grid, r, fw, opts):
         kind, basis = "page_faults", "sys_cpu_time"
     elif metric == "data_ns" and _in_gap(grid, r, fw):
@@ -278,7 +287,7 @@ def _straggler(
     if fw.size and not np.isnan(gc[r, fw]).all():
         s.gc_ns = _finite_or_none(nan_median(gc[r, fw]))
         s.cluster_gc_ns = _finite_or_none(nan_median(nan_median(gc[:, fw], axis=0)))
-    s.between_steps = (metric == "data_ns" and _in_gap(grid, r, fw)) or basis == "outside_phases"
+    s.between_steps = (metric == "data_ns" and _in_gap(grid, r, fw)) or basis == "outside_phases" or gap_wait
     if kind == "host":
         s.blocked_per_step = blocked
     if kind == "page_faults":
@@ -446,6 +455,22 @@ def _worked_outside(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOpt
     if not held_outside(ex_other, ex_self, opts):
         return None
     return float(ex_cpu / ex_other) if np.isfinite(ex_cpu) else None
+
+
+def _held_by_input(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions) -> bool:
+    """Over row ``r``'s flagged windows, its data wait's excess over the cluster median holds its
+    self-time's (``held_outside``'s test: at least ``explain_share`` of it and ``floor_ns``). Live, a
+    rank whose DataLoader workers slowed was told "host straggler: self-time 3.94x" and a window later
+    "data straggler (was: host)"."""
+    if fw.size == 0 or grid.device[fw].any():
+        return False
+    data = grid.metrics["data_ns"]
+    if not np.isfinite(data[r, fw]).any():
+        return False
+    with np.errstate(all="ignore"):
+        ex_data = nan_median(data[r, fw] - _cluster_median(data[:, fw]))
+        ex_self = nan_median(grid.self_host[r, fw] - _cluster_median(grid.self_host[:, fw]))
+    return held_outside(ex_data, ex_self, opts)
 
 
 def held_outside(other: float, self_time: float, opts: DetectionOptions) -> bool:
