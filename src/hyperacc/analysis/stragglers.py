@@ -476,7 +476,8 @@ def _held_by_input(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOpti
 def held_outside(other: float, self_time: float, opts: DetectionOptions) -> bool:
     """An excess (or growth) of a rank's self-time that its time outside every timed phase holds: that
     time's is at least ``explain_share`` of the self-time's and at least ``floor_ns`` (the one test of
-    the straggler and episode rules on ``other_ns``; docs/detection.md, "The work between steps")."""
+    the straggler and episode rules on ``other_ns``, and of a self-time straggler's input wait,
+    ``_held_by_input``; docs/detection.md, "The work between steps" and "Kind")."""
     return bool(np.isfinite(other) and np.isfinite(self_time) and self_time > 0
                 and other >= opts.floor_ns and other >= opts.explain_share * self_time)  # fmt: skip
 
