@@ -449,12 +449,18 @@ def _worked_outside(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOpt
     if other is None or fw.size == 0 or grid.device[fw].any() or not np.isfinite(other[r, fw]).any():
         return None  # on the device clock the time outside the phases holds the waits for the device
     with np.errstate(all="ignore"):
-        ex_other = nan_median(other[r, fw] - _cluster_median(other[:, fw]))
-        ex_self = nan_median(grid.self_host[r, fw] - _cluster_median(grid.self_host[:, fw]))
-        ex_cpu = nan_median(grid.cpu[r, fw] - _cluster_median(grid.cpu[:, fw]))
+        ex_other = _excess(other, r, fw)
+        ex_self = _excess(grid.self_host, r, fw)
+        ex_cpu = _excess(grid.cpu, r, fw)
     if not held_outside(ex_other, ex_self, opts):
         return None
     return float(ex_cpu / ex_other) if np.isfinite(ex_cpu) else None
+
+
+def _excess(values: np.ndarray, r: int, fw: np.ndarray) -> float:
+    """Row ``r``'s median excess over the cluster median of ``values`` (rank x window) across the windows
+    ``fw``."""
+    return nan_median(values[r, fw] - _cluster_median(values[:, fw]))
 
 
 def _held_by_input(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOptions) -> bool:
@@ -468,8 +474,8 @@ def _held_by_input(grid: WindowGrid, r: int, fw: np.ndarray, opts: DetectionOpti
     if not np.isfinite(data[r, fw]).any():
         return False
     with np.errstate(all="ignore"):
-        ex_data = nan_median(data[r, fw] - _cluster_median(data[:, fw]))
-        ex_self = nan_median(grid.self_host[r, fw] - _cluster_median(grid.self_host[:, fw]))
+        ex_data = _excess(data, r, fw)
+        ex_self = _excess(grid.self_host, r, fw)
     return held_outside(ex_data, ex_self, opts)
 
 
