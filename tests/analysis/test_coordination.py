@@ -47,6 +47,28 @@ def test_a_growing_collective_with_arrivals_together_is_fabric_contention() -> N
     assert modes["sync_amplification"].verdict == "no"
 
 
+
+def test_a_collective_cost_that_only_wanders_is_not_fabric_contention() -> None:
+    # The live view judges 50 steps: thirds of 16 steps, whose medians differ by 1.25x by chance when the
+    # collective's cost is noisy (4 ranks on 2 shared cores: a coefficient of variation about 0.5).
+    # Before the rank-sum test, some of these seeds read "likely".
+    rng = np.random.default_rng(7)
+    chance = 0
+    for _ in range(300):
+        n = 50
+        wait_min = rng.lognormal(np.log(8.0), 0.5, n) * MS
+        c = coordination(np.full(n, 50 * MS), 4 * wait_min + 20 * MS, wait_min, wait_min + 20 * MS, np.full(n, 4))
+        fabric = {m.mode: m for m in failure_modes(c)}["fabric_contention"]
+        chance += c.collective_trend >= 1.25 and c.spread_trend < c.collective_trend
+        assert fabric.verdict != "likely", (fabric, c)
+    assert chance >= 10  # the trend alone would have said it on these
+    # the same noise around a real doubling is still named
+    n = 50
+    wait_min = np.repeat([8.0, 16.0], n // 2) * rng.lognormal(0.0, 0.5, n) * MS
+    c = coordination(np.full(n, 80 * MS), 4 * wait_min + 20 * MS, wait_min, wait_min + 20 * MS, np.full(n, 4))
+    fabric = {m.mode: m for m in failure_modes(c)}["fabric_contention"]
+    assert fabric.verdict == "likely" and c.collective_trend_p < 1e-3, (fabric, c)
+
 def test_locality_needs_the_same_local_rank_slow_on_every_node() -> None:
     modes = {m.mode: m for m in failure_modes(None, {0: [1.0, 1.01], 1: [1.31, 1.22]}, {"gc": 0.08})}
     assert modes["locality"].verdict == "likely" and "local rank 1" in modes["locality"].evidence

@@ -24,15 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from hyperacc.analysis.robust import nan_median, nan_quantiles
+from hyperacc.analysis.robust import nan_median, nan_quantiles, rank_sum_greater_p
 
 # Spike causes that belong to the runtime/control failure mode (launch latency, allocator, host, GC).
 RUNTIME_CAUSES = ("gc", "allocator", "host")
 # A mode is named only when it accounts for at least this share of the step time.
 MIN_SHARE = 0.05
 # Fabric contention: the collective's own cost grew by this factor from the first to the last third of
-# the run while the arrival spread did not grow as much.
+# the run while the arrival spread did not grow as much ...
 GROWTH = 1.25
+# ... and the growth is beyond the steps' noise: the last third's least waits larger than the first
+# third's in a one-sided rank-sum test at this significance (the other count tests' ``top_alpha``).
+TREND_ALPHA = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,7 @@ class Coordination:
     spread_p99_ns: float  # ... and 99th percentile
     spread_trend: float  # median spread of the last third of steps / of the first third
     collective_trend: float  # the same for the collective's own cost
+    collective_trend_p: float  # that the last third's own cost is larger than the first third's by chance
     steps: int
 
 
@@ -101,6 +105,7 @@ def coordination(
         spread_p99_ns=p99,
         spread_trend=_trend(spread),
         collective_trend=_trend(wait_min[ok]),
+        collective_trend_p=_trend_p(wait_min[ok]),
         steps=int(ok.sum()),
     )
 
@@ -112,6 +117,12 @@ def _trend(values: np.ndarray) -> float:
         return math.nan
     first, last = float(np.median(values[: n // 3])), float(np.median(values[-(n // 3) :]))
     return last / first if first > 0 else math.nan
+
+
+def _trend_p(values: np.ndarray) -> float:
+    """``rank_sum_greater_p`` of the last third of steps against the first third (NaN under 9 steps)."""
+    n = values.size
+    return rank_sum_greater_p(values[: n // 3], values[-(n // 3) :]) if n >= 9 else math.nan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +169,11 @@ def failure_modes(
         grew = coord.collective_trend >= GROWTH and not coord.spread_trend >= coord.collective_trend
         if math.isnan(coord.collective_trend):
             verdict, why = "not enough evidence", "too few steps to see a trend"
+        elif grew and coord.collective_share >= MIN_SHARE and not coord.collective_trend_p < TREND_ALPHA:
+            verdict, why = "not enough evidence", (
+                f"the collective's own cost grew {coord.collective_trend:.2f}x from the first to the last third "
+                f"of the steps, within their noise (p = {coord.collective_trend_p:.2g})"
+            )
         elif grew and coord.collective_share >= MIN_SHARE:
             verdict, why = "likely", (
                 f"the collective's own cost grew {coord.collective_trend:.2f}x from the first to the last third "
