@@ -175,3 +175,19 @@ def test_too_little_data_says_what_was_not_judged(tmp_path):
     assert d["verdict"] == "Steady: no spike in 290 steps (stragglers are not judged with 2 rank(s))."
     short = diagnose(write_run(tmp_path / "short", SyntheticRun(ranks=4, steps=8))).to_dict()
     assert short["verdict"].startswith("Nothing to judge yet") and short["spikes"]["cluster"]["steps"] == 0
+
+
+def test_what_if_says_a_saving_smaller_than_its_figures_last_digit_as_the_saving() -> None:
+    from hyperacc.analysis.diagnosis import what_if_sentences
+
+    job = 19_900_000_000
+    culprits = [
+        {"what": "straggler", "rank": 1, "since_step": 50, "saved_ns": 1.2e9, "job_ns_without": job - 1.2e9, "saved_frac": 1.2e9 / job},
+        {"what": "spikes", "rank": 1, "cause": "compute", "saved_ns": 37.1e6, "job_ns_without": job - 37.1e6, "saved_frac": 37.1e6 / job},
+    ]  # fmt: skip
+    both = {"saved_ns": 1.24e9, "job_ns_without": job - 1.24e9, "saved_frac": 1.24e9 / job}
+    lines = what_if_sentences({"job_ns": job, "culprits": culprits, "all": both})
+    assert lines[0] == "Without rank 1's slowness since step 50 the job would have taken 18.7 s instead of 19.9 s (-6 %)."
+    # not "19.9 s instead of 19.9 s"
+    assert lines[1] == "Without rank 1's compute spikes the job would have taken 37.1 ms less than its 19.9 s (-0.19 %).", lines
+    assert lines[2].startswith("Without both culprits together: 18.7 s instead of 19.9 s"), lines

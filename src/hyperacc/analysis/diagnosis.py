@@ -419,11 +419,15 @@ def what_if_sentences(w: dict[str, Any] | None, most: int = 3) -> list[str]:
     job = w["job_ns"] / 1e9
 
     def cost(saved: dict[str, Any]) -> str:
-        return f"{saved['job_ns_without'] / 1e9:.3g} s instead of {job:.3g} s (-{percent(saved['saved_frac'])})"
+        without, share = f"{saved['job_ns_without'] / 1e9:.3g}", percent(saved["saved_frac"])
+        if without == f"{job:.3g}":  # a saving under the figures' last digit: say the saving itself
+            return f"{_ms(saved['saved_ns'])} less than its {job:.3g} s (-{share})"
+        return f"{without} s instead of {job:.3g} s (-{share})"
 
     out = [f"Without {_culprit_words(c)} the job would have taken {cost(c)}." for c in rows[:most]]
     if len(w["culprits"]) > 1:
-        out.append(f"Without all {len(w['culprits'])} culprits together: {cost(w['all'])}.")
+        n = len(w["culprits"])
+        out.append(f"Without {'both' if n == 2 else f'all {n}'} culprits together: {cost(w['all'])}.")
     return out
 
 
