@@ -290,3 +290,26 @@ def test_a_slow_rank_the_job_did_not_wait_for_is_no_straggler():
     cols["culprit_steps"] = np.where(cols["rank"] == 0, 35.0, 4.0)  # 73 %
     (s,) = detect_stragglers(cols, DetectionOptions())
     assert s.rank == 0 and s.active
+
+
+def test_live_says_a_rank_cause_once_and_that_it_is_over_once_it_stays_gone():
+    from hyperacc.analysis import LiveDetector
+
+    # rank 0 stalls in data loading in windows 0-5, then not; one window (8) it stalls again alone
+    spikes = [[3, 3, 3, 3, 3, 3, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], [0] * 23, [0] * 23, [0] * 23]
+    cols = _data_windows(spikes)
+    cols["first_step"] = cols["window"] * 50
+    cols["last_step"] = cols["first_step"] + 49
+    cols["steps"] = cols["judged_steps"]
+    live = LiveDetector(world_size=4, nodes=1)
+    said = []
+    for w in range(23):
+        at = cols["window"] == w
+        said += [(w, line) for line in live.update({k: v[at] for k, v in cols.items()})]
+    stalls = [(w, line) for w, line in said if "rank 0 (node 0) stalls in data loading" in line]
+    over = [(w, line) for w, line in said if "no longer" in line]
+    assert len(stalls) == 1, said  # not said again when it drops out of the history and comes back
+    assert len(over) == 1 and over[0][1] == (
+        "rank 0 (node 0) no longer has more data-loading stalls than the other ranks over the recent windows"), said
+    # said over only after persist_n (5) updates in a row without it, after its last spikes left the history
+    assert over[0][0] > 8 + DetectionOptions().persist_n, said

@@ -54,7 +54,9 @@ class LiveDetector:
         self._history: dict[str, np.ndarray] = {}
         self._parts: list[dict[str, np.ndarray]] = []  # the updates the history is made of, oldest first
         self._reported: dict[int, str] = {}  # rank -> kind already announced
-        self._excess_reported: set[tuple[int, str]] = set()  # (rank, cause) of rank-specific spikes
+        # (rank, cause) of rank-specific spikes said, and for how many updates in a row each was not found
+        self._excess_reported: dict[tuple[int, str], RankExcess] = {}
+        self._excess_absent: dict[tuple[int, str], int] = {}
         self._active: list[Straggler] = []
 
     @property
@@ -101,9 +103,23 @@ class LiveDetector:
             if rank in reporting:  # a rank that stopped reporting did not recover; it is just not judged
                 messages.append(f"rank {rank} is no longer a straggler")
         current = {(e.rank, e.cause): e for e in excess_from_windows(self._history, RANK_CAUSES, self.opts)}
-        for key in sorted(set(current) - self._excess_reported):
+        for key in sorted(set(current) - set(self._excess_reported)):
             messages.append(_excess_line(current[key]))
-        self._excess_reported = set(current)
+        self._excess_reported.update(current)
+        # A rank-specific cause said before and not found over the recent windows in ``persist_n`` updates in
+        # a row is said to be over, as a straggler's is: the live view keeps a rank's latest line, which must
+        # not stay a claim the windows no longer hold (a rank's loader starved over its first 140 steps, not
+        # after). Not at the first update without it: a GC culprit of a recorded run dropped out of the
+        # history for one window and came back, and was said again each time.
+        for key in sorted(set(self._excess_reported) - set(current)):
+            self._excess_absent[key] = absent = self._excess_absent.get(key, 0) + 1
+            if absent >= self.opts.persist_n:
+                gone = self._excess_reported.pop(key)
+                del self._excess_absent[key]
+                if key[0] in reporting:
+                    messages.append(_excess_over_line(gone))
+        for key in current:
+            self._excess_absent.pop(key, None)
         return messages
 
     def _append(self, cols: dict[str, np.ndarray]) -> None:
@@ -152,6 +168,16 @@ def _excess_line(e: RankExcess) -> str:
         f"{excess_phrase(e.to_dict())} over the recent windows ({e.spikes} spikes in {e.steps} steps); "
         "the other ranks' spikes are a floor they share"
     )
+
+
+_EXCESS_NOUNS = {"data": "data-loading stalls", "gc": "garbage-collection pauses", "allocator": "allocator stalls",
+                 "host": "preemptions", "compute": "compute spikes", "host_work": "spikes of its own work between steps",
+                 "unknown": "unexplained spikes", "compute/host": "spikes in its own work"}  # fmt: skip
+
+
+def _excess_over_line(e: RankExcess) -> str:
+    noun = _EXCESS_NOUNS.get(e.cause, f"{e.cause} spikes")
+    return f"rank {e.rank} (node {e.node}) no longer has more {noun} than the other ranks over the recent windows"
 
 
 def _to_columns(table: pa.Table | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
