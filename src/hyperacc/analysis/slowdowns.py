@@ -165,7 +165,7 @@ def slowdowns_of_blocks(
         if start and not (from_start and not active
                           and np.count_nonzero(np.isfinite(x[0, b1 + 1:])) * width >= opts.episode_min_steps):
             continue  # no "before" to shift from, and no "after" where one may stand for it
-        if shift < bars.at(seg.size):
+        if shift < bars.at(seg.size, outside=(b0, b1)):
             continue  # within the job's own wander at this length
         own = stretch_levels(x[:, seg] - outside_level(x[0], seg), span, level=False)
         peak = float(np.nanmax(own, initial=-np.inf)) if own.size else -math.inf
