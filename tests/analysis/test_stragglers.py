@@ -151,6 +151,31 @@ def test_a_self_time_straggler_whose_input_wait_holds_its_excess_is_a_data_strag
     assert [f[:3] for f in found(4.0)] == [(4, "host", "self_ns")]
 
 
+def test_a_rank_that_loads_its_input_on_the_training_thread_is_a_data_straggler_not_compute():
+    """CPU time 2.2x the others' and its self-time's excess in its input fetch (a DataLoader with
+    num_workers=0 on one rank: it decodes what the others' workers decode): a data straggler, its CPU
+    time said. The same CPU time spent in its forward (a larger batch) stays a compute straggler."""
+
+    def found(in_fetch: bool) -> list:
+        rng = np.random.default_rng(6)
+        data = np.clip(2.6 + 0.5 * rng.standard_normal((4, 10)), 0.5, None)  # waits for its workers
+        fwd = 1.0 + 0.05 * rng.standard_normal((4, 10))
+        cpu = 2.2 + 0.1 * rng.standard_normal((4, 10))
+        cpu[3] += 2.8
+        if in_fetch:
+            data[3] = np.median(data, axis=0) + 1.2  # it decodes in its fetch, on its CPU
+        else:
+            fwd[3] += 2.8  # it computes more in its forward
+        self_ms = data + fwd + 1.2 + 0.1 * rng.standard_normal((4, 10))
+        cols = windows(self_ms, self_ms.max(axis=0) - self_ms + 10.0, data_ms=data)
+        cols["cpu_ns_median"] = cpu[cols["rank"], cols["window"]] * MS
+        cols["forward_ns_median"] = fwd[cols["rank"], cols["window"]] * MS
+        return [(s.rank, s.kind, s.kind_basis, s.cpu_share is not None) for s in detect_stragglers(cols, DetectionOptions())]
+
+    assert found(True) == [(3, "data", "input_fetch", True)]
+    assert [f[:3] for f in found(False)] == [(3, "compute", "cpu_time")]
+
+
 def test_gc_time_per_step_and_a_zero_median():
     self_ms = noisy(8, 10)
     gc = np.zeros((8, 10))

@@ -684,6 +684,10 @@ def basis_phrase(s: dict[str, Any]) -> str:
         return "its CPU time grew with it: it computes more (or computes slower, on cores it shares)"
     if basis == "cpu_time":
         return "its CPU time per step stands out: it computes more (or computes slower, on cores it shares)"
+    if basis == "input_fetch" and share is not None:
+        return ("it grew in its DataLoader's fetch, and its CPU time with it: it loads or preprocesses its input on "
+                "the training thread (a DataLoader with num_workers=0, or a transform or collate in the main "
+                "process), more than the other ranks")  # fmt: skip
     if basis == "input_fetch":
         return "it grew in its DataLoader's fetch: its input path (loading, preprocessing) is slower"
     if basis == "device_clock":

@@ -511,8 +511,9 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 kind, basis, share = "host_work", basis_work, between
             elif fetch:
                 # slower in its DataLoader's fetch (preprocessing on the training thread, a slow read that
-                # did not block more): its input path, the data straggler's kind
-                kind, basis = "data", "input_fetch"
+                # did not block more): its input path, the data straggler's kind; its CPU share kept only
+                # where its CPU time grew with it (said: it works in its fetch), as the straggler rule does
+                kind, basis, share = "data", "input_fetch", share if kind == "compute" else None
             elif gap_wait:
                 # blocked off its CPU between steps, its CPU time not grown with the gap: it waits for its
                 # input (``attribution.gap_causes``: "data"), as the straggler rule names such a rank
