@@ -332,6 +332,18 @@ def _said_live(cols: list[dict[str, np.ndarray]], opts: DetectionOptions = OPTS,
     return said + live.update([s.close() for s in streams]) + live.close()
 
 
+def test_live_a_job_slow_from_its_start_is_said_once_against_the_level_after_it():
+    # ranks 1 and 3 wait for a CPU over the first 80 steps (the previous job's processes still on the
+    # node): no level before it, so the live rule said nothing until it judged against the level after
+    said = _said_live(_live_columns(7, slow=(1, 3), span=(0, 80)))
+    assert len(said) == 1, said
+    ((step, line),) = said
+    assert line.startswith("the job's step time was 1.") and "its later level from the start (steps 10-" in line, said
+    assert "ranks [1, 3] waited for a CPU" in line and abs(step - 79) <= 5, said
+    # slow from the start to the end: nothing to judge it against
+    assert _said_live(_live_columns(8, slow=(1, 3), span=(0, 700))) == []
+
+
 def test_live_the_agent_says_a_slowdown_of_the_job_once_when_confirmed_and_once_when_over():
     said = _said_live(_live_columns(1, slow=(1, 3)))
     assert len(said) == 2, said  # no rank episode: the two ranks were preempted, as the offline rule says

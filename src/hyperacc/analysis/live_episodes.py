@@ -197,7 +197,10 @@ class LiveEpisodes:
             findings = [{"rank": e.rank, "since_step": e.since_step, "until_step": e.until_step}
                         for e in (*found, *self._open.values())] + self.ended()  # fmt: skip
             try:
-                out += self.slowdowns.judge(heard, frontier, floor_from, findings, self.straggler)
+                # the run's first judged blocks still in every rank's history: a slowdown from the start is
+                # judged against the level after it
+                start = all(h.block.size and int(h.block[0]) <= self._first.get(h.rank, -1) for h in heard)
+                out += self.slowdowns.judge(heard, frontier, floor_from, findings, self.straggler, from_start=start)
             except Exception as exc:  # noqa: BLE001 - the newest rule: its fault leaves the episodes whole
                 self.slowdowns = None
                 log.warning("hyperacc: the live rule of the job's slowdowns switched off (%s: %s)",

@@ -50,20 +50,29 @@ class LiveSlowdowns:
         self._until = -1  # the last step the open one was found going on
 
     def judge(self, history: Sequence[RankBlocks], frontier: int, floor_from: int,
-              findings: Sequence[Mapping[str, Any]], straggler: Callable[[int], bool]) -> list[tuple[int, str]]:  # fmt: skip
+              findings: Sequence[Mapping[str, Any]], straggler: Callable[[int], bool],
+              from_start: bool = False) -> list[tuple[int, str]]:  # fmt: skip
         """(step, line) for what the history through block ``frontier`` newly confirms or ends. Nothing is
         said of a slowdown that began before step ``floor_from`` (the first step at which every rank's
-        history held ``spike_window`` steps: the job's level before it would be learnt from less).
+        history held ``spike_window`` steps: the job's level before it would be learnt from less), but
+        one slow from the run's first judged steps while the history still holds them (``from_start``):
+        that one is judged against the level after it, as offline, and said once, when it is over.
         ``findings``: the ranks' episodes (``rank``, ``since_step``, ``until_step``); ``straggler``:
         whether the window rules confirmed a rank."""
         width = max([self.opts.episode_block_steps, *(h.width for h in history)])
         ranks = [_through(h, frontier) for h in history]
         block, value = ranks_job_blocks(ranks)  # through the frontier already
         # as the live episodes: the whole minimum effect above the job's wander so far, not half of it
-        found = [s for s in slowdowns_of_blocks(block, value, width, ranks, self.opts, floor_effect=1.0)
+        found = [s for s in slowdowns_of_blocks(block, value, width, ranks, self.opts, floor_effect=1.0,
+                                                from_start=from_start)
                  if s.ranks and not explained(s.to_dict(), findings)
                  and not any(straggler(r) for r in s.ranks)]  # fmt: skip
         out: list[tuple[int, str]] = []
+        for s in [s for s in found if s.from_start]:
+            if self._said < 0 and self._open is None:  # the first thing said of the job, or never
+                out.append((s.until_step, _from_start(s)))
+                self._over(s.until_step)
+        found = [s for s in found if not s.from_start]
         going = self._open
         if going is not None and not any(_overlap(going, s) for s in found):
             # no longer found (the history moved on, or what it was is now a rank's finding): over once the
@@ -130,6 +139,12 @@ def _through(h: RankBlocks, frontier: int) -> RankBlocks:
 
 def _overlap(a: Slowdown, b: Slowdown) -> bool:
     return a.since_step <= b.until_step and b.since_step <= a.until_step
+
+
+def _from_start(s: Slowdown) -> str:
+    return (f"the job's step time was {s.slowdown:.2f}x its later level from the start (steps {s.since_step}-"
+            f"{s.until_step}, {s.step_ns / 1e6:.3g} -> {s.baseline_ns / 1e6:.3g} ms, {s.job_time_lost_ns / 1e9:.3g} s "
+            f"lost): {slowdown_who(s.to_dict())}")  # fmt: skip
 
 
 def _started(s: Slowdown) -> str:
