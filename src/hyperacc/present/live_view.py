@@ -419,7 +419,7 @@ def line(s: Snapshot) -> str:
         f"step p50 {_fmt(s.p50_ms)} ms p99 {_fmt(s.p99_ms)} ms CV {_fmt(s.cv, '.2f')}, spikes "
         f"{_fmt(s.spike_rate * 100 if math.isfinite(s.spike_rate) else None, '.1f', '%')}, wait "
         f"{_fmt(s.wait_share * 100 if math.isfinite(s.wait_share) else None, '.0f', '%')}, spread "
-        f"{_fmt(s.spread_ms)} ms, culprit {culprit}"
+        f"{_fmt(s.spread_ms)} ms, last in at step {s.step}: rank {culprit}"
         + _coordination_line(s)
         + (f"; {s.findings[-1]}" if s.findings else "")
     )
