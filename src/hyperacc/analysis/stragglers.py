@@ -252,7 +252,8 @@ def _straggler(
             kind, basis, cpu_share = _between_steps(grid, r, fw, opts)
         else:
             kind, basis = "data", "input_fetch"
-            cpu_share = _excess(grid.cpu, r, fw) / _excess(grid.metrics["data_ns"], r, fw) if working else None
+            # its CPU time's excess over its input time's (held above ``floor_ns``, so never over zero)
+            cpu_share = _finite_or_none(float(_excess(grid.cpu, r, fw) / _excess(grid.metrics["data_ns"], r, fw))) if working else None
     if kind == "compute" and basis == "cpu_time" and _kernel_paging(grid, r, fw, opts):
         kind, basis = "page_faults", "sys_cpu_time"
     elif metric == "data_ns" and _in_gap(grid, r, fw):
