@@ -12,7 +12,7 @@ from hyperacc.analysis import diagnose
 from hyperacc.analysis.diagnosis import _slowdown_evidence, slowdown_phrase
 from hyperacc.analysis.episodes import RankBlocks
 from hyperacc.analysis.options import DetectionOptions
-from hyperacc.analysis.slowdowns import detect_slowdowns, explained, job_blocks, slowdowns_of_blocks
+from hyperacc.analysis.slowdowns import Slowdown, detect_slowdowns, explained, job_blocks, slowdowns_of_blocks
 from hyperacc.analysis.synthetic import SyntheticFault, SyntheticRun, write_run
 
 OPTS = DetectionOptions()
@@ -99,6 +99,36 @@ def test_ranks_slow_in_turn_are_not_a_slower_collective_and_without_waits_it_is_
     assert [x.kind for x in detect_slowdowns(STEPS, step_ns, blocks, OPTS)] == ["unknown"]  # no waits measured
     step_ns, blocks, least = _job(4, how="comm")
     assert [x.kind for x in detect_slowdowns(STEPS, step_ns, blocks, OPTS, np.full(STEPS.size, np.inf))] == ["unknown"]
+
+
+def test_ranks_that_wait_for_a_cpu_by_turns_are_said_to():
+    # A busy process beside 4 unbound ranks over steps 400-599: it sits on one rank's core for 3-12 steps,
+    # then moves to another's (10 ms of run-queue delay a step there), and every rank waits a little more
+    # for a CPU meanwhile (2 ms). The job's step time (the slowest rank's) rises by the 10 ms; no rank's
+    # median does: in turn, and their run-queue delay is what rose. Without the moving part, each rank's
+    # median rise holds the job's (10 ms shared): every rank waited for a CPU.
+    def job(seed: int, moving: float, shared: float = 2.0) -> Slowdown:
+        rng = np.random.default_rng(seed)
+        on = (STEPS >= 400) & (STEPS < 600)
+        owner = np.repeat(rng.integers(0, 4, STEPS.size), rng.integers(3, 13, STEPS.size))[: STEPS.size]
+        walls, blocks = [], []
+        for r in range(4):
+            cpu = 20.0 * rng.lognormal(0.0, 0.05, STEPS.size)
+            extra = np.where(owner == r, moving, 0.0) + shared * rng.lognormal(0.0, 0.3, STEPS.size)
+            delay = 0.3 * rng.lognormal(0.0, 0.3, STEPS.size) + np.where(on, extra, 0.0)
+            walls.append(cpu + delay)
+            blocks.append(_blocks(r, cpu + delay, cpu, delay))
+        least = 2.0 * rng.lognormal(0.0, 0.1, STEPS.size)
+        (s,) = detect_slowdowns(STEPS, (np.max(walls, axis=0) + least) * MS, blocks, OPTS, least * MS)
+        return s
+
+    for seed in range(5):
+        s = job(seed, 10.0)
+        assert (s.kind, s.ranks, s.turns_of) == ("in_turn", [], "preempted"), s
+        assert s.cause_rise_ns == pytest.approx(2.0 * MS, rel=0.4), s
+        assert "the ranks took turns to be the slow one, waiting for a CPU (run-queue delay +" in slowdown_phrase(s.to_dict())
+    s = job(9, 0.0, 10.0)
+    assert (s.kind, s.ranks, s.turns_of) == ("preempted", [0, 1, 2, 3], None), s
 
 
 def test_the_ranks_of_one_node_and_no_other_are_told_as_the_node():

@@ -485,11 +485,19 @@ _SLOW_WORDS = {
 }
 
 
+_TURN_WORDS = {"preempted": "waiting for a CPU", "compute": "computing more", "data": "waiting for input",
+               "gc": "collecting garbage"}  # what ranks slow by turns did (``Slowdown.turns_of``)
+
+
 def slowdown_who(s: dict[str, Any]) -> str:
     """Whom the job waited for over a slowdown, and what they did more: "ranks [1, 3] waited for a CPU
     (run-queue delay +24 ms a step)"."""
     if s["kind"] == "communication":
         return "every rank waited longer in the collective, with no slower rank to wait for"
+    if s["kind"] == "in_turn" and s.get("turns_of") in _TURN_WORDS and s.get("cause_rise_ns") is not None:
+        what, column = _TURN_WORDS[s["turns_of"]], _SLOW_WORDS[s["turns_of"]][1]
+        return (f"the ranks took turns to be the slow one, {what} ({column} +{_ms(s['cause_rise_ns'])} a step on the "
+                "median rank; none slowed throughout, and the collective itself did not)")  # fmt: skip
     if s["kind"] == "in_turn":
         return "the ranks took turns to be the slow one (none slowed throughout, and the collective itself did not)"
     if not s["ranks"]:

@@ -83,6 +83,9 @@ class Slowdown:
     # from the run's first judged step, with no level before it: slow against the level after it (a node
     # that another process still held when the job began); offline only
     from_start: bool = False
+    # ``in_turn``: what the ranks did more by turns (a ``_KINDS`` name), where over every judged rank its
+    # rise holds ``explain_share`` of their self-time's (medians over the ranks); None: nothing did
+    turns_of: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -297,7 +300,9 @@ def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts:
         # longer too), or the ranks took turns to be the last one, each slow at some steps only.
         if len(judged) < 2 or not math.isfinite(collective):
             return {"kind": "unknown", **none}
-        return {"kind": "communication" if collective >= opts.explain_share * rise else "in_turn", **none}
+        if collective >= opts.explain_share * rise:
+            return {"kind": "communication", **none}
+        return {"kind": "in_turn", **none, **_turns(judged, opts)}
     # the ranks that slowed about as much as the most (the slowest rank's step is the job's: the others'
     # rises may each be under half of the job's and still be the same slowdown)
     slow = sorted(r for r, v in judged.items() if v["self_ns"] >= max(opts.explain_share * top, opts.floor_ns))
@@ -319,6 +324,25 @@ def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts:
     return {"kind": kind, "ranks": slow, "shared": len(slow) == len(judged) and len(judged) > 1,
             "self_rise_ns": self_rise, "cause_rise_ns": cause, "cpu_rise_ns": _finite(part["cpu_ns"]),
             "delay_rise_ns": _finite(part["delay"]), "nodes": _whole_nodes(ranks, judged, slow)}  # fmt: skip
+
+
+def _turns(judged: Mapping[int, Mapping[str, float]], opts: DetectionOptions) -> dict[str, Any]:
+    """What ranks slow by turns did more: over every judged rank, the median rise of self-time and the
+    first of ``_KINDS`` whose median rise holds ``explain_share`` of it (each rank slow at some steps
+    only, its median rise is a part of the job's). A busy process moving between the cores of unbound
+    ranks raised each one's run-queue delay in turn (an outside job: +0.5 to +4.9 ms a step on its 4 ranks
+    while the job's step time rose 17 ms)."""
+    everyone = sorted(judged)
+    self_rise = _median_over(judged, everyone, "self_ns")
+    if not self_rise >= opts.floor_ns:
+        return {}
+    for name, column in _KINDS:
+        part = _median_over(judged, everyone, column)
+        if part >= opts.explain_share * self_rise:
+            return {"turns_of": name, "self_rise_ns": self_rise, "cause_rise_ns": part,
+                    "cpu_rise_ns": _finite(_median_over(judged, everyone, "cpu_ns")),
+                    "delay_rise_ns": _finite(_median_over(judged, everyone, "delay"))}  # fmt: skip
+    return {}
 
 
 def _whole_nodes(ranks: Sequence[RankBlocks], judged: Mapping[int, Any], slow: Sequence[int]) -> list[int]:
