@@ -628,6 +628,17 @@ def _between_phrase(s: dict[str, Any]) -> str:
     return "it waits off the CPU for its input (no DataLoader; its CPU time did not grow with the gap)"
 
 
+# the same causes as nouns, for the live line that says a rank's cause is over
+_EXCESS_NOUNS = {"data": "data-loading stalls", "gc": "garbage-collection pauses", "allocator": "allocator stalls",
+                 "host": "preemptions", "compute": "compute spikes", "host_work": "spikes of its own work between steps",
+                 "unknown": "unexplained spikes", "compute/host": "spikes in its own work"}  # fmt: skip
+
+
+def excess_noun(cause: str) -> str:
+    """"data-loading stalls": a rank-specific cause as a noun (``_EXCESS_WORDS`` says it as a verb)."""
+    return _EXCESS_NOUNS.get(cause, f"{cause} spikes")
+
+
 def excess_phrase(e: dict[str, Any]) -> str:
     period = e.get("period")
     return (

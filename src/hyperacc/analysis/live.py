@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hyperacc.analysis.diagnosis import basis_phrase, excess_phrase, kind_word, metric_phrase
+from hyperacc.analysis.diagnosis import basis_phrase, excess_noun, excess_phrase, kind_word, metric_phrase
 from hyperacc.analysis.excess import RankExcess, excess_from_windows
 from hyperacc.analysis.options import DetectionOptions
 from hyperacc.analysis.outliers import window_grid
@@ -170,14 +170,8 @@ def _excess_line(e: RankExcess) -> str:
     )
 
 
-_EXCESS_NOUNS = {"data": "data-loading stalls", "gc": "garbage-collection pauses", "allocator": "allocator stalls",
-                 "host": "preemptions", "compute": "compute spikes", "host_work": "spikes of its own work between steps",
-                 "unknown": "unexplained spikes", "compute/host": "spikes in its own work"}  # fmt: skip
-
-
 def _excess_over_line(e: RankExcess) -> str:
-    noun = _EXCESS_NOUNS.get(e.cause, f"{e.cause} spikes")
-    return f"rank {e.rank} (node {e.node}) no longer has more {noun} than the other ranks over the recent windows"
+    return f"rank {e.rank} (node {e.node}) no longer has more {excess_noun(e.cause)} than the other ranks over the recent windows"
 
 
 def _to_columns(table: pa.Table | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

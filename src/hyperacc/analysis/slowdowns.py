@@ -308,10 +308,9 @@ def _who(ranks: Sequence[RankBlocks], since: int, until: int, rise: float, opts:
     slow = sorted(r for r, v in judged.items() if v["self_ns"] >= max(opts.explain_share * top, opts.floor_ns))
     self_rise = float(np.median([judged[r]["self_ns"] for r in slow]))
     part = {c: _median_over(judged, slow, c) for _, c in _KINDS}
-    for name, column in _KINDS:
-        if part[column] >= opts.explain_share * self_rise:
-            kind, cause = name, part[column]
-            break
+    held = _held_part(part, self_rise, opts)
+    if held is not None:
+        kind, cause = held
     else:  # no one part holds half of it
         cpu, delay = part["cpu_ns"], part["delay"]
         off = self_rise - cpu - (delay if math.isfinite(delay) else 0.0)
@@ -336,13 +335,21 @@ def _turns(judged: Mapping[int, Mapping[str, float]], opts: DetectionOptions) ->
     self_rise = _median_over(judged, everyone, "self_ns")
     if not self_rise >= opts.floor_ns:
         return {}
+    part = {c: _median_over(judged, everyone, c) for _, c in _KINDS}
+    held = _held_part(part, self_rise, opts)
+    if held is None:
+        return {}
+    return {"turns_of": held[0], "self_rise_ns": self_rise, "cause_rise_ns": held[1],
+            "cpu_rise_ns": _finite(part["cpu_ns"]), "delay_rise_ns": _finite(part["delay"])}  # fmt: skip
+
+
+def _held_part(part: Mapping[str, float], self_rise: float, opts: DetectionOptions) -> tuple[str, float] | None:
+    """The first of ``_KINDS`` whose rise (``part``, by column) holds ``explain_share`` of ``self_rise``,
+    with that rise; None where none does."""
     for name, column in _KINDS:
-        part = _median_over(judged, everyone, column)
-        if part >= opts.explain_share * self_rise:
-            return {"turns_of": name, "self_rise_ns": self_rise, "cause_rise_ns": part,
-                    "cpu_rise_ns": _finite(_median_over(judged, everyone, "cpu_ns")),
-                    "delay_rise_ns": _finite(_median_over(judged, everyone, "delay"))}  # fmt: skip
-    return {}
+        if part[column] >= opts.explain_share * self_rise:
+            return name, part[column]
+    return None
 
 
 def _whole_nodes(ranks: Sequence[RankBlocks], judged: Mapping[int, Any], slow: Sequence[int]) -> list[int]:
