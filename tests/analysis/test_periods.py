@@ -132,3 +132,16 @@ def test_every_ranks_collector_on_one_cadence_is_named_gc_with_gcs_advice(tmp_pa
     assert "every rank's collector on one cadence" in d.verdict
     assert any(line.startswith("spikes every 40 steps on most ranks at once: make garbage collection deterministic")
                for line in d.next_step)  # fmt: skip
+
+
+def test_every_ranks_input_on_one_period_is_named_input_with_the_epochs_advice(tmp_path):
+    # every rank waits for its input at once every 30 steps: a DataLoader that starts its workers again
+    # each epoch, not the loop's own periodic work (an evaluation, a checkpoint)
+    faults = (SyntheticFault("data_stall", ranks=tuple(range(8)), ms=40, every=30, start_step=30),)
+    d = diagnose(write_run(tmp_path / "run", SyntheticRun(ranks=8, steps=1000, seed=7, faults=faults)))
+    period = d.spikes["cluster"]["period"]
+    assert period is not None and period["every"] == 30 and period["causes"] == ["data"], period
+    assert "every rank waited for its input at those steps" in d.verdict
+    assert any(line.startswith("spikes every 30 steps on most ranks at once: every rank waits for its input")
+               and "persistent_workers=True" in line for line in d.next_step)  # fmt: skip
+    assert not any("an evaluation, a checkpoint" in line for line in d.next_step)

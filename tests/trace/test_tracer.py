@@ -264,3 +264,23 @@ def test_a_script_that_leaves_through_os_exit_after_destroy_process_group_keeps_
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert store.read_steps(tmp_path / "run")["step"].to_pylist() == list(range(30))
+
+
+@pytest.mark.slow  # an interpreter with torch
+def test_a_dataloader_made_again_each_epoch_is_input_from_the_iterators_start(tmp_path: Path) -> None:
+    # persistent_workers=False: each epoch's ``iter(loader)`` starts the worker and draws the epoch's order
+    # (0.3 s here) before the first batch; that is the input's time, not the rank's own between steps
+    import json
+    import subprocess
+    import sys
+
+    job = Path(__file__).parent / "jobs" / "epoch_loader_job.py"
+    out = subprocess.run([sys.executable, str(job), str(tmp_path / "run"), "3", "0.3"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["error"] == "no order for epoch 4" and seen["tracing"]  # the sampler's error, passed on as it was
+    rows = store.read_steps(tmp_path / "run").to_pylist()
+    assert [r["step"] for r in rows] == list(range(9))  # 3 epochs of 3 batches
+    for r in rows[::3]:  # each epoch's first step
+        assert r["data_ns"] >= 0.3e9 and r["other_ns"] < 0.1e9, r

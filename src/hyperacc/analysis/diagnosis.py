@@ -98,6 +98,12 @@ ADVICE: dict[str, str] = {
     "periodic_job": "work the whole job does on a fixed period of steps, on every rank alike (an evaluation, a "
     "checkpoint, logging, a metric gathered from all ranks): do it less often or asynchronously, or count it "
     "as the price of that work; it is not a rank's fault",
+    # the same when the ranks waited for their input at those steps
+    "periodic_job_data": "every rank waits for its input at once on a fixed period of steps: a DataLoader whose "
+    "iterator is made again each epoch (persistent_workers=False) starts its worker processes again and fills "
+    "its prefetch from nothing, so the period is the epoch's length in steps (persistent_workers=True keeps the "
+    "workers); otherwise every rank opens a new file or shard every so many batches: prefetch across that "
+    "boundary",
 }
 
 
@@ -390,8 +396,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         steps.append(f"rank {e['rank']}, {e['cause']} spikes: {ADVICE[key]}")
         seen.add(key)
     if job_period:
-        gc_cadence = job_period.get("causes") == ["gc"]  # every rank's collector on one cadence: GC's advice
-        advice = ADVICE["gc"] if gc_cadence else ADVICE["periodic_job"]
+        # every rank's collector on one cadence: GC's advice; every rank's input at once: the input's
+        advice = ADVICE[_JOB_PERIOD_ADVICE.get(tuple(job_period.get("causes") or ()), "periodic_job")]
         steps.append(f"spikes every {job_period['every']} steps on most ranks at once: {advice}")
     if too_short:
         steps.append(_too_short_advice(d))
@@ -667,12 +673,19 @@ def _steps_on(p: dict[str, Any]) -> str:
 def _job_period_phrase(p: dict[str, Any]) -> str:
     lost, job = p.get("lost_ns"), p.get("job_ns")
     cost = f", {_ms(lost)} of the job's {_ms(job)} ({percent(lost / job)})" if lost and job else ""
+    what = _JOB_PERIOD_WORDS.get(tuple(p.get("causes") or ()), "work the job does on a fixed period of steps")
     return (
         f"more than half of the ranks spiked at once every {p['every']} steps ({_steps_on(p)}: {p['repeats']} of "
-        f"the {p['expected']} judged steps of that period){cost}: "
-        + ("GC pauses, every rank's collector on one cadence (the loop allocates alike every step)"
-           if p.get("causes") == ["gc"] else "work the job does on a fixed period of steps")
-    )  # fmt: skip
+        f"the {p['expected']} judged steps of that period){cost}: {what}"
+    )
+
+
+# What a job's period is, by the causes its spikes recur with on most ranks (``spikes.cluster.period``).
+_JOB_PERIOD_WORDS = {
+    ("gc",): "GC pauses, every rank's collector on one cadence (the loop allocates alike every step)",
+    ("data",): "every rank waited for its input at those steps",
+}
+_JOB_PERIOD_ADVICE = {("gc",): "gc", ("data",): "periodic_job_data"}
 
 
 def basis_phrase(s: dict[str, Any]) -> str:

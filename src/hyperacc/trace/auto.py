@@ -8,8 +8,9 @@ tracing; calls on other threads are left alone):
   update never merges two iterations; a boundary inside an open phase takes effect when it closes;
   an update those hooks cannot see (compiled, or written by hand) ends the step at the next training
   forward, when a watched parameter changed with no optimizer step seen (``_unseen_update``);
-- data: ``DataLoader`` iterators' ``__next__`` (wrapped at the class edge); without any fetch in a
-  step, the input gap (see ``step_clock``);
+- data: ``DataLoader`` iterators' ``__next__`` and ``DataLoader.__iter__`` (where an iterator made
+  again each epoch starts its workers), wrapped at the class edge; without any fetch in a step, the
+  input gap (see ``step_clock``);
 - forward: the outermost modules only. Global module hooks find the modules called at depth 0 during
   the first step (the model, a loss module); they are then replaced by a wrapper on those modules'
   ``forward`` alone, so a deep model costs one wrapper call per forward, not two hooks per module.
@@ -150,6 +151,22 @@ class AutoTrace:
                 auto._exit(DATA)
 
         self._patch(dataloader._BaseDataLoaderIter, "__next__", __next__)
+
+        # A DataLoader's iterator made again each epoch (persistent_workers False) starts its worker
+        # processes there, before its first ``__next__``: input time too, not the rank's own.
+        orig_iter = dataloader.DataLoader.__iter__
+
+        @functools.wraps(orig_iter)
+        def __iter__(loader: Any) -> Any:
+            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
+                return orig_iter(loader)
+            auto._enter(DATA)
+            try:
+                return orig_iter(loader)
+            finally:
+                auto._exit(DATA)
+
+        self._patch(dataloader.DataLoader, "__iter__", __iter__)
 
         orig_backward = torch.autograd.backward
 
