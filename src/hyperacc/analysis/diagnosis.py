@@ -100,10 +100,11 @@ ADVICE: dict[str, str] = {
     "as the price of that work; it is not a rank's fault",
     # the same when the ranks waited for their input at those steps
     "periodic_job_data": "every rank waits for its input at once on a fixed period of steps: a DataLoader whose "
-    "iterator is made again each epoch (persistent_workers=False) starts its worker processes again and fills "
-    "its prefetch from nothing, so the period is the epoch's length in steps (persistent_workers=True keeps the "
-    "workers); otherwise every rank opens a new file or shard every so many batches: prefetch across that "
-    "boundary",
+    "iterator is made again at each pass over it (persistent_workers=False: the training loader each epoch, an "
+    "evaluation's loader each evaluation) starts its worker processes again and fills its prefetch from nothing: "
+    "compare the period with the epoch's length and the evaluation interval in steps, and keep the workers "
+    "(persistent_workers=True; Hugging Face's dataloader_persistent_workers); otherwise every rank opens a new "
+    "file or shard every so many batches: prefetch across that boundary",
 }
 
 
