@@ -48,6 +48,22 @@ def test_a_growing_collective_with_arrivals_together_is_fabric_contention() -> N
 
 
 
+def test_a_collective_that_grew_as_the_ranks_waited_for_a_cpu_is_not_called_fabric_contention() -> None:
+    # A busy process beside a gloo job (an outside job, 2026-12-07): the least wait grew 1.17 -> 6.39 ms
+    # while the ranks' run-queue delay rose 0.21 -> 8.13 ms a step: the collective's threads waited for a
+    # CPU as the ranks did, so the growth does not tell the fabric from the host
+    n = 60
+    wait_min = np.linspace(10, 40, n) * MS
+    args = (np.full(n, 400 * MS), 4 * wait_min + 4 * MS, wait_min, wait_min + 2 * MS, np.full(n, 4))
+    busy = coordination(*args, run_delay=np.linspace(1, 40, n) * MS)
+    fabric = {m.mode: m for m in failure_modes(busy)}["fabric_contention"]
+    assert fabric.verdict == "not enough evidence" and "run-queue delay rose" in fabric.evidence, fabric
+    # a run-queue delay that rose by less than the growth beyond GROWTH leaves it likely, as does none measured
+    for delay in (np.linspace(1, 5, n) * MS, np.full(n, 2 * MS), np.full(n, np.nan), None):
+        c = coordination(*args, run_delay=delay)
+        assert {m.mode: m for m in failure_modes(c)}["fabric_contention"].verdict == "likely", delay
+
+
 def test_a_collective_cost_that_only_wanders_is_not_fabric_contention() -> None:
     # The live view judges 50 steps: thirds of 16 steps, whose medians differ by 1.25x by chance when the
     # collective's cost is noisy (4 ranks on 2 shared cores: a coefficient of variation about 0.5).

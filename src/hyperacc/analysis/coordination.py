@@ -81,12 +81,18 @@ class Coordination:
     collective_trend: float  # the same for the collective's own cost
     collective_trend_p: float  # that the last third's own cost is larger than the first third's by chance
     steps: int
+    collective_first_ns: float = math.nan  # the collective's own cost, median of the first third of steps
+    # the rise of the ranks' run-queue delay (waiting for a CPU) from the first to the last third, median of
+    # each third (NaN: not measured): on a host whose CPUs are contended the collective's threads wait too
+    run_delay_rise_ns: float = math.nan
 
 
 def coordination(
-    step_sum: np.ndarray, wait_sum: np.ndarray, wait_min: np.ndarray, wait_max: np.ndarray, ranks: np.ndarray
+    step_sum: np.ndarray, wait_sum: np.ndarray, wait_min: np.ndarray, wait_max: np.ndarray, ranks: np.ndarray,
+    run_delay: np.ndarray | None = None,
 ) -> Coordination | None:
-    """Where the time of synchronisation goes, over the steps where at least two ranks measured a wait."""
+    """Where the time of synchronisation goes, over the steps where at least two ranks measured a wait.
+    ``run_delay``: the ranks' mean run-queue delay per step (NaN: not measured)."""
     step_sum, wait_sum = np.asarray(step_sum, float), np.asarray(wait_sum, float)
     wait_min, wait_max, ranks = np.asarray(wait_min, float), np.asarray(wait_max, float), np.asarray(ranks, float)
     ok = (ranks >= 2) & ~np.isnan(wait_sum) & ~np.isnan(step_sum) & (step_sum > 0)
@@ -107,15 +113,31 @@ def coordination(
         collective_trend=_trend(wait_min[ok]),
         collective_trend_p=_trend_p(wait_min[ok]),
         steps=int(ok.sum()),
+        collective_first_ns=_thirds(wait_min[ok])[0],
+        run_delay_rise_ns=_rise(np.asarray(run_delay, float)[ok]) if run_delay is not None else math.nan,
     )
+
+
+def _thirds(values: np.ndarray) -> tuple[float, float]:
+    """Medians of the first and of the last third of ``values``, NaN left out (NaN: under 9 values, or a
+    third with none measured)."""
+    n = values.size
+    if n < 9:
+        return math.nan, math.nan
+    first, last = values[: n // 3], values[-(n // 3) :]
+    if np.isnan(first).all() or np.isnan(last).all():
+        return math.nan, math.nan
+    return float(np.nanmedian(first)), float(np.nanmedian(last))
+
+
+def _rise(values: np.ndarray) -> float:
+    first, last = _thirds(values)
+    return last - first
 
 
 def _trend(values: np.ndarray) -> float:
     """Median of the last third over the median of the first third (NaN when too short or zero)."""
-    n = values.size
-    if n < 9:
-        return math.nan
-    first, last = float(np.median(values[: n // 3])), float(np.median(values[-(n // 3) :]))
+    first, last = _thirds(values)
     return last / first if first > 0 else math.nan
 
 
@@ -123,6 +145,15 @@ def _trend_p(values: np.ndarray) -> float:
     """``rank_sum_greater_p`` of the last third of steps against the first third (NaN under 9 steps)."""
     n = values.size
     return rank_sum_greater_p(values[: n // 3], values[-(n // 3) :]) if n >= 9 else math.nan
+
+
+def _cpu_explains(coord: Coordination) -> bool:
+    """Whether the collective's own cost, less what the ranks' run-queue delay rose by, no longer grew by
+    ``GROWTH``: the rise is then as much the host's CPUs as the fabric (docs/detection.md)."""
+    rise, first = coord.run_delay_rise_ns, coord.collective_first_ns
+    if not rise > 0 or not first > 0:
+        return False
+    return first * coord.collective_trend - rise < GROWTH * first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +204,12 @@ def failure_modes(
             verdict, why = "not enough evidence", (
                 f"the collective's own cost grew {coord.collective_trend:.2f}x from the first to the last third "
                 f"of the steps, within their noise (p = {coord.collective_trend_p:.2g})"
+            )
+        elif grew and coord.collective_share >= MIN_SHARE and _cpu_explains(coord):
+            verdict, why = "not enough evidence", (
+                f"the collective's own cost grew {coord.collective_trend:.2f}x from the first to the last third "
+                f"of the steps, but the ranks' run-queue delay rose {coord.run_delay_rise_ns / 1e6:.3g} ms a step "
+                "with it: on a host whose CPUs are contended the collective's threads wait for a CPU too"
             )
         elif grew and coord.collective_share >= MIN_SHARE:
             verdict, why = "likely", (

@@ -3,7 +3,7 @@
 Ranks are read and reduced one at a time by a small pool of threads (pyarrow and numpy release the
 GIL), at most ``workers + 1`` ranks in flight, and merged in rank order by the calling thread. Memory:
 the ranks in flight (steps x ~21 float64 each, or a chunk of ``rank_chunk_steps`` rows of a longer
-rank, and its per-step findings, about 80 bytes per step), per-step arrays for the cluster (about 145
+rank, and its per-step findings, about 88 bytes per step), per-step arrays for the cluster (about 160
 bytes per step of the run, 96 of them the least waits and their ranks) and the window summaries and episode blocks
 (bounded by ``window_max_cells`` and ``episode_max_cells``). docs/detection.md, "Scale", has the figures.
 Rules: docs/detection.md.
@@ -125,7 +125,7 @@ def diagnose(
         # Keep the small tallies, drop the per-step arrays.
         findings.append(dataclasses.replace(f, steps=_EMPTY, judged=_EMPTY, spikes=_EMPTY, comm_steps=_EMPTY,
                                             comm_wait=_EMPTY, windows={}, events=[], timed_steps=_EMPTY,
-                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F, blocks=None,
+                                            step_ns=_EMPTY_F, comm_step_ns=_EMPTY_F, comm_run_delay=_EMPTY_F, blocks=None,
                                             spike_causes=_EMPTY_S, spike_excess=_EMPTY_F))  # fmt: skip
         del f  # not held while the next rank is reduced (a rank of a week: 0.8 GB)
     if not findings:

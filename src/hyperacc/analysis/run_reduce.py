@@ -52,6 +52,8 @@ class RankFindings:
     timed_steps: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # steps with a step time ...
     step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # ... and that step time
     comm_step_ns: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)  # step time at comm_steps
+    # run-queue delay at comm_steps (NaN: not measured): how much the host's CPUs were contended there
+    comm_run_delay: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY_F)
     self_median_ns: float = float("nan")  # median self-time (busy time where self-time was not measured)
     step_total_ns: float = 0.0  # summed step time
     blocks: RankBlocks | None = None  # per-block medians for the episodes (analysis.episodes)
@@ -179,10 +181,12 @@ def _reduce_part(
     ok = ~np.isnan(comm)
     step_ns = cols["step_ns"]
     timed = ~np.isnan(step_ns)
+    run_delay = cols.get("run_delay_ns")
     return RankFindings(
         rank, node, _EMPTY, steps[sp.judged], steps[idx], steps[ok], comm[ok], windows, counts, lost, events,
         judged_count=int(sp.judged.sum()), cpu_measured=bool(np.isfinite(cols.get("cpu_ns", np.empty(0))).any()),
         comm_clock=clock, timed_steps=steps[timed], step_ns=step_ns[timed], comm_step_ns=step_ns[ok],
+        comm_run_delay=run_delay[ok] if run_delay is not None else np.full(int(ok.sum()), np.nan),
         step_total_ns=float(step_ns[timed].sum()), blocks=rank_blocks(rank, node, cols, opts, measured=measured),
         spike_causes=np.asarray(causes, dtype=str), spike_excess=excess,
     )  # fmt: skip
@@ -322,7 +326,7 @@ def _merged(
         rank, node, _EMPTY, joined("judged"), joined("spikes"), joined("comm_steps"), joined("comm_wait"), windows,
         counts, lost, events, judged_count=sum(p.judged_count for p in parts),
         cpu_measured=any(p.cpu_measured for p in parts), comm_clock=clock, timed_steps=joined("timed_steps"),
-        step_ns=joined("step_ns"), comm_step_ns=joined("comm_step_ns"),
+        step_ns=joined("step_ns"), comm_step_ns=joined("comm_step_ns"), comm_run_delay=joined("comm_run_delay"),
         step_total_ns=sum(p.step_total_ns for p in parts), blocks=_joined_blocks([p.blocks for p in parts]),
         spike_causes=joined("spike_causes"), spike_excess=joined("spike_excess"),
     )  # fmt: skip
@@ -363,7 +367,7 @@ class _Cluster:
 
     _FILL = {"present": False, "judged": False, "spiked": 0, "wait_low": np.inf, "wait_rank": -1,
              "low_cause": -1, "step_max": np.nan, "comm_max": -np.inf, "comm_sum": 0.0, "comm_step_sum": 0.0,
-             "comm_ranks": 0}  # fmt: skip
+             "comm_ranks": 0, "delay_sum": 0.0, "delay_ranks": 0}  # fmt: skip
 
     def __init__(self) -> None:
         self.steps = np.zeros(0, dtype=np.int64)  # every step any rank recorded, sorted
@@ -386,6 +390,8 @@ class _Cluster:
         self.comm_sum = np.zeros(0)  # summed wait of the ranks that measured one ...
         self.comm_step_sum = np.zeros(0)  # ... their summed step time ...
         self.comm_ranks = np.zeros(0, dtype=np.int32)  # ... and how many they are
+        self.delay_sum = np.zeros(0)  # summed run-queue delay of the ranks that measured a wait and it ...
+        self.delay_ranks = np.zeros(0, dtype=np.int32)  # ... and how many they are
 
     def _within(self, steps: np.ndarray) -> bool:
         """Whether every one of ``steps`` is a step held, known without a search: the usual run, whose
@@ -493,6 +499,15 @@ class _Cluster:
         _fold(np.add, self.comm_sum, at, f.comm_wait[timed])
         _fold(np.add, self.comm_step_sum, at, f.comm_step_ns[timed])
         _fold(np.add, self.comm_ranks, at, 1)
+        delayed = ~np.isnan(f.comm_run_delay)
+        _fold(np.add, self.delay_sum, comm_pos[delayed], f.comm_run_delay[delayed])
+        _fold(np.add, self.delay_ranks, comm_pos[delayed], 1)
+
+    @property
+    def run_delay(self) -> np.ndarray:
+        """The mean run-queue delay per step of the ranks that measured a wait and it (NaN: none)."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.delay_ranks > 0, self.delay_sum / np.maximum(self.delay_ranks, 1), np.nan)
 
     def culprits(self, rank: np.ndarray, window: np.ndarray, window_steps: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The per-step culprit record at the window summaries' rows (``rank``, ``window``): the steps in

@@ -31,7 +31,8 @@ def _coordination_view(
     if one_clock:
         wait_min = np.where(np.isfinite(cluster.comm_min), cluster.comm_min, np.nan)
         wait_max = np.where(np.isfinite(cluster.comm_max), cluster.comm_max, np.nan)
-        coord = coordination(cluster.comm_step_sum, cluster.comm_sum, wait_min, wait_max, cluster.comm_ranks)
+        coord = coordination(cluster.comm_step_sum, cluster.comm_sum, wait_min, wait_max, cluster.comm_ranks,
+                             cluster.run_delay)
     trend = _spread_trend(cluster) if coord is not None else []
     # Locality: each rank's median self-time against its node's median, by local rank, on each node
     by_node: dict[int, list[RankFindings]] = defaultdict(list)

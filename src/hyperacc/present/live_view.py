@@ -34,7 +34,7 @@ RSS_KEPT = 3600  # resource samples kept per rank for memory creep (the newest)
 _COLUMNS = (
     "step", "t_start_ns", "step_ns", "self_ns", "comm_wait_ns", "dev_comm_wait_ns", "cpu_ns", "data_ns",
     "h2d_ns", "forward_ns", "backward_ns", "optimizer_ns", "other_ns", "gc_ns", "major_faults",
-    "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
+    "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns", "run_delay_ns",
 )  # fmt: skip
 
 
@@ -323,6 +323,7 @@ class RunFollower:
         step_sum, wait_sum = np.zeros(steps.size), np.zeros(steps.size)
         wait_min, wait_max = np.full(steps.size, np.inf), np.full(steps.size, -np.inf)
         n = np.zeros(steps.size)
+        delay_sum, delay_n = np.zeros(steps.size), np.zeros(steps.size)
         for cols in self._rows.values():
             inside = (cols["step"] >= first) & (cols["step"] <= last)
             wait = cols["dev_comm_wait_ns"] if not np.isnan(cols["dev_comm_wait_ns"]).all() else cols["comm_wait_ns"]
@@ -333,8 +334,14 @@ class RunFollower:
             np.minimum.at(wait_min, p, wait[ok])
             np.maximum.at(wait_max, p, wait[ok])
             np.add.at(n, p, 1)
+            delay = cols["run_delay_ns"][ok]
+            measured = ~np.isnan(delay)
+            np.add.at(delay_sum, p[measured], delay[measured])
+            np.add.at(delay_n, p[measured], 1)
         seen = n >= 2
-        coord = coordination(step_sum[seen], wait_sum[seen], wait_min[seen], wait_max[seen], n[seen]) if seen.any() else None
+        delay = np.where(delay_n > 0, delay_sum / np.maximum(delay_n, 1), np.nan)
+        coord = (coordination(step_sum[seen], wait_sum[seen], wait_min[seen], wait_max[seen], n[seen], delay[seen])
+                 if seen.any() else None)  # fmt: skip
         dist = distribution(step_max)
         modes = [m for m in failure_modes(coord) if m.mode in ("sync_amplification", "fabric_contention")]
         creep = []
