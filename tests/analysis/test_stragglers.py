@@ -339,3 +339,36 @@ def test_cpu_work_outside_the_timed_phases_is_a_host_work_straggler_not_compute(
     cols["other_ns_median"] = other[cols["rank"], cols["window"]] * MS
     (s,) = detect_stragglers(cols, DetectionOptions())
     assert (s.rank, s.kind, s.between_steps) == (1, "compute", False), s
+
+
+def test_a_rank_slow_off_its_cpu_time_that_neither_waited_for_a_cpu_nor_blocked_is_compute_not_host():
+    """A pipeline's last stage (an outside job, 2026-12-07: 4 stages over send/recv, the last with the
+    head and the loss): its self-time 1.22x, its CPU time level with the middle stages', which spend CPU
+    inside twice as many sends and receives. It was said "host: preempted or blocked"; its run-queue delay
+    was below the others' and it blocked no more. Compute, basis ``not_preempted``. The same windows with
+    its run-queue delay risen by its excess stay host; so do they without any delay recorded, and so does
+    an excess outside the timed phases (a sleep there blocks once a step, which a DataLoader's queue waits
+    hide from the switch counts)."""
+
+    def found(delay_rise_ms: float | None, outside: bool = False) -> list:
+        rng = np.random.default_rng(3)
+        self_ms = 3.0 + 0.05 * rng.standard_normal((4, 10))
+        self_ms[3] += 0.7
+        cpu = 3.6 + 0.05 * rng.standard_normal((4, 10))
+        cpu[0] -= 0.6  # the first stage sends and receives as little as the last
+        cpu[3] = cpu[0] + 0.65
+        cols = windows(self_ms, self_ms.max(axis=0) - self_ms + 9.0)
+        cols["cpu_ns_median"] = cpu[cols["rank"], cols["window"]] * MS
+        cols["vol_ctx_switches_median"] = np.where(cols["rank"] % 3 == 0, 7.0, 11.0)
+        cols["other_ns_median"] = np.where((cols["rank"] == 3) & outside, 0.8, 0.1) * MS
+        if delay_rise_ms is not None:
+            delay = 2.0 + 0.05 * rng.standard_normal((4, 10))
+            delay[[0, 3]] -= 0.8  # fewer wake-ups at the ends of the pipeline
+            delay[3] += delay_rise_ms
+            cols["self_run_delay_ns_median"] = delay[cols["rank"], cols["window"]] * MS
+        return [(s.rank, s.kind, s.kind_basis) for s in detect_stragglers(cols, DetectionOptions())]
+
+    assert found(0.0) == [(3, "compute", "not_preempted")]
+    assert found(1.5) == [(3, "host", "cpu_time")]  # it waited for a CPU: preempted
+    assert found(None) == [(3, "host", "cpu_time")]  # nothing to tell it by: as before
+    assert found(0.0, outside=True) == [(3, "host", "cpu_time")]

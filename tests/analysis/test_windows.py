@@ -78,6 +78,12 @@ def test_warm_up_and_spikes_are_left_out_of_the_medians_and_counted():
     assert w["spikes_data"].tolist() == [0, 0, 1, 0, 1, 0]
     assert np.all(np.abs(w["self_ns_median"] - 10e6) < 0.05 * 10e6)
     assert np.isnan(w["cpu_ns_median"]).all()  # not measured is not zero
+    assert np.isnan(w["self_run_delay_ns_median"]).all()
+    # the run-queue delay within the self-time: less the part inside DDP's wait where it was timed
+    cols["run_delay_ns"] = np.full(n, 3e6)
+    assert np.allclose(summarize_windows(cols, DetectionOptions())["self_run_delay_ns_median"], 3e6)
+    cols["comm_run_delay_ns"] = np.where(np.arange(n) >= 150, 1e6, np.nan)  # not timed (no DDP wait), then timed
+    assert summarize_windows(cols, DetectionOptions())["self_run_delay_ns_median"].tolist() == [3e6] * 3 + [2e6] * 3
 
 
 def test_windows_wider_than_the_run_or_sparse_steps_give_the_same_medians_in_little_memory():

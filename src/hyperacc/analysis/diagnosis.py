@@ -723,6 +723,12 @@ def basis_phrase(s: dict[str, Any]) -> str:
                 "process), more than the other ranks")  # fmt: skip
     if basis == "input_fetch":
         return "it grew in its DataLoader's fetch: its input path (loading, preprocessing) is slower"
+    if basis == "not_preempted":
+        grew = f"its CPU time grew by only {percent(max(share, 0.0))} of its extra wall time" if share is not None else (
+            "its CPU time did not grow with it")
+        return (f"{grew}, yet it neither waited for a CPU nor blocked more than the other ranks: it computes more, "
+                "and the CPU time it spends inside its collectives (different on each rank, as a pipeline's stages' "
+                "are) hides it")  # fmt: skip
     if basis == "device_clock":
         return "judged on the device clock"
     if basis == "wall_time_only":

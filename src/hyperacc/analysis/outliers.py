@@ -141,7 +141,8 @@ def window_grid(windows: pa.Table | Mapping[str, Any] | WindowGrid, opts: Detect
     np.maximum.at(last, wi, np.asarray(cols["last_step"], dtype=np.int64))
     host = {
         name: pivot(col(f"{name}_median"), enough)
-        for name in ("invol_ctx_switches", "major_faults", "vol_ctx_switches", "minor_faults", "other_ns")
+        for name in ("invol_ctx_switches", "major_faults", "vol_ctx_switches", "minor_faults", "other_ns",
+                     "self_run_delay_ns")  # fmt: skip
         if f"{name}_median" in cols
     }
     if "sys_cpu_ns_mean" in cols:

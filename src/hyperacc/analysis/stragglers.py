@@ -389,13 +389,18 @@ def _compute_or_host(
         flags, judged, _ = outlier_flags(faults, opts, floor=1.0)
         fault_flags = np.where(judged[r, fw], flags[r, fw], np.nan)
     on_device = bool(fw.size and grid.device[fw].all())
+    delay, other = grid.host.get("self_run_delay_ns"), grid.host.get("other_ns")
+    # the time outside the forward, backward and optimizer step: the input wait and the rest
+    outside = None if other is None else np.nan_to_num(grid.metrics["data_ns"][:, fw]) + other[:, fw]
     return compute_or_host(grid.cpu[:, fw], grid.self_host[:, fw], r, opts, on_device=on_device,
-                           fault_flags=fault_flags, blocked=blocked)  # fmt: skip
+                           fault_flags=fault_flags, blocked=blocked,
+                           delay=delay[:, fw] if delay is not None else None, outside=outside)  # fmt: skip
 
 
 def compute_or_host(
     cpu: np.ndarray, wall: np.ndarray, r: int, opts: DetectionOptions, *, on_device: bool = False,
-    fault_flags: np.ndarray | None = None, blocked: float | None = None,
+    fault_flags: np.ndarray | None = None, blocked: float | None = None, delay: np.ndarray | None = None,
+    outside: np.ndarray | None = None,
 ) -> tuple[str, str, float | None]:
     """The kind of a slow own time: (kind, basis, cpu share). docs/detection.md, "Kind".
 
@@ -410,7 +415,17 @@ def compute_or_host(
     CPU time tells more work (CPU time grew by more than preemption costs, ``preempt_overhead`` of the
     wall time lost, or by ``explain_share`` of the wall-time excess taken against the share of wall time
     the other ranks got to run) from preemption or blocking (wall time grew, CPU time did not: host). Without CPU time, major page faults
-    in most flagged windows say host; anything else is compute, and says it was judged on wall time."""
+    in most flagged windows say host; anything else is compute, and says it was judged on wall time.
+
+    ``delay``: (rank x column) run-queue delay within the self-time (``self_run_delay_ns``), and
+    ``outside``: the time outside the forward, backward and optimizer step (input wait and the rest), or
+    None. Within those phases, host needs the wall time's excess that CPU time does not hold to be spent
+    off the CPU: blocked more, or waiting for a CPU (``explain_share`` of it in run-queue delay). A rank
+    whose excess lies in them and that did neither was not preempted: its CPU time missed its work,
+    which happens where ranks spend different CPU time inside their collectives (a pipeline's stages:
+    one send and receive a micro-batch at the ends, two inside); the kind is compute, basis
+    ``not_preempted``. Outside them a wait can hide from the switch counts (a sleep's one switch among a
+    DataLoader's tens of queue waits), so there it stays host."""
     if on_device:
         return "compute", "device_clock", None
     ok = ~np.isnan(cpu[r]) & ~np.isnan(wall[r])
@@ -428,12 +443,30 @@ def compute_or_host(
             # preempt_overhead of the wall time lost) is more work, even when the wall time grew more
             # still: a rank that computes more is also preempted more on a contended host.
             grew = bool(cpu_ex >= opts.floor_ns and cpu_ex >= opts.preempt_overhead * wall_ex and blocked is None)
-            return ("compute" if grew or share >= opts.explain_share else "host"), "cpu_time", share
+            if grew or share >= opts.explain_share:
+                return "compute", "cpu_time", share
+            if blocked is None and _not_preempted(delay, outside, r, ok, wall_ex - max(cpu_ex, 0.0), opts):
+                return "compute", "not_preempted", share
+            return "host", "cpu_time", share
     if fault_flags is not None:
         seen = ~np.isnan(fault_flags)
         if seen.sum() and np.nansum(fault_flags) > seen.sum() / 2:
             return "host", "major_faults", None
     return "compute", "wall_time_only", None
+
+
+def _not_preempted(delay: np.ndarray | None, outside: np.ndarray | None, r: int, ok: np.ndarray, off_cpu: float,
+                   opts: DetectionOptions) -> bool:  # fmt: skip
+    """Whether ``off_cpu``, row ``r``'s wall time its CPU time does not hold, lies in its timed compute
+    phases (its excess ``outside`` them under ``explain_share`` of it) and its run-queue delay (``delay``)
+    rose over the other ranks' by less than ``explain_share`` of it, medians over the columns ``ok``;
+    False where either was not measured on enough ranks."""
+    rises = []
+    for values in (delay, outside):
+        if values is None or np.isnan(values[r][ok]).all() or (~np.isnan(values[:, ok])).sum(axis=0).min() < opts.min_ranks:
+            return False
+        rises.append(nan_median((values[r] - nan_median(values, axis=0))[ok]))
+    return bool(all(np.isfinite(x) and x < opts.explain_share * off_cpu for x in rises))
 
 
 def _in_gap(grid: WindowGrid, r: int, fw: np.ndarray) -> bool:

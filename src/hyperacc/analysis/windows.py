@@ -47,6 +47,9 @@ _EXTRA_MEDIANS: dict[str, str] = {
     "dev_step_ns_median": "dev_step_ns",
     # the time outside every timed phase: a rank's own code between them (a trainer's callbacks)
     "other_ns_median": "other_ns",
+    # the time the training thread waited for a CPU within its own time (``self_run_delay_ns``): a rank
+    # said preempted must show it
+    "self_run_delay_ns_median": "self_run_delay_ns",
 }
 # Counts this summary adds: the window's judged steps (spikes included), its spikes and the time they
 # lost per cause. Offline only, the per-step culprit record (``culprit_steps``: steps in which the rank
@@ -129,6 +132,18 @@ def step_columns(table: Any, rank: int, node: int) -> dict[str, np.ndarray]:
         else:
             cols[name] = np.full(n, np.nan)
     return cols
+
+
+def self_run_delay_ns(cols: Mapping[str, np.ndarray]) -> np.ndarray | None:
+    """Per step: the run-queue delay of the training thread (ready to run, waiting for a CPU) less the
+    part inside DDP's gradient wait where that was timed (``comm_run_delay_ns``); None where the run
+    delay was not recorded. A script's own collectives' part is not timed apart, and stays in."""
+    delay = cols.get("run_delay_ns")
+    if delay is None:
+        return None
+    delay = np.asarray(delay, dtype=np.float64)
+    inside = cols.get("comm_run_delay_ns")
+    return delay if inside is None else delay - np.nan_to_num(np.asarray(inside, dtype=np.float64), nan=0.0)
 
 
 def summarize_windows(
@@ -223,7 +238,8 @@ def summarize_windows(
     at_typical = at[typical]
     # the usual rank, no step missing: its cells are one contiguous run, filled by a copy, not a scatter
     run = run_slice(at)
-    derived = {"busy_ns": busy_ns(cols) if "step_ns" in cols else None}
+    derived = {"busy_ns": busy_ns(cols) if "step_ns" in cols else None,
+               "self_run_delay_ns": self_run_delay_ns(cols)}  # fmt: skip
     for out_name, col in _MEDIANS.items():
         values = derived[col] if col in derived else cols.get(col)
         if values is None:
