@@ -191,3 +191,26 @@ def test_what_if_says_a_saving_smaller_than_its_figures_last_digit_as_the_saving
     # not "19.9 s instead of 19.9 s"
     assert lines[1] == "Without rank 1's compute spikes the job would have taken 37.1 ms less than its 19.9 s (-0.19 %).", lines
     assert lines[2].startswith("Without both culprits together: 18.7 s instead of 19.9 s"), lines
+
+
+def test_one_stall_that_lost_most_of_the_time_is_said_with_what_it_cost(tmp_path):
+    # An outside job (2026-12-07): one rank's training thread blocked 8 s once, in a 15 s job; the verdict
+    # read "No straggler, but 10 % of steps spiked ..., a floor the ranks share (no rank stands out)".
+    stall = SyntheticFault("host", ranks=(2,), ms=5000, every=10**6, start_step=300)
+    noise = SyntheticFault("data_stall", ranks=tuple(range(8)), rate=0.02, ms=20)
+    d = diagnose(write_run(tmp_path / "stall", SyntheticRun(ranks=8, steps=1000, seed=3, faults=(stall, noise))))
+    (s,) = d.stalls
+    assert (s["rank"], s["step"], s["cause"]) == (2, 300, "host") and 4.5e9 < s["excess_ns"] < 5.5e9, s
+    assert "Rank 2 (node 0) stalled 5" in d.verdict and "at step 300" in d.verdict, d.verdict
+    assert "Without rank 2's stall at step 300 the job would have taken" in d.verdict
+    assert 4e9 < s["job_time_lost_ns"] < 5.5e9 and not d.stragglers
+    assert any(line.startswith("rank 2, step 300: one stall of that rank") for line in d.next_step)
+    # the same spike floor without the stall, and the stall beside a floor that lost more: no stall said
+    assert diagnose(write_run(tmp_path / "floor", SyntheticRun(ranks=8, steps=1000, seed=3, faults=(noise,)))).stalls == []
+    heavy = SyntheticFault("data_stall", ranks=tuple(range(8)), rate=0.05, ms=200)
+    busy = diagnose(write_run(tmp_path / "busy", SyntheticRun(ranks=8, steps=1000, seed=3, faults=(stall, heavy))))
+    assert busy.stalls == [] and "stalled" not in busy.verdict
+    # two ranks stalled alike at one step: the job waited for both, so neither alone cost it the step
+    both = SyntheticFault("host", ranks=(2, 5), ms=5000, every=10**6, start_step=300)
+    twice = diagnose(write_run(tmp_path / "both", SyntheticRun(ranks=8, steps=1000, seed=3, faults=(both, noise))))
+    assert twice.stalls == [], twice.stalls

@@ -98,6 +98,10 @@ ADVICE: dict[str, str] = {
     "periodic_job": "work the whole job does on a fixed period of steps, on every rank alike (an evaluation, a "
     "checkpoint, logging, a metric gathered from all ranks): do it less often or asynchronously, or count it "
     "as the price of that work; it is not a rank's fault",
+    # one spike that lost most of the time spikes lost (analysis.run_dir._stalls)
+    "stall": "one stall of that rank, not a rate: find what its training thread did at that moment (its own "
+    "logs and the node's at that time: a blocking read on a shared file system, a lock, a checkpoint or a log "
+    "flush, a sleep); `py-spy dump` of a rank caught in the next one shows where it waits",
     # the same when the ranks waited for their input at those steps
     "periodic_job_data": "every rank waits for its input at once on a fixed period of steps: a DataLoader whose "
     "iterator is made again at each pass over it (persistent_workers=False: the training loader each epoch, an "
@@ -133,6 +137,7 @@ class Diagnosis:
     coordination: dict[str, Any] = dataclasses.field(default_factory=dict)  # analysis.coordination
     resources: dict[str, Any] = dataclasses.field(default_factory=dict)  # analysis.resources
     what_if: dict[str, Any] | None = None  # analysis.whatif: the job time each culprit cost
+    stalls: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # one spike that lost most time
 
     def to_dict(self) -> dict[str, Any]:
         """The document ``analyze --json`` prints: plain JSON types, no NaN (unknown values are None)."""
@@ -155,6 +160,7 @@ class Diagnosis:
                 "rank_causes": [dict(e) for e in self.rank_causes],
                 "episodes": [dict(e) for e in self.episodes],
                 "slowdowns": [dict(s) for s in self.slowdowns],
+                "stalls": [dict(s) for s in self.stalls],
                 "windows_judged": self.windows_judged,
                 "steps_per_rank": self.steps_per_rank,
                 "coordination": self.coordination,
@@ -242,9 +248,11 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     excess = d.rank_causes or []
     if excess:
         sentences.append(_sentence("; ".join(excess_phrase(e) for e in excess[:3])))
+    for stall in d.stalls:  # its cost is the what-if's sentence below, where there is one
+        sentences.append(_sentence(stall_phrase(stall, cost=not d.what_if)))
     if not cluster.get("steps") and not d.stragglers:
         verdict = "Nothing to judge yet: " + _nothing_judged(d) + "." + (" " + _too_short(d) if too_short else "")
-    elif d.stragglers or excess or too_short or d.episodes or slowdowns:
+    elif d.stragglers or excess or too_short or d.episodes or slowdowns or d.stalls:
         if not d.stragglers and not too_short and d.ranks_analyzed >= min_ranks:
             # "at the end" only where a rank was slow for a while before (an episode): said of a rank's
             # own excess or a slowdown of the whole job, it read as if some straggler had recovered
@@ -278,6 +286,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
         if e.get("rule") == "change_point":
             evidence.append(_episode_evidence(e))
     evidence += [_slowdown_evidence(s) for s in slowdowns[:5]]
+    evidence += [f"{stall_phrase(s)}; {percent(s['spike_share'])} of the time all spikes lost" for s in d.stalls]
     for s in (d.stragglers + [e for e in d.episodes if e.get("rule") != "change_point"])[:10]:
         until = "" if s["active"] else f", last seen at step {s['until_step']}"
         line = (
@@ -387,6 +396,8 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     for s in costliest(slowdowns, 2):
         key = _SLOW_ADVICE.get(s["kind"], s["kind"])
         steps.append(f"the job's steps {s['since_step']}-{s['until_step']}: {ADVICE[key]}")
+    for s in d.stalls:
+        steps.append(f"rank {s['rank']}, step {s['step']}: {ADVICE['stall']}")
     for e in excess[:3]:
         key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
         if e.get("period") and e["cause"] != "gc":  # a collector's cadence is not the loop's work: GC's advice
@@ -403,9 +414,12 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     if too_short:
         steps.append(_too_short_advice(d))
     if not d.stragglers or rate >= spike_verdict_rate:
+        stalled = {s["cause"]: s["excess_ns"] for s in d.stalls}
         for c in d.causes[:2]:
             if c["share"] < 0.2 and steps:
                 continue
+            if stalled.get(c["cause"], 0) >= opts.get("explain_share", 0.5) * c["time_lost_ns"]:
+                continue  # the stall is most of that cause's time: its own advice above says what to do
             key = "compute_spike" if c["cause"] == "compute" else c["cause"]
             if key == "communication" and d.nodes == 1:
                 key = "communication_one_node"
@@ -439,6 +453,8 @@ def what_if_sentences(w: dict[str, Any] | None, most: int = 3) -> list[str]:
 
 
 def _culprit_words(c: dict[str, Any]) -> str:
+    if c["what"] == "stall":
+        return f"rank {c['rank']}'s stall at step {c['since_step']}"
     if c["what"] == "spikes":
         return f"rank {c['rank']}'s {c['cause']} spikes"
     if c["what"] == "straggler":
@@ -654,6 +670,28 @@ def excess_phrase(e: dict[str, Any]) -> str:
         f"{_ms(e['mean_excess_ns'])} each, {_ms(e['time_lost_ns'])} lost"
         + (f", every {period['every']} steps" if period else "")
     )
+
+
+_PHASE_WHERE = {"data_ns": "waiting for its input", "h2d_ns": "copying its input to the device",
+                "forward_ns": "in its forward", "backward_ns": "in its backward", "optimizer_ns": "in its optimizer step",
+                "gc_ns": "in garbage collection", "other_ns": "outside its timed phases"}  # fmt: skip
+
+
+_STALL_CAUSE = {"host": "off its CPU (preempted or blocked)", "gc": "garbage collection", "compute": "computing",
+                "host_work": "its own CPU work", "allocator": "the CUDA allocator", "unknown": "no recorded cause",
+                "compute/host": "computing or preempted (CPU time was not measured)"}  # fmt: skip
+
+
+def stall_phrase(s: dict[str, Any], cost: bool = True) -> str:
+    """"rank 1 (node 0) stalled 8 s at step 150, outside its timed phases, off its CPU (...): the job lost
+    7.97 s to it, 52 % of its 15.2 s"."""
+    where = _PHASE_WHERE.get(s["phase"], s["phase"])
+    cause = _STALL_CAUSE.get(s["cause"])
+    lost = s.get("job_time_lost_ns")
+    priced = (f"the job lost {_ms(lost)} to it, {percent(s['job_share'])} of its {_ms(s['job_ns'])}" if lost is not None
+            else f"{percent(s['job_share'])} of the job's {_ms(s['job_ns'])} in one step")  # fmt: skip
+    text = f"rank {s['rank']} (node {s['node']}) stalled {_ms(s['excess_ns'])} at step {s['step']}, {where}"
+    return text + (f", {cause}" if cause else "") + (f": {priced}" if cost else "")
 
 
 def period_phrase(p: dict[str, Any]) -> str:

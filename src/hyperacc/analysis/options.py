@@ -106,6 +106,8 @@ class DetectionOptions:
     # -- periodic spikes (work every N steps: a checkpoint, an evaluation, logging)
     period_min_repeats: int = 4  # spikes on one phase of the period, at least ...
     period_coverage: float = 0.75  # ... and at least this share of the judged steps on it (top_alpha / P)
+    # -- a stall: one spike that lost most of the time lost to spikes, and this share of the job's time
+    stall_share: float = 0.02
     # -- output and projection
     top_events: int = 50
     target: float = DEFAULT_TARGET  # tolerated share of cluster steps that spike (hyperacc.theory)
@@ -186,6 +188,7 @@ _FLOAT_BOUNDS: dict[str, tuple[float, float, bool]] = {
     "signal_z": (0.0, math.inf, False),
     "excess_ratio": (1.0, math.inf, True),
     "period_coverage": (0.0, 1.0, False),
+    "stall_share": (0.0, 1.0, False),
     "target": (0.0, 1.0, False),
 }
 

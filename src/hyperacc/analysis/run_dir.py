@@ -198,13 +198,19 @@ def diagnose(
         members = groups[e["cause"]] + (("data",) if e["cause"] == "host_work" and e["rank"] in working else ())
         found = period_of(by_rank[e["rank"]], members)
         e["period"] = found.to_dict() if found is not None else None
-    what_if = (
-        _what_if(cluster, stragglers, episodes, rank_causes, groups, working) if one_clock else None
-    )
     if one_clock:
         comm_spike, comm_n, comm_lost = _communication(cluster, opts, events, {f.rank: f.node for f in findings})
     else:
         comm_spike, comm_n, comm_lost = np.zeros(cluster.present.size, dtype=bool), 0, 0.0
+    stalls = _stalls(events, sum(sum(f.time_lost.values()) for f in findings) + comm_lost,
+                     float(np.nansum(cluster.step_max)), opts)  # fmt: skip
+    what_if = (
+        _what_if(cluster, stragglers, episodes, rank_causes, groups, working, stalls) if one_clock else None
+    )
+    if stalls and what_if is not None and stalls[0]["job_time_lost_ns"] < opts.stall_share * what_if["job_ns"]:
+        # the job did not wait for it (another rank was as late at that step): not the job's stall
+        stalls = []
+        what_if = _what_if(cluster, stragglers, episodes, rank_causes, groups, working, stalls)
     spike_steps = int((cluster.self_spike | comm_spike).sum())
     judged_steps = int(cluster.judged.sum())
 
@@ -262,9 +268,27 @@ def diagnose(
         coordination=_coordination_view(cluster, findings, layout, causes, one_clock, batch_size),
         resources=_resources_view(layout, opts),
         what_if=what_if,
+        stalls=stalls,
     )
     explain(d)
     return d
+
+
+def _stalls(events: list[_EVENT], lost_ns: float, job_ns: float, opts: DetectionOptions) -> list[dict[str, Any]]:
+    """The costliest spike of a rank's own time, where it alone lost at least ``explain_share`` of the time
+    lost to all spikes and ``stall_share`` of the job's wall time (the sum of the cluster's step times):
+    one stall (a blocking read on a shared file system, a lock, a sleep) that the rates of spikes do not
+    show (docs/detection.md, "A stall"). At most one spike can hold that share. ``job_share`` is the
+    rank's excess here; the what-if replaces it with what the job lost (``job_time_lost_ns``), and a stall
+    the job did not wait for that much is dropped."""
+    own = [e for e in events if e[5] != "communication"]
+    if not own or not job_ns > 0:
+        return []
+    excess, rank, node, step, phase, cause = max(own)
+    if excess < opts.stall_share * job_ns or excess < opts.explain_share * lost_ns:
+        return []
+    return [{"rank": rank, "node": node, "step": step, "excess_ns": int(excess), "phase": phase, "cause": cause,
+             "job_share": excess / job_ns, "job_ns": job_ns, "spike_share": excess / lost_ns if lost_ns else 1.0}]  # fmt: skip
 
 
 
@@ -384,9 +408,11 @@ def _add_culprits(summaries: dict[str, np.ndarray], cluster: _Cluster, window_st
 def _what_if(
     cluster: _Cluster, stragglers: list[dict[str, Any]], episodes: list[dict[str, Any]],
     rank_causes: list[dict[str, Any]], groups: dict[str, tuple[str, ...]], working: set[int],
+    stalls: list[dict[str, Any]],
 ) -> dict[str, Any] | None:  # fmt: skip
     """The job time each culprit cost (analysis.whatif): every straggler from its onset to the end, every
-    episode over its range, every rank-specific spike cause at the rank's spikes of that cause."""
+    episode over its range, every rank-specific spike cause at the rank's spikes of that cause, a stall
+    at its step."""
     last = int(cluster.steps[-1]) if cluster.steps.size else 0
     culprits = [Culprit("straggler", s["rank"], s["since_step"], last) for s in stragglers]
     culprits += [Culprit("episode", e["rank"], e["since_step"], e["until_step"]) for e in episodes]
@@ -396,10 +422,13 @@ def _what_if(
             names.add("data")  # the input gap of a rank working in it was relabelled above
         codes = tuple(i for i, c in enumerate(cluster.causes) if c in names)
         culprits.append(Culprit("spikes", e["rank"], 0, last, causes=codes, label=e["cause"]))
+    culprits += [Culprit("stall", s["rank"], s["step"], s["step"]) for s in stalls]
     out = what_if(cluster.steps, cluster.step_max, cluster.wait_low, cluster.wait_rank, cluster.low_cause, culprits)
     if out is not None:  # an episode's job time lost is the replay's figure, where there is one
         for e, row in zip(episodes, out["culprits"][len(stragglers):], strict=False):
             e["job_time_lost_ns"] = row["saved_ns"]
+        for s, row in zip(stalls, out["culprits"][len(culprits) - len(stalls):], strict=True):
+            s["job_time_lost_ns"], s["job_share"] = row["saved_ns"], row["saved_frac"]
     return out
 
 
