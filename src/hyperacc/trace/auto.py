@@ -139,48 +139,11 @@ class AutoTrace:
         self._watch_compiles()
         auto = self
 
-        orig_next = dataloader._BaseDataLoaderIter.__next__
-
-        def __next__(it: Any) -> Any:
-            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
-                return orig_next(it)
-            auto._enter(DATA)
-            try:
-                return orig_next(it)
-            finally:
-                auto._exit(DATA)
-
-        self._patch(dataloader._BaseDataLoaderIter, "__next__", __next__)
-
+        self._patch(dataloader._BaseDataLoaderIter, "__next__", self._timed(dataloader._BaseDataLoaderIter.__next__, DATA))
         # A DataLoader's iterator made again each epoch (persistent_workers False) starts its worker
         # processes there, before its first ``__next__``: input time too, not the rank's own.
-        orig_iter = dataloader.DataLoader.__iter__
-
-        @functools.wraps(orig_iter)
-        def __iter__(loader: Any) -> Any:
-            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
-                return orig_iter(loader)
-            auto._enter(DATA)
-            try:
-                return orig_iter(loader)
-            finally:
-                auto._exit(DATA)
-
-        self._patch(dataloader.DataLoader, "__iter__", __iter__)
-
-        orig_backward = torch.autograd.backward
-
-        @functools.wraps(orig_backward)
-        def backward(*args: Any, **kwargs: Any) -> Any:
-            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
-                return orig_backward(*args, **kwargs)
-            auto._enter(BACKWARD)
-            try:
-                return orig_backward(*args, **kwargs)
-            finally:
-                auto._exit(BACKWARD)
-
-        self._patch(torch.autograd, "backward", backward)
+        self._patch(dataloader.DataLoader, "__iter__", self._timed(dataloader.DataLoader.__iter__, DATA))
+        self._patch(torch.autograd, "backward", self._timed(torch.autograd.backward, BACKWARD))
 
         from torch.amp.grad_scaler import GradScaler
 
@@ -260,6 +223,23 @@ class AutoTrace:
             self.tracer.flush()
         except Exception as exc:  # noqa: BLE001
             switch_off("flushing before destroy_process_group", exc)
+
+    def _timed(self, orig: Any, kind: int) -> Any:
+        """``orig`` timed as phase ``kind`` on the training thread; called as it is elsewhere, while
+        compiling, or once automatic tracing is off."""
+        auto = self
+
+        @functools.wraps(orig)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if is_compiling() or not auto._on or get_ident() != auto.thread_id:
+                return orig(*args, **kwargs)
+            auto._enter(kind)
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                auto._exit(kind)
+
+        return timed
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
         self._originals.append((owner, name, getattr(owner, name)))
