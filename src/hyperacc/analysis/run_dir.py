@@ -428,7 +428,7 @@ def _what_if(
         for e, row in zip(episodes, out["culprits"][len(stragglers):], strict=False):
             e["job_time_lost_ns"] = row["saved_ns"]
         for s, row in zip(stalls, out["culprits"][len(culprits) - len(stalls):], strict=True):
-            s["job_time_lost_ns"], s["job_share"] = row["saved_ns"], row["saved_frac"]
+            s["job_time_lost_ns"], s["job_share"], s["job_ns"] = row["saved_ns"], row["saved_frac"], out["job_ns"]
     return out
 
 
