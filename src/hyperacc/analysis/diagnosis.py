@@ -82,7 +82,9 @@ ADVICE: dict[str, str] = {
     "periodic_data": "the input stalls on a fixed period of steps: a DataLoader's workers hand out the batches "
     "in turn, so one slow worker (its files, its disk, its CPU) stalls every N-th step where N is num_workers; "
     "otherwise a new file or shard is opened every so many batches, or the loop's own periodic work runs before "
-    "the next batch: compare the period with num_workers, and prefetch across the boundary",
+    "the next batch (an evaluation over its own DataLoader, whose workers start again at each evaluation unless "
+    "persistent_workers=True): compare the period with num_workers and with the evaluation interval, and "
+    "prefetch across the boundary",
     # a slowdown of the whole job (analysis.slowdowns), by what its ranks did more
     "slow_preempted": "another process took those ranks' CPUs over those steps (they were ready to run and "
     "waited for a core): find what ran then (other jobs on the node, a log shipper, a checkpoint upload, "
