@@ -283,4 +283,4 @@ def test_a_dataloader_made_again_each_epoch_is_input_from_the_iterators_start(tm
     rows = store.read_steps(tmp_path / "run").to_pylist()
     assert [r["step"] for r in rows] == list(range(9))  # 3 epochs of 3 batches
     for r in rows[::3]:  # each epoch's first step
-        assert r["data_ns"] >= 0.3e9 and r["other_ns"] < 0.1e9, r
+        assert r["data_ns"] >= 0.3e9 and r["other_ns"] < r["data_ns"] / 2, r  # (before: other 308 ms, data 17)
