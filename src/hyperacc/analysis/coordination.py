@@ -118,13 +118,19 @@ def coordination(
     )
 
 
+def _ends(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The first and the last third of ``values`` (None under 9 values: too few to see a trend)."""
+    n = values.size
+    return (values[: n // 3], values[-(n // 3) :]) if n >= 9 else None
+
+
 def _thirds(values: np.ndarray) -> tuple[float, float]:
     """Medians of the first and of the last third of ``values``, NaN left out (NaN: under 9 values, or a
     third with none measured)."""
-    n = values.size
-    if n < 9:
+    ends = _ends(values)
+    if ends is None:
         return math.nan, math.nan
-    first, last = values[: n // 3], values[-(n // 3) :]
+    first, last = ends
     if np.isnan(first).all() or np.isnan(last).all():
         return math.nan, math.nan
     return float(np.nanmedian(first)), float(np.nanmedian(last))
@@ -143,8 +149,8 @@ def _trend(values: np.ndarray) -> float:
 
 def _trend_p(values: np.ndarray) -> float:
     """``rank_sum_greater_p`` of the last third of steps against the first third (NaN under 9 steps)."""
-    n = values.size
-    return rank_sum_greater_p(values[: n // 3], values[-(n // 3) :]) if n >= 9 else math.nan
+    ends = _ends(values)
+    return rank_sum_greater_p(*ends) if ends is not None else math.nan
 
 
 def _cpu_explains(coord: Coordination) -> bool:

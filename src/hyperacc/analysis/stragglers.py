@@ -461,11 +461,11 @@ def _not_preempted(delay: np.ndarray | None, outside: np.ndarray | None, r: int,
     phases (its excess ``outside`` them under ``explain_share`` of it) and its run-queue delay (``delay``)
     rose over the other ranks' by less than ``explain_share`` of it, medians over the columns ``ok``;
     False where either was not measured on enough ranks."""
-    rises = []
+    cols = np.flatnonzero(ok)
     for values in (delay, outside):
-        if values is None or np.isnan(values[r][ok]).all() or (~np.isnan(values[:, ok])).sum(axis=0).min() < opts.min_ranks:
+        if values is None or np.isnan(values[r, cols]).all() or (~np.isnan(values[:, cols])).sum(axis=0).min() < opts.min_ranks:
             return False
-        rises.append(nan_median((values[r] - nan_median(values, axis=0))[ok]))
+    rises = [_excess(values, r, cols) for values in (delay, outside)]
     return bool(all(np.isfinite(x) and x < opts.explain_share * off_cpu for x in rises))
 
 
