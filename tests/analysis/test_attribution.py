@@ -111,3 +111,57 @@ def test_counters_coinciding_with_unexplained_growth(signal):
     cols[signal][90] = 3
     causes, _ = causes_at(cols, [90])
     assert causes == {90: "host" if signal == "major_faults" else "allocator"}
+
+
+def _with_cpu(cols, seed=1):
+    rng = np.random.default_rng(seed)
+    cols["cpu_ns"] = (cols["forward_ns"] + cols["backward_ns"]) * 0.95
+    cols["sys_cpu_ns"] = 0.2 * MS * rng.lognormal(0, 0.1, N)
+    cols["minor_faults"] = rng.poisson(2, N).astype(float)
+    cols["vol_ctx_switches"] = np.full(N, 2.0)
+    return cols
+
+
+def test_work_whose_extra_cpu_time_is_the_kernels_faulting_in_pages_is_page_faults():
+    cols = _with_cpu(base_columns())
+    # step 60: a fresh 300 MB buffer in the forward, 24 ms of which the kernel spent zeroing the pages
+    cols["forward_ns"][60] += 30 * MS
+    cols["cpu_ns"][60] += 30 * MS
+    cols["sys_cpu_ns"][60] += 24 * MS
+    cols["minor_faults"][60] += 150
+    # step 120: the same work in user space (no kernel time, no faults): compute
+    cols["forward_ns"][120] += 30 * MS
+    cols["cpu_ns"][120] += 30 * MS
+    # step 180: faults, but the kernel's share of the extra CPU time is small (the buffer then computed on)
+    cols["forward_ns"][180] += 30 * MS
+    cols["cpu_ns"][180] += 30 * MS
+    cols["sys_cpu_ns"][180] += 6 * MS
+    cols["minor_faults"][180] += 150
+    # step 240: kernel time without more faults than usual (a system call's work, not paging): compute
+    cols["forward_ns"][240] += 30 * MS
+    cols["cpu_ns"][240] += 30 * MS
+    cols["sys_cpu_ns"][240] += 24 * MS
+    # step 300: a checkpoint written and flushed (kernel time, the serialised buffer's faults, and the
+    # thread blocked on the flush): not paging
+    cols["forward_ns"][300] += 30 * MS
+    cols["cpu_ns"][300] += 30 * MS
+    cols["sys_cpu_ns"][300] += 24 * MS
+    cols["minor_faults"][300] += 4000
+    cols["vol_ctx_switches"][300] += 20
+    # step 360: one fault more cannot account for 24 ms in the kernel (a large write to the page cache)
+    cols["forward_ns"][360] += 30 * MS
+    cols["cpu_ns"][360] += 30 * MS
+    cols["sys_cpu_ns"][360] += 24 * MS
+    cols["minor_faults"][360] += 1
+    causes, _ = causes_at(cols, [60, 120, 180, 240, 300, 360])
+    assert causes == {60: "page_faults", 120: "compute", 180: "compute", 240: "compute", 300: "compute", 360: "compute"}
+
+
+def test_page_faults_need_the_kernel_time_and_the_faults_columns():
+    cols = _with_cpu(base_columns())
+    cols["forward_ns"][60] += 30 * MS
+    cols["cpu_ns"][60] += 30 * MS
+    cols["sys_cpu_ns"][60] += 24 * MS
+    del cols["minor_faults"]  # records written before the column: the rule abstains
+    causes, _ = causes_at(cols, [60])
+    assert causes == {60: "compute"}

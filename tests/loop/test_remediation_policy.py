@@ -96,6 +96,12 @@ def test_software_causes_are_switched_on_live_not_drained():
     got = decide([paging], [], JOB, AUTO)
     assert rules(got) == [("memory-release", "memory_release", "act", "all ranks")]  # no CUDA/tcmalloc advice
     assert "page-fault straggler" in got[0].reason
+    # page-fault spikes (memory faulted in again at some steps): the same switch, without the restart advice
+    spiky = Finding(kind="page_faults", source="spikes", share=0.6, spikes=25)
+    got = decide([spiky], [], JOB, AUTO)
+    assert rules(got) == [("memory-release", "memory_release", "act", "all ranks")]
+    assert "page_faults explains 60 %" in got[0].reason
+    assert decide([Finding(kind="page_faults", source="spikes", share=0.6, spikes=1)], [], JOB, AUTO) == []
 
 
 def test_other_findings_get_their_knob_once():

@@ -48,7 +48,7 @@ def attribute_spikes(
 
     ``excess`` is each spike's time above its baseline; ``duration`` the judged series (self-time), used
     with the step time to tell a higher rate of context switches from a longer step. Returns two object arrays: the cause
-    (data, gc, allocator, host, compute, unknown) and the phase that grew most (None when no single phase
+    (data, gc, allocator, page_faults, host, compute, host_work, unknown) and the phase that grew most (None when no single phase
     grew by a quarter of the excess).
     """
     idx = np.asarray(idx, dtype=np.int64)
@@ -127,6 +127,8 @@ def attribute_spikes(
     causes[(work | ~explained) & allocator] = "allocator"
     causes[data] = "data"
     causes[np.flatnonzero(between)] = gap_kind
+    # Work whose extra CPU time is mostly the kernel's, faulting in fresh pages, is the memory's cost
+    causes[np.isin(causes, ("compute", "host_work")) & _paging(cols, idx, w, opts)] = "page_faults"
     causes[gc_explains] = "gc"
     return causes, phases
 
@@ -164,6 +166,30 @@ def gap_causes(
     out[worked] = "host_work"
     out[by_gc] = "gc"
     return out
+
+
+# The most kernel time one minor page fault can account for: zeroing a 2 MB transparent huge page at
+# about 8 GB/s. Kernel time beyond this per added fault is not paging (a write, a flush, another call).
+PAGE_FAULT_MAX_NS = 250_000
+
+
+def _paging(cols: Mapping[str, np.ndarray], idx: np.ndarray, w: int, opts: DetectionOptions) -> np.ndarray:
+    """The spike's extra CPU time is mostly the kernel's, faulting in fresh memory pages (a large buffer
+    made anew, memory the allocator handed back and takes again). Over the rolling medians: the training
+    thread's system time grew by ``S >= explain_share x`` its CPU time's growth, ``S >= floor_ns`` and
+    beyond its noise; its minor page faults rose (``_elevated``) by ``F`` with ``S <= F x
+    PAGE_FAULT_MAX_NS`` (the faults can account for that kernel time); and it did not block more than
+    usual (a minor fault never waits: a write flushed to storage does). False where a column was not
+    recorded (docs/detection.md, "Attribution")."""
+    if any(cols.get(name) is None for name in ("sys_cpu_ns", "cpu_ns", "minor_faults")):
+        return np.zeros(idx.size, dtype=bool)
+    sys_time, cpu, faults = (np.asarray(cols[name], dtype=np.float64) for name in ("sys_cpu_ns", "cpu_ns", "minor_faults"))
+    sys_grew, cpu_grew, faults_grew = (v[idx] - window_stats(v, idx, w)[0] for v in (sys_time, cpu, faults))
+    with np.errstate(invalid="ignore"):
+        kernel = (sys_grew >= opts.floor_ns) & (sys_grew > _noise(cols, "sys_cpu_ns", idx, w, opts))
+        kernel &= (sys_grew >= opts.explain_share * cpu_grew) & (sys_grew <= faults_grew * PAGE_FAULT_MAX_NS)
+    blocked = _elevated(cols, "vol_ctx_switches", idx, w, opts)
+    return kernel & _elevated(cols, "minor_faults", idx, w, opts) & ~blocked
 
 
 def _blocked(cols: Mapping[str, np.ndarray], idx: np.ndarray, w: int, opts: DetectionOptions) -> np.ndarray:

@@ -27,7 +27,7 @@ import numpy as np
 from hyperacc.analysis.robust import nan_median, nan_quantiles, rank_sum_greater_p
 
 # Spike causes that belong to the runtime/control failure mode (launch latency, allocator, host, GC).
-RUNTIME_CAUSES = ("gc", "allocator", "host")
+RUNTIME_CAUSES = ("gc", "allocator", "page_faults", "host")
 # A mode is named only when it accounts for at least this share of the step time.
 MIN_SHARE = 0.05
 # Fabric contention: the collective's own cost grew by this factor from the first to the last third of

@@ -59,6 +59,11 @@ ADVICE: dict[str, str] = {
     "where they lie): hold freed memory (`hyperacc run --stabilize 1`, docs/stabilizers.md \"Deterministic "
     "memory release\"), or set MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_, or preload tcmalloc (a memory-mapped "
     "dataset read for the first time faults too: check whether that rank reads more of it)",
+    # spikes of that kind (attribution._paging): at some steps, not every step
+    "page_faults_spike": "the kernel faulted in and zeroed fresh memory pages at those steps: a large buffer made "
+    "anew each time (a new tensor or array where one could be kept and reused), or memory its allocator handed "
+    "back and takes again: reuse the buffer, hold freed memory (`hyperacc run --stabilize 1`, docs/stabilizers.md "
+    "\"Deterministic memory release\"), or preload tcmalloc",
     "node": "the whole node is slow: run a pre-flight check on it and drain it from the job",
     "allocator": "the CUDA caching allocator stalls: set PYTORCH_ALLOC_CONF=expandable_segments:True and "
     "release memory at a fixed step (hyperacc stabilizers)",
@@ -401,7 +406,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
     for s in d.stalls:
         steps.append(f"rank {s['rank']}, step {s['step']}: {ADVICE['stall']}")
     for e in excess[:3]:
-        key = {"compute": "compute_spike", "compute/host": "compute_or_host"}.get(e["cause"], e["cause"])
+        key = _SPIKE_ADVICE.get(e["cause"], e["cause"])
         if e.get("period") and e["cause"] != "gc":  # a collector's cadence is not the loop's work: GC's advice
             periodic = ADVICE["periodic_data" if e["cause"] == "data" else "periodic"]
             steps.append(f"rank {e['rank']}, {e['cause']} spikes every {e['period']['every']} steps: {periodic}")
@@ -422,7 +427,7 @@ def explain(d: Diagnosis, spike_verdict_rate: float = 0.01) -> None:
                 continue
             if stalled.get(c["cause"], 0) >= opts.get("explain_share", 0.5) * c["time_lost_ns"]:
                 continue  # the stall is most of that cause's time: its own advice above says what to do
-            key = "compute_spike" if c["cause"] == "compute" else c["cause"]
+            key = _SPIKE_ADVICE.get(c["cause"], c["cause"])
             if key == "communication" and d.nodes == 1:
                 key = "communication_one_node"
             if key not in seen:
@@ -578,6 +583,10 @@ def _episode_evidence(e: dict[str, Any]) -> str:
     return line + (f"; {basis}" if basis else "")
 
 
+# the advice of a spike cause where it differs from the straggler kind of the same name
+_SPIKE_ADVICE = {"compute": "compute_spike", "compute/host": "compute_or_host", "page_faults": "page_faults_spike"}
+
+
 _RULE = {
     "outlier": "the outlier rule",
     "rank_order": "rank order",
@@ -588,6 +597,7 @@ _EXCESS_WORDS = {
     "data": "stalls in data loading",
     "gc": "pauses in garbage collection",
     "allocator": "stalls in the CUDA allocator",
+    "page_faults": "spends extra time in the kernel faulting in fresh memory pages",
     "host": "loses its CPU (preempted or blocked)",
     "compute": "has compute spikes",
     "host_work": "does CPU work of its own between steps (after `optimizer.step()`, before the next forward)",
@@ -655,6 +665,7 @@ def _between_phrase(s: dict[str, Any]) -> str:
 
 # the same causes as nouns, for the live line that says a rank's cause is over
 _EXCESS_NOUNS = {"data": "data-loading stalls", "gc": "garbage-collection pauses", "allocator": "allocator stalls",
+                 "page_faults": "page-fault spikes",
                  "host": "preemptions", "compute": "compute spikes", "host_work": "spikes of its own work between steps",
                  "unknown": "unexplained spikes", "compute/host": "spikes in its own work"}  # fmt: skip
 
@@ -681,6 +692,7 @@ _PHASE_WHERE = {"data_ns": "waiting for its input", "h2d_ns": "copying its input
 
 _STALL_CAUSE = {"host": "off its CPU (preempted or blocked)", "gc": "garbage collection", "compute": "computing",
                 "host_work": "its own CPU work", "allocator": "the CUDA allocator", "unknown": "no recorded cause",
+                "page_faults": "the kernel faulting in fresh memory pages",
                 "compute/host": "computing or preempted (CPU time was not measured)"}  # fmt: skip
 
 

@@ -40,7 +40,7 @@ METRIC_WORD: dict[str, str] = {
 }
 # ``host_work``: the rank's own CPU work in the input gap of a loop without a DataLoader (between
 # ``optimizer.step()`` and the next forward; docs/detection.md, "The work between steps").
-CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "host", "communication", "compute", "host_work", "unknown")
+CAUSES: tuple[str, ...] = ("data", "gc", "allocator", "page_faults", "host", "communication", "compute", "host_work", "unknown")
 
 
 def outlier_rule_text(opts: DetectionOptions, floor_ns: float) -> str:

@@ -250,8 +250,11 @@ def _switch_rule(found: list[Finding], history: Sequence[Mapping[str, Any]], job
             trigger = f"rank {f.rank} is a confirmed page-fault straggler ({_x(f.slowdown)} the median CPU time)"
             paging = True
             break
-        if f.source == "spikes" and f.kind == cause and (f.share or 0) >= share_min and (f.spikes or 0) >= spikes_min:
-            trigger = f"{cause} explains {100 * (f.share or 0):.0f} % of the time lost to spikes ({f.spikes} spikes)"
+        often = f.source == "spikes" and (f.share or 0) >= share_min and (f.spikes or 0) >= spikes_min
+        if often and (f.kind == cause or (cause == "allocator" and f.kind == "page_faults")):
+            # page-fault spikes: memory faulted in again at some steps, which holding freed memory ends
+            paging = f.kind == "page_faults"
+            trigger = f"{f.kind} explains {100 * (f.share or 0):.0f} % of the time lost to spikes ({f.spikes} spikes)"
             break
     if trigger is None:
         return []
