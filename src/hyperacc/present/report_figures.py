@@ -22,9 +22,11 @@ _CAUSE_COLOURS = {
     "data": "#1f77b4",
     "gc": "#d62728",
     "allocator": "#9467bd",
+    "page_faults": "#e377c2",
     "host": "#8c564b",
     "communication": "#ff7f0e",
     "compute": "#2ca02c",
+    "host_work": "#bcbd22",
     "unknown": "#7f7f7f",
 }
 
