@@ -392,15 +392,18 @@ def _compute_or_host(
     delay, other = grid.host.get("self_run_delay_ns"), grid.host.get("other_ns")
     # the time outside the forward, backward and optimizer step: the input wait and the rest
     outside = None if other is None else np.nan_to_num(grid.metrics["data_ns"][:, fw]) + other[:, fw]
+    vol = grid.host.get("vol_ctx_switches")
+    switches = None if vol is None or not fw.size else _finite_or_none(_excess(vol, r, fw))
     return compute_or_host(grid.cpu[:, fw], grid.self_host[:, fw], r, opts, on_device=on_device,
                            fault_flags=fault_flags, blocked=blocked,
-                           delay=delay[:, fw] if delay is not None else None, outside=outside)  # fmt: skip
+                           delay=delay[:, fw] if delay is not None else None, outside=outside,
+                           switches=switches)  # fmt: skip
 
 
 def compute_or_host(
     cpu: np.ndarray, wall: np.ndarray, r: int, opts: DetectionOptions, *, on_device: bool = False,
     fault_flags: np.ndarray | None = None, blocked: float | None = None, delay: np.ndarray | None = None,
-    outside: np.ndarray | None = None,
+    outside: np.ndarray | None = None, switches: float | None = None,
 ) -> tuple[str, str, float | None]:
     """The kind of a slow own time: (kind, basis, cpu share). docs/detection.md, "Kind".
 
@@ -425,7 +428,10 @@ def compute_or_host(
     which happens where ranks spend different CPU time inside their collectives (a pipeline's stages:
     one send and receive a micro-batch at the ends, two inside); the kind is compute, basis
     ``not_preempted``. Outside them a wait can hide from the switch counts (a sleep's one switch among a
-    DataLoader's tens of queue waits), so there it stays host."""
+    DataLoader's tens of queue waits), so there it stays host. ``switches``: row ``r``'s median voluntary
+    switches per step over the others' (unthresholded: ``blocked`` counts a rise of one or more); "did
+    not block" needs it measured and not above zero, since a wait of one step blocks once a step and,
+    over windows the rank was slow in only partly, the median rise is a fraction of one."""
     if on_device:
         return "compute", "device_clock", None
     ok = ~np.isnan(cpu[r]) & ~np.isnan(wall[r])
@@ -445,7 +451,8 @@ def compute_or_host(
             grew = bool(cpu_ex >= opts.floor_ns and cpu_ex >= opts.preempt_overhead * wall_ex and blocked is None)
             if grew or share >= opts.explain_share:
                 return "compute", "cpu_time", share
-            if blocked is None and _not_preempted(delay, outside, r, ok, wall_ex - max(cpu_ex, 0.0), opts):
+            unblocked = blocked is None and switches is not None and switches <= 0
+            if unblocked and _not_preempted(delay, outside, r, ok, wall_ex - max(cpu_ex, 0.0), opts):
                 return "compute", "not_preempted", share
             return "host", "cpu_time", share
     if fault_flags is not None:
