@@ -122,46 +122,33 @@ def _with_cpu(cols, seed=1):
     return cols
 
 
+def _worked(cols, step, sys_ms=0.0, faults=0, blocked=0):
+    """30 ms more work in the forward at ``step``, ``sys_ms`` of it in the kernel."""
+    cols["forward_ns"][step] += 30 * MS
+    cols["cpu_ns"][step] += 30 * MS
+    cols["sys_cpu_ns"][step] += sys_ms * MS
+    if "minor_faults" in cols:
+        cols["minor_faults"][step] += faults
+    cols["vol_ctx_switches"][step] += blocked
+
+
 def test_work_whose_extra_cpu_time_is_the_kernels_faulting_in_pages_is_page_faults():
     cols = _with_cpu(base_columns())
-    # step 60: a fresh 300 MB buffer in the forward, 24 ms of which the kernel spent zeroing the pages
-    cols["forward_ns"][60] += 30 * MS
-    cols["cpu_ns"][60] += 30 * MS
-    cols["sys_cpu_ns"][60] += 24 * MS
-    cols["minor_faults"][60] += 150
-    # step 120: the same work in user space (no kernel time, no faults): compute
-    cols["forward_ns"][120] += 30 * MS
-    cols["cpu_ns"][120] += 30 * MS
-    # step 180: faults, but the kernel's share of the extra CPU time is small (the buffer then computed on)
-    cols["forward_ns"][180] += 30 * MS
-    cols["cpu_ns"][180] += 30 * MS
-    cols["sys_cpu_ns"][180] += 6 * MS
-    cols["minor_faults"][180] += 150
-    # step 240: kernel time without more faults than usual (a system call's work, not paging): compute
-    cols["forward_ns"][240] += 30 * MS
-    cols["cpu_ns"][240] += 30 * MS
-    cols["sys_cpu_ns"][240] += 24 * MS
-    # step 300: a checkpoint written and flushed (kernel time, the serialised buffer's faults, and the
-    # thread blocked on the flush): not paging
-    cols["forward_ns"][300] += 30 * MS
-    cols["cpu_ns"][300] += 30 * MS
-    cols["sys_cpu_ns"][300] += 24 * MS
-    cols["minor_faults"][300] += 4000
-    cols["vol_ctx_switches"][300] += 20
-    # step 360: one fault more cannot account for 24 ms in the kernel (a large write to the page cache)
-    cols["forward_ns"][360] += 30 * MS
-    cols["cpu_ns"][360] += 30 * MS
-    cols["sys_cpu_ns"][360] += 24 * MS
-    cols["minor_faults"][360] += 1
+    _worked(cols, 60, sys_ms=24, faults=150)  # a fresh 300 MB buffer: the kernel zeroes its pages
+    _worked(cols, 120)  # the same work in user space (no kernel time, no faults): compute
+    _worked(cols, 180, sys_ms=6, faults=150)  # faults, but the kernel's share is small (then computed on)
+    _worked(cols, 240, sys_ms=24)  # kernel time without more faults (a system call's work, not paging)
+    # a checkpoint written and flushed: kernel time, the serialised buffer's faults, and the thread
+    # blocked on the flush: not paging
+    _worked(cols, 300, sys_ms=24, faults=4000, blocked=20)
+    _worked(cols, 360, sys_ms=24, faults=1)  # one fault cannot account for 24 ms (a large write)
     causes, _ = causes_at(cols, [60, 120, 180, 240, 300, 360])
     assert causes == {60: "page_faults", 120: "compute", 180: "compute", 240: "compute", 300: "compute", 360: "compute"}
 
 
 def test_page_faults_need_the_kernel_time_and_the_faults_columns():
     cols = _with_cpu(base_columns())
-    cols["forward_ns"][60] += 30 * MS
-    cols["cpu_ns"][60] += 30 * MS
-    cols["sys_cpu_ns"][60] += 24 * MS
     del cols["minor_faults"]  # records written before the column: the rule abstains
+    _worked(cols, 60, sys_ms=24)
     causes, _ = causes_at(cols, [60])
     assert causes == {60: "compute"}
