@@ -94,6 +94,10 @@ _STEP_FIELDS: tuple[tuple[str, str, bool], ...] = (
     # end to the buckets reduced): a thread woken there waits for a CPU before the step's self-time goes
     # on, so ``run_delay_ns - comm_run_delay_ns`` is the delay within the self-time; null where not timed
     ("comm_run_delay_ns", "int64", True),
+    # the step's DataLoader fetch ran on the training thread (``num_workers`` 0: the dataset and the
+    # collate run there, so a wait in the fetch is the thread's own read, lock or sleep, not a worker the
+    # host starved); 0 where it came from worker processes, null where no fetch was seen
+    ("data_own", "bool_", True),
 )
 
 STEP_COLUMNS: tuple[str, ...] = tuple(f[0] for f in _STEP_FIELDS)
@@ -104,7 +108,7 @@ ANALYSIS_COLUMNS: tuple[str, ...] = (
     "gc_ns", "major_faults", "invol_ctx_switches", "alloc_retries", "sync_all_streams", "launch_ns",
     "pace_delay_ns", "cpu_ns", "dev_step_ns", "dev_self_ns", "dev_comm_wait_ns", "dev_forward_ns",
     "dev_backward_ns", "data_gap", "vol_ctx_switches", "minor_faults", "sys_cpu_ns", "run_delay_ns",
-    "comm_run_delay_ns",
+    "comm_run_delay_ns", "data_own",
 )  # fmt: skip
 
 # Columns where -1 is a value, not "not measured" (``gc_max_gen``: no collection in the step).

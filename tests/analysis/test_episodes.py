@@ -521,7 +521,7 @@ def test_ranks_moving_together_are_no_episode():
 def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: tuple[int, int, float] | None = None,
                steps: int = 300, n_ranks: int = 4, blocked: tuple[int, int, float] | None = None,
                vol: bool = False, wander: float = 1.2, answer: float = 1.0, in_input: bool = False,
-               wake: float = 0.0, delay: bool = False) -> list:  # fmt: skip
+               wake: float = 0.0, delay: bool = False, on_thread: bool = False) -> list:  # fmt: skip
     """Per-rank columns of a busy 2-core host: every step's wall time is stretched by preemption
     (lognormal, sigma ``wander`` 1.2: 5-step medians wander 0.3-3x as on the real host), the CPU time by that
     stretch to the power 0.1 (caches refilled); ``work`` = (from, until, factor) makes rank 2 compute
@@ -533,7 +533,8 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
     that many times slower; ``in_input``: rank 3 waits in its input fetch (``data_ns``); ``wake``: rank 3's
     CPU time grows by that share of its sleep (waking: caches refilled, as a preempted rank's); ``delay``:
     record the run-queue delay, the wall time preemption added (the step less its unpreempted time), none
-    of it inside a collective wait."""
+    of it inside a collective wait; ``on_thread``: record ``data_own``, every rank's DataLoader without
+    workers (its fetch runs on the training thread)."""
     rng = np.random.default_rng(seed)
     opts = DetectionOptions()
     step = np.arange(steps, dtype=np.int64)
@@ -572,6 +573,8 @@ def _busy_host(seed: int, work: tuple[int, int, float] | None = None, starved: t
             cols["vol_ctx_switches"], cols["data_ns"] = switches[keep], data_ns[keep]
         if delay:
             cols["run_delay_ns"], cols["comm_run_delay_ns"] = np.maximum(self_ns - own, 0)[keep], np.zeros(keep.sum())
+        if on_thread:
+            cols["data_gap"], cols["data_own"] = np.zeros(keep.sum()), np.ones(keep.sum())
         out.append(rank_blocks(r, 0, cols, opts))
     return out
 
@@ -667,6 +670,12 @@ def test_a_rank_blocked_in_its_input_fetch_is_left_to_the_data_rules():
         host = dict(blocked=(120, 180, 2.0), vol=True, wander=0.1)
         assert detect_episodes(_busy_host(seed, in_input=True, **host), opts) == [], seed
         assert [(e.rank, e.kind) for e in detect_episodes(_busy_host(seed, **host), opts)] == [(3, "host")], seed
+        # the same wait where the DataLoader has no workers (``data_own``): the fetch runs on the training
+        # thread, no producer to starve, so the wait is the thread's own (an HF Trainer's default
+        # dataloader_num_workers 0, whose collator slept 30 ms a step for 60 steps: no episode before)
+        found = detect_episodes(_busy_host(seed, in_input=True, on_thread=True, **host), opts)
+        assert [(e.rank, e.kind, e.kind_basis, e.since_step, e.until_step) for e in found] == [
+            (3, "data", "input_fetch", 120, 179)], (seed, found)
 
 
 def test_more_work_on_a_busy_host_is_an_episode_and_being_starved_is_not():

@@ -281,6 +281,8 @@ def test_a_dataloader_made_again_each_epoch_is_input_from_the_iterators_start(tm
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["error"] == "no order for epoch 4" and seen["tracing"]  # the sampler's error, passed on as it was
     rows = store.read_steps(tmp_path / "run").to_pylist()
-    assert [r["step"] for r in rows] == list(range(9))  # 3 epochs of 3 batches
-    for r in rows[::3]:  # each epoch's first step
+    assert [r["step"] for r in rows] == list(range(12))  # 3 epochs of 3 batches, then 3 without workers
+    # where the batch came from: the worker's (a producer the host could starve) or the thread's own fetch
+    assert [r["data_own"] for r in rows] == [False] * 9 + [True] * 3
+    for r in rows[:9:3]:  # each epoch's first step
         assert r["data_ns"] >= 0.3e9 and r["other_ns"] < r["data_ns"] / 2, r  # (before: other 308 ms, data 17)

@@ -97,6 +97,9 @@ class RankBlocks:
     # (``rank_blocks(job=True)``; offline it reads the job's step time per step,
     # ``slowdowns.detect_slowdowns``); None: not made
     job_step: np.ndarray | None = None
+    # (n,) float32 median of ``data_own`` per step: 1 where the DataLoader's fetch ran on the training
+    # thread (no worker processes), so that a wait in it is the thread's own; None: not recorded
+    own: np.ndarray | None = None
 
     def mapped(self, fn: Callable[[np.ndarray], np.ndarray], **fields: Any) -> RankBlocks:
         """These blocks with ``fn`` applied to every per-block column (``fields`` set as given)."""
@@ -106,7 +109,7 @@ class RankBlocks:
 
 # RankBlocks' per-block columns (besides ``block`` and ``steps``); the optional ones are None where the
 # records did not measure them
-PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay", "other", "gc", "job_step")
+PER_BLOCK = ("self_ns", "cpu_ns", "vol", "data", "gap", "sys", "faults", "delay", "other", "gc", "job_step", "own")
 
 
 class BlockBudget:
@@ -232,6 +235,7 @@ def rank_blocks(
     vol = medians("vol_ctx_switches") if "vol_ctx_switches" in cols else None
     data = medians("data_ns") if "data_ns" in cols else None
     gap = medians("data_gap") if data is not None and "data_gap" in cols else None
+    own = medians("data_own") if data is not None and "data_own" in cols and np.isfinite(cols["data_own"]).any() else None
     paging = "minor_faults" in cols and "sys_cpu_ns" in cols and bool(np.isfinite(cols["minor_faults"]).any())
     sys_time = _block_means(cols["sys_cpu_ns"], row, uniq.size) if paging else None
     faults = medians("minor_faults") if paging else None
@@ -248,7 +252,7 @@ def rank_blocks(
     gc = _block_means(cols["gc_ns"], row, uniq.size) if "gc_ns" in cols and np.isfinite(cols["gc_ns"]).any() else None
     job_step = medians("step_ns") if job and "step_ns" in cols else None
     return RankBlocks(rank, node, uniq, medians(self_name), medians("cpu_ns"), count, width, vol, data, gap,
-                      sys_time, faults, delay, other, gc, job_step)  # fmt: skip
+                      sys_time, faults, delay, other, gc, job_step, own)  # fmt: skip
 
 
 def _block_means(values: np.ndarray, row: np.ndarray, blocks: int) -> np.ndarray:
@@ -279,6 +283,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
     vol = np.full(shape, np.nan, dtype=np.float32) if any(b.vol is not None for b in ranks) else None
     data = np.full(shape, np.nan, dtype=np.float32) if any(b.data is not None for b in ranks) else None
     gap = np.full(shape, np.nan, dtype=np.float32) if data is not None and any(b.gap is not None for b in ranks) else None
+    thread = np.full(shape, np.nan, dtype=np.float32) if data is not None and any(b.own is not None for b in ranks) else None
     paging = all(b.sys is not None and b.faults is not None for b in ranks)
     sys_time = np.full(shape, np.nan, dtype=np.float32) if paging else None
     faults = np.full(shape, np.nan, dtype=np.float32) if paging else None
@@ -328,6 +333,8 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             data[i, pos] = b.data
         if gap is not None and b.gap is not None:
             gap[i, pos] = b.gap
+        if thread is not None and b.own is not None:
+            thread[i, pos] = b.own
         if sys_time is not None and faults is not None:
             sys_time[i, pos], faults[i, pos] = b.sys, b.faults
         if delay is not None and b.delay is not None:
@@ -412,9 +419,11 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 seg, blocked = waited
                 # A wait in a DataLoader's fetch is for the rank's producer (its loader workers), which a
                 # loaded host starves one rank at a time: the data rules judge that input. Without a
-                # DataLoader the input time is the gap between steps, where the rank's own thread ran and
-                # blocked (its reads, a lock, a sleep): judged here, as any other wait.
-                if data is not None and waited_for_input(wall[r], data[r], seg) and not in_gap(gap, r, seg):
+                # DataLoader the input time is the gap between steps, and with one of no workers the fetch
+                # runs on the rank's own thread: there the thread blocked itself (its reads, a lock, a
+                # sleep), judged here, as any other wait.
+                if data is not None and waited_for_input(wall[r], data[r], seg) and not in_gap(gap, r, seg) \
+                        and not in_gap(thread, r, seg):
                     continue
                 b0, b1 = int(seg[0]), int(seg[-1])
                 confirm = max(confirm, b0)
@@ -498,7 +507,7 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
                 between = worked_between(data, gap, cpu, r, seg, opts) if kind == "compute" else None
                 waiting = blocked is not None or rise is not None
                 gap_wait = between is None and waiting and kind == "host" and in_gap(gap, r, seg)
-                if between is None and blocked is None and rise is not None and not gap_wait:
+                if between is None and blocked is None and rise is not None and not gap_wait and not in_gap(thread, r, seg):
                     continue  # as for a blocked span: a wait in the input fetch is for the data rules
                 fetch = gap is not None and nan_median(gap[r, seg]) <= 0.5
             basis_work = "cpu_time"
@@ -786,7 +795,8 @@ def waited_for_input(wall: np.ndarray, data: np.ndarray, seg: np.ndarray) -> boo
 
 
 def in_gap(gap: np.ndarray | None, r: int, seg: np.ndarray) -> bool:
-    """Row ``r``'s input time over blocks ``seg`` is the gap of a loop without a DataLoader (most steps)."""
+    """Row ``r``'s input time over blocks ``seg`` is the gap of a loop without a DataLoader (most steps);
+    with ``data_own``'s blocks, a DataLoader fetch on the training thread."""
     return gap is not None and bool(nan_median(gap[r, seg]) > 0.5)
 
 

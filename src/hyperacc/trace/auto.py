@@ -139,7 +139,7 @@ class AutoTrace:
         self._watch_compiles()
         auto = self
 
-        self._patch(dataloader._BaseDataLoaderIter, "__next__", self._timed(dataloader._BaseDataLoaderIter.__next__, DATA))
+        self._patch(dataloader._BaseDataLoaderIter, "__next__", self._timed(dataloader._BaseDataLoaderIter.__next__, DATA, fetch=True))
         # A DataLoader's iterator made again each epoch (persistent_workers False) starts its worker
         # processes there, before its first ``__next__``: input time too, not the rank's own.
         self._patch(dataloader.DataLoader, "__iter__", self._timed(dataloader.DataLoader.__iter__, DATA))
@@ -224,16 +224,19 @@ class AutoTrace:
         except Exception as exc:  # noqa: BLE001
             switch_off("flushing before destroy_process_group", exc)
 
-    def _timed(self, orig: Any, kind: int) -> Any:
+    def _timed(self, orig: Any, kind: int, fetch: bool = False) -> Any:
         """``orig`` timed as phase ``kind`` on the training thread; called as it is elsewhere, while
-        compiling, or once automatic tracing is off."""
-        auto = self
+        compiling, or once automatic tracing is off. ``fetch``: a DataLoader iterator's ``__next__``,
+        counted as the thread's own where the iterator has no worker processes (``data_own``)."""
+        auto, clock = self, self.clock
 
         @functools.wraps(orig)
         def timed(*args: Any, **kwargs: Any) -> Any:
             if is_compiling() or not auto._on or get_ident() != auto.thread_id:
                 return orig(*args, **kwargs)
             auto._enter(kind)
+            if fetch and not getattr(args[0], "_num_workers", 1):
+                clock.own_fetches += 1
             try:
                 return orig(*args, **kwargs)
             finally:

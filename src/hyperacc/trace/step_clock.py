@@ -43,6 +43,7 @@ from hyperacc.trace.columns import (
     COMM_WAIT_NS,
     DATA_GAP,
     DATA_NS,
+    DATA_OWN,
     FORWARD_NS,
     H2D_NS,
     MICRO_STEPS,
@@ -103,6 +104,7 @@ class StepClock:
         self.gap = 0  # uncovered time of this step so far
         self.gap_at_backward = -1  # uncovered time before the latest outermost backward began
         self.fetches = 0  # DataLoader fetches seen on this thread in the step
+        self.own_fetches = 0  # of them, fetches of a DataLoader without workers (automatic mode)
         self.micro = 0
         self.collectives = 0
         self.pace_delay = -1
@@ -124,7 +126,7 @@ class StepClock:
             seen[k] = False
         self.gap = 0
         self.gap_at_backward = -1
-        self.fetches = self.micro = self.collectives = 0
+        self.fetches = self.micro = self.collectives = self.own_fetches = 0
         self.pace_delay = -1
         self.end_pending = False
 
@@ -163,6 +165,7 @@ class StepClock:
             row[DATA_GAP] = 1
         elif self.input_gap:
             row[DATA_GAP] = 0
+            row[DATA_OWN] = 1 if self.own_fetches else 0
         step_ns = row[STEP_NS]
         own = step_ns - (acc[COMM] if seen[COMM] else 0) - max(self.pace_delay, 0)
         row[SELF_NS] = own if own > 0 else 0

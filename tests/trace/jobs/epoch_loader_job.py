@@ -1,7 +1,8 @@
 """One process traced as the bootstrap traces it, fed by a DataLoader with a worker and
 ``persistent_workers=False`` over several epochs: each epoch makes its iterator again, which starts the
 worker and plans the epoch (here a sampler that takes ``SLEEP_S`` to draw its order) before the first
-``__next__``. The last epoch's sampler raises, as a broken one would, and the script catches it.
+``__next__``. Then one pass over a DataLoader without workers (its fetch runs on the training thread:
+``data_own``). The last epoch's sampler raises, as a broken one would, and the script catches it.
 
 argv: RUN_DIR EPOCHS SLEEP_S; prints one JSON line: the steps and what the script saw.
 """
@@ -46,6 +47,10 @@ def main() -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+    for x, y in DataLoader(data, batch_size=4, num_workers=0):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
     try:
         iter(loader)
         error = None
