@@ -28,7 +28,10 @@ def _job(tmp_path: Path, mode: str) -> tuple[Path, list[dict]]:
     run_dir = tmp_path / "run"
     # a short lead keeps the test short: the agreed step is >= 10 steps and >= 1 s of training ahead
     remediate = {"mode": mode, "gc_lead_steps": 10, "switch_lead_s": 1.0}
-    opts = {"run-dir": str(run_dir), "trace": json.dumps({"window": 20}), "chaos": json.dumps(CHAOS),
+    # the node agent judges what the ranks have flushed: at the default 5 s a flush, the first windows of
+    # this 20-second job were judged about 9 s in (step 260-330 of 360 on a loaded host, too late to
+    # verify the switch); flushed every second, they are judged a few seconds in
+    opts = {"run-dir": str(run_dir), "trace": json.dumps({"window": 20, "flush_every_s": 1.0}), "chaos": json.dumps(CHAOS),
             "remediate": json.dumps(remediate)}  # fmt: skip
     job = harness.launch(EXAMPLE, ARGS, nproc=4, timeout=240, traced=opts, workdir=tmp_path / "job")
     assert job.ok, job.explain()
