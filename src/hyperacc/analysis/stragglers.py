@@ -366,7 +366,9 @@ def kernel_paging(cpu: np.ndarray, sys_time: np.ndarray, faults: np.ndarray, r: 
         cpu_ex = nan_median(cpu[:, ok] - cpu_med, axis=1)  # every rank's CPU time over the cluster median
         # the system time is sampled by the kernel's tick (a step holds 0 or 4 ms of it here): a few ticks a
         # column, a skewed count whose median across columns lies under its mean, so the mean is taken
-        sys_ex = np.nanmean(sys_time[:, ok] - nan_median(sys_time[:, ok], axis=0), axis=1)
+        over = sys_time[:, ok] - nan_median(sys_time[:, ok], axis=0)
+        seen = np.isfinite(over).sum(axis=1)  # (a rank with none: NaN, without numpy's empty-slice warning)
+        sys_ex = np.where(seen > 0, np.nansum(over, axis=1) / np.maximum(seen, 1), np.nan)
         base = nan_median(cpu_med)
     # materially slower in CPU time, most of it in the kernel: the part-and-whole test of the phases
     paging = _shows_in_whole(sys_ex[:, None], (base + cpu_ex)[:, None], np.array([base]), opts)[:, 0]
