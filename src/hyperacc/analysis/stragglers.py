@@ -313,14 +313,20 @@ def _blocked(grid: WindowGrid, r: int, fw: np.ndarray) -> float | None:
     return None if vol is None else blocked_rise(vol[:, fw], r)
 
 
-def blocked_rise(vol: np.ndarray, r: int) -> float | None:
+def switch_rise(vol: np.ndarray, r: int) -> float | None:
     """How many more times per step than the cluster median row ``r`` of ``vol`` (rank x column:
-    voluntary context switches per step) blocked off its CPU, median over the columns, when at least
-    once; else None (not measured, or not more: preempted)."""
+    voluntary context switches per step) blocked off its CPU, median over the columns (a fraction or
+    below zero too); None where not measured."""
     if not vol.shape[1] or np.isnan(vol[r]).all():
         return None
     rise = nan_median(vol[r] - nan_median(vol, axis=0))
-    return float(rise) if np.isfinite(rise) and rise >= 1.0 else None
+    return float(rise) if np.isfinite(rise) else None
+
+
+def blocked_rise(vol: np.ndarray, r: int) -> float | None:
+    """``switch_rise`` when at least once a step; else None (not measured, or not more: preempted)."""
+    rise = switch_rise(vol, r)
+    return rise if rise is not None and rise >= 1.0 else None
 
 
 def _shows_in_whole(
@@ -397,7 +403,7 @@ def _compute_or_host(
     # the time outside the forward, backward and optimizer step: the input wait and the rest
     outside = None if other is None else np.nan_to_num(grid.metrics["data_ns"][:, fw]) + other[:, fw]
     vol = grid.host.get("vol_ctx_switches")
-    switches = None if vol is None or not fw.size else _finite_or_none(_excess(vol, r, fw))
+    switches = None if vol is None else switch_rise(vol[:, fw], r)
     return compute_or_host(grid.cpu[:, fw], grid.self_host[:, fw], r, opts, on_device=on_device,
                            fault_flags=fault_flags, blocked=blocked,
                            delay=delay[:, fw] if delay is not None else None, outside=outside,
