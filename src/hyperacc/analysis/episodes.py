@@ -384,8 +384,14 @@ def detect_episodes(blocks: Sequence[RankBlocks], opts: DetectionOptions, floor_
             shift = segment_shift(x[r], seg)
             # The CUSUM's range runs to the last block above its drift k on either side, so one noisy
             # block a few blocks off extends it; the edge blocks nearer the rank's level outside the
-            # segment than the segment's own belong outside (an open episode keeps its end).
-            seg = edges_trimmed(x[r], seg, shift, keep_end=active)
+            # segment than the segment's own belong outside. An open episode keeps its end, unless its
+            # last blocks, as many as the shortest episode's, are all back so: it ended, and the rank's
+            # level stayed a little above its earlier one (a CI run's 8x fail-slow of 200-259 stayed open
+            # to step 299 over blocks of 1.15x)
+            trimmed = edges_trimmed(x[r], seg, shift)
+            ended = active and int(seg[-1]) - int(trimmed[-1]) >= span
+            seg = trimmed if ended or not active else edges_trimmed(x[r], seg, shift, keep_end=True)
+            active = active and not ended
             if seg[0] != b0 or seg[-1] != b1:
                 b0, b1 = int(seg[0]), int(seg[-1])
                 confirm = max(confirm, b0)
